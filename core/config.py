@@ -1,0 +1,128 @@
+"""EngineConfig: defaults < config file (TOML/YAML) < environment (TURNOUT_<FIELD>) < CLI flags/kwargs."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from turnout.errors import ConfigError
+
+ENV_PREFIX = "TURNOUT_"
+
+
+class EngineConfig(BaseModel):
+    """Every engine setting, with its default. Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # model and tokenizer
+    model: str | None = Field(None, description="HF-style folder; None = embedded SmolLM2-135M-Instruct")
+    tokenizer: str | None = Field(None, description="tokenizer folder; None = the model folder")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="auto = float32 on CPU, the checkpoint's dtype (or bfloat16) on GPU"
+    )
+    # limits
+    max_model_len: int | None = Field(None, ge=1, description="None = the model's max_position_embeddings")
+    max_num_seqs: int = Field(256, ge=1, description="requests running in one step at most")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    # KV cache
+    block_size: int = Field(16, ge=1, description="tokens per KV-cache block")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of GPU memory to use")
+    cpu_kv_cache_bytes: int = Field(1 << 30, ge=1 << 20, description="KV-cache bytes on CPU")
+    num_gpu_blocks_override: int | None = Field(None, ge=1, description="force this many KV blocks")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prefixes")
+    # selection
+    attention_backend: str = Field("auto", description="attention backend name, or auto")
+    executor: str = Field("auto", description="executor name, or auto")
+    # parallelism
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
+    # graphs
+    cudagraph_mode: str = Field("FULL_AND_PIECEWISE", description="a graph policy name (turnout plugins)")
+    cudagraph_capture_sizes: list[int] | None = Field(None, description="None = vLLM's default sizes")
+    enforce_eager: bool = Field(False, description="never capture graphs")
+    seed: int = Field(0, description="global seed for unseeded sampling")
+
+    @field_validator("cudagraph_capture_sizes")
+    @classmethod
+    def _sizes(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or min(v) < 1):
+            raise ValueError("must be a non-empty list of positive integers")
+        return sorted(set(v)) if v else v
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, **overrides: Any) -> EngineConfig:
+        """Merge the four sources; any unknown key or bad value raises ConfigError naming its source."""
+        merged: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        layers = [
+            (_read_file(Path(config_file)) if config_file else {}, f"config file {config_file}"),
+            (_read_env(), "environment"),
+            ({k: v for k, v in overrides.items() if v is not None}, "arguments"),
+        ]
+        for values, source in layers:
+            for key, value in values.items():
+                if key not in cls.model_fields:
+                    raise ConfigError(f"unknown key '{key}' in {source}; valid keys: {', '.join(cls.model_fields)}")
+                merged[key], sources[key] = value, source
+        try:
+            return cls(**merged)
+        except ValidationError as e:
+            raise ConfigError(_describe(e, sources)) from None
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; pass an existing .toml or .yaml file")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"config file {path}: unknown extension; use .toml, .yaml or .yml")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"config file {path} does not parse: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table of key = value settings")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def _read_env() -> dict[str, Any]:
+    """TURNOUT_<FIELD>=value; values are parsed as YAML scalars/lists (so 'true', '2', '[1, 2]' work)."""
+    skip = {"TURNOUT_PLUGINS", "TURNOUT_CACHE_DIR", "TURNOUT_DEVICE", "TURNOUT_LOG_LEVEL"}
+    out = {}
+    for key, raw in os.environ.items():
+        if key.startswith(ENV_PREFIX) and key not in skip:
+            field = key[len(ENV_PREFIX) :].lower()
+            out[field] = yaml.safe_load(raw) if raw else None
+    return out
+
+
+def _describe(err: ValidationError, sources: dict[str, str]) -> str:
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"]) or "?"
+    top = str(e["loc"][0]) if e["loc"] else key
+    field = EngineConfig.model_fields.get(top)
+    accepted = ""
+    if field is not None:
+        accepted = f"; expected {_type_name(field.annotation)}"
+        if field.description:
+            accepted += f" ({field.description})"
+    where = sources.get(top, "arguments")
+    return f"bad value {e.get('input')!r} for '{key}' in {where}: {e['msg']}{accepted}"
+
+
+def _type_name(annotation: Any) -> str:
+    return str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")

@@ -1,0 +1,54 @@
+"""Tensor/pipeline-parallel state of this process. Uniproc leaves the defaults: rank 0 of 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelState:
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_group: Any = None
+    pp_group: Any = None
+
+    @property
+    def is_first_pp(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_pp(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+_state = ParallelState()
+
+
+def get_parallel_state() -> ParallelState:
+    return _state
+
+
+def set_parallel_state(state: ParallelState) -> None:
+    global _state
+    _state = state
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if _state.tp_size > 1:
+        dist.all_reduce(x, group=_state.tp_group)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate the shards of every TP rank along dim."""
+    if _state.tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_state.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=_state.tp_group)
+    return torch.cat(parts, dim=dim)

@@ -1,0 +1,126 @@
+"""Paged KV-cache blocks with prefix caching.
+
+A full block is keyed by a chained hash: hash(parent block's hash, its token ids), so equal keys mean
+equal prefixes. Blocks carry reference counts; a block whose count drops to 0 keeps its hash and waits
+in the free queue (LRU: least recently freed is reused first), so a later request with the same prefix
+can take it back until it is evicted by reuse.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from turnout.engine.request import Request
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class BlockManager:
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+    def __post_init__(self) -> None:
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.hashes: dict[str, list[int]] = {}  # req id -> hashes of its full blocks, in order
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _block_hashes(self, req: Request, upto: int) -> list[int]:
+        """Chained hashes of the request's full blocks among its first `upto` tokens (memoised)."""
+        hashes = self.hashes.setdefault(req.req_id, [])
+        tokens = req.all_token_ids
+        for i in range(len(hashes), upto // self.block_size):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))))
+        return hashes
+
+    def find_cached(self, req: Request) -> list[int]:
+        """Block ids of the longest cached prefix, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        found = []
+        for h in self._block_hashes(req, req.num_tokens - 1):
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
+        have = len(req.block_ids) + len(cached)
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - have
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # taken from the free queue
+        return need <= self.num_free_blocks - revived
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Give req the cached blocks plus enough new ones for num_new_tokens more; False if they don't fit."""
+        if not self.can_allocate(req, num_new_tokens, cached):
+            return False
+        for b in cached:
+            self._ref(b)
+        req.block_ids.extend(cached)
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        req.block_ids.extend(self._take() for _ in range(need))
+        return True
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _take(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]  # evict the least recently freed cached block
+        block.hash, block.ref_count = None, 1
+        return block_id
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the request's blocks that are now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._block_hashes(req, req.num_computed_tokens)
+        for block_id, h in zip(req.block_ids, hashes):
+            block = self.blocks[block_id]
+            if block.hash is None:
+                block.hash = h
+                self.cached.setdefault(h, block_id)
+
+    def free_request(self, req: Request) -> None:
+        # tail blocks first, so a prefix's first blocks are the last to be evicted
+        for block_id in reversed(req.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        req.block_ids = []
+        self.hashes.pop(req.req_id, None)

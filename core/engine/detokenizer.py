@@ -1,0 +1,37 @@
+"""Incremental detokenization and stop strings, per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class Detokenizer:
+    tokenizer: PreTrainedTokenizerBase
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def step(self, token_ids: list[int]) -> str:
+        """Append the text of newly added tokens; returns the new text (empty while a char is incomplete)."""
+        prefix = self.tokenizer.decode(token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(token_ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        self.text += delta
+        return delta
+
+    def find_stop(self, stops: list[str], delta_len: int) -> int | None:
+        """Index in text where the first stop string begins, searching only where the new text could
+        complete one; None if no stop string appears."""
+        hits = []
+        for s in stops:
+            start = max(0, len(self.text) - delta_len - len(s) + 1)
+            i = self.text.find(s, start)
+            if i >= 0:
+                hits.append(i)
+        return min(hits) if hits else None

@@ -1,0 +1,158 @@
+"""Continuous batching with chunked prefill, as in vLLM V1.
+
+Each step has a token budget. Running requests go first (decodes take 1 token, unfinished prefills
+take their next chunk), then waiting requests are admitted while budget, seats and blocks last. When
+blocks run out, the newest running request is preempted: its blocks are freed and it goes back to the
+front of the queue, to be recomputed later from its prompt and the tokens it already generated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from turnout.engine.block_manager import BlockManager
+from turnout.engine.request import Request, RequestStatus
+from turnout.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """What a worker needs to run one request for one step (picklable, no engine objects)."""
+
+    req_id: str
+    token_ids: list[int]  # the tokens to run now
+    start_pos: int  # position of token_ids[0] == tokens already in the KV cache
+    block_ids: list[int]
+    sample: bool  # this step reaches the end of the known tokens, so a new token is sampled
+    params: SamplingParams
+    prompt_token_ids: list[int]  # filled only when penalties need them
+    output_token_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # workers drop their per-request state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[tuple[Request, int]] = []
+        preempted = False
+        for req in list(self.running):
+            if req not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not self.bm.allocate(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                chunks.append((req, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            cached = self.bm.find_cached(req)
+            num_cached = len(cached) * self.bm.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.bm.allocate(req, n, cached):
+                break
+            self.waiting.popleft()
+            self.bm.stats.queries += req.num_tokens
+            self.bm.stats.hits += num_cached
+            req.num_computed_tokens = req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append((req, n))
+            budget -= n
+        out = SchedulerOutput([self._scheduled(r, n) for r, n in chunks], self.finished_ids)
+        self.finished_ids = []
+        for req, n in chunks:
+            req.num_computed_tokens += n
+        return out
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids
+        pen = req.params.needs_penalties
+        return ScheduledRequest(
+            req.req_id,
+            tokens[start : start + n],
+            start,
+            list(req.block_ids),
+            start + n == len(tokens),
+            req.params,
+            req.prompt_token_ids if pen else [],
+            req.output_token_ids if pen else [],
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.bm.free_request(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], requests: dict[str, Request]) -> list[Request]:
+        """Append sampled tokens, cache newly full blocks, finish requests that hit a stop."""
+        done = []
+        for s in out.requests:
+            req = requests[s.req_id]
+            if req.is_finished:
+                continue
+            self.bm.cache_full_blocks(req)
+            if s.req_id in sampled:
+                req.output_token_ids.append(sampled[s.req_id])
+                if reason := self._stop_reason(req):
+                    self.finish(req, reason)
+                    done.append(req)
+        return done
+
+    def _stop_reason(self, req: Request) -> str | None:
+        tok, p = req.output_token_ids[-1], req.params
+        if (not p.ignore_eos and tok in req.eos_token_ids) or tok in p.stop_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.bm.free_request(req)
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        self.finished_ids.append(req.req_id)

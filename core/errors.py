@@ -1,0 +1,21 @@
+"""User-facing errors: each message is one line that names the problem and the fix."""
+
+
+class TurnoutError(Exception):
+    """Base for errors the CLI prints as one line and exits non-zero on."""
+
+
+class ConfigError(TurnoutError):
+    pass
+
+
+class SelectionError(TurnoutError):
+    pass
+
+
+class WeightLoadError(TurnoutError):
+    pass
+
+
+class RequestError(TurnoutError, ValueError):
+    """A bad request; it fails alone and leaves the engine untouched."""

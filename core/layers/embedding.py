@@ -1,0 +1,39 @@
+"""Vocab-parallel embedding and LM head: each TP rank owns a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from turnout.distributed import get_parallel_state, tp_all_gather, tp_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__()
+        ps = get_parallel_state()
+        self.tp_rank, self.tp_size = ps.tp_rank, ps.tp_size
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // self.tp_size)
+        self.start = self.tp_rank * self.per_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = loaded[self.start : self.start + self.per_rank]
+        param.data[: shard.shape[0]].copy_(shard)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mask = (local >= 0) & (local < self.per_rank)
+        y = F.embedding(local.clamp(0, self.per_rank - 1), self.weight) * mask.unsqueeze(-1)
+        return tp_all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] logits
+        logits = tp_all_gather(F.linear(hidden, self.weight), dim=-1)
+        return logits[:, : self.vocab_size]

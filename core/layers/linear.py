@@ -1,0 +1,92 @@
+"""Tensor-parallel linear layers. Each parameter carries a weight_loader that takes the full checkpoint
+tensor and keeps this rank's shard, so models load the same files at any TP size."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from turnout.distributed import get_parallel_state, tp_all_reduce
+
+
+def _param(*shape: int, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T, W split by output rows: each rank holds out_features / tp rows."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        ps = get_parallel_state()
+        self.tp_rank, self.tp_size = ps.tp_rank, ps.tp_size
+        assert out_features % self.tp_size == 0, f"{out_features} rows do not split over {self.tp_size} ranks"
+        self.out_per_rank = out_features // self.tp_size
+        self.weight = _param(self.out_per_rank, in_features, loader=self.weight_loader)
+        self.bias = _param(self.out_per_rank, loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_up_proj); shard_id indexes output_sizes."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused. KV heads are sharded, or replicated when fewer than TP ranks."""
+
+    def __init__(self, hidden: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        tp = get_parallel_state().tp_size
+        assert num_heads % tp == 0, f"{num_heads} attention heads do not split over {tp} ranks"
+        self.head_size = head_size
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)  # ranks that share one KV head
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp
+        super().__init__(hidden, out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+        q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns; partial sums are all-reduced across TP ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        ps = get_parallel_state()
+        self.tp_rank, self.tp_size = ps.tp_rank, ps.tp_size
+        assert in_features % self.tp_size == 0, f"{in_features} columns do not split over {self.tp_size} ranks"
+        self.weight = _param(out_features, in_features // self.tp_size, loader=self.weight_loader)
+        self.bias = _param(out_features, loader=self._bias_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+
+    def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tp_all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

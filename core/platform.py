@@ -1,0 +1,46 @@
+"""One probe of the hardware: every selection decision reads this, nothing else looks at devices."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Platform:
+    device_type: str  # "cuda" or "cpu"
+    device_name: str
+    device_count: int
+    capability: tuple[int, int] | None  # CUDA compute capability, None on CPU
+    total_memory: int  # bytes of one device (system RAM on CPU)
+    dtypes: tuple[torch.dtype, ...] = field(default=(torch.float32,))
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    def describe(self) -> str:
+        cap = f" sm{self.capability[0]}{self.capability[1]}" if self.capability else ""
+        gib = self.total_memory / 2**30
+        return f"{self.device_type}:{self.device_name}{cap} x{self.device_count}, {gib:.0f} GiB"
+
+
+def _system_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+@functools.cache
+def current_platform() -> Platform:
+    """Probe once. TURNOUT_DEVICE=cpu forces the CPU even where CUDA exists."""
+    if torch.cuda.is_available() and os.environ.get("TURNOUT_DEVICE", "").lower() != "cpu":
+        props = torch.cuda.get_device_properties(0)
+        cap = (props.major, props.minor)
+        dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if cap >= (8, 0) else ())
+        return Platform("cuda", props.name, torch.cuda.device_count(), cap, props.total_memory, dtypes)
+    return Platform("cpu", "cpu", 1, None, _system_memory(), (torch.float32, torch.bfloat16, torch.float16))

@@ -1,0 +1,120 @@
+"""Plugin discovery: every `turnout` entry point, import failures recorded, not fatal.
+
+TURNOUT_PLUGINS is an allow-list of entry-point names: unset loads all, empty loads none.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from turnout import hookspecs
+
+logger = logging.getLogger("turnout")
+ENTRY_POINT_GROUP = "turnout"
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    distribution: str
+    version: str
+    hooks: list[str] = field(default_factory=list)
+    status: str = "loaded"  # or "failed"
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class HookResult:
+    plugin: str
+    value: Any = None
+    error: str | None = None
+
+
+class PluginManager:
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.infos: dict[str, PluginInfo] = {}
+        self.unmatched_allow: list[str] = []
+
+    def load_entry_points(self) -> None:
+        allow = _allow_list()
+        seen = set()
+        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in seen:
+                continue
+            seen.add(ep.name)
+            if allow is not None and ep.name not in allow:
+                continue
+            dist = ep.dist.name if ep.dist else "?"
+            version = ep.dist.version if ep.dist else "?"
+            try:
+                self.register(ep.load(), ep.name, dist, version)
+            except Exception as e:  # a broken plugin must not break the engine
+                err = f"{type(e).__name__}: {e}".splitlines()[0]
+                logger.warning("plugin %s (%s) failed to load: %s", ep.name, dist, err)
+                self.infos[ep.name] = PluginInfo(ep.name, dist, version, [], "failed", err)
+        self.unmatched_allow = sorted(allow - seen) if allow is not None else []
+        for name in self.unmatched_allow:
+            logger.warning("TURNOUT_PLUGINS names '%s', but no installed plugin has that name", name)
+
+    def register(self, plugin: ModuleType | object, name: str, dist: str = "(in-process)", version: str = "") -> None:
+        self.pm.register(plugin, name=name)
+        hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
+        self.infos[name] = PluginInfo(name, dist, version, hooks)
+
+    def unregister(self, name: str) -> None:
+        self.pm.unregister(name=name)
+        self.infos.pop(name, None)
+
+    def call_each(self, hook: str, **kwargs: Any) -> list[HookResult]:
+        """Call every implementation of `hook` separately, so each result knows its plugin."""
+        results = []
+        for impl in reversed(getattr(self.pm.hook, hook).get_hookimpls()):
+            fn: Callable[..., Any] = impl.function
+            args = {k: kwargs[k] for k in impl.argnames}
+            try:
+                results.append(HookResult(impl.plugin_name, fn(**args)))
+            except Exception as e:
+                err = f"{hook} raised {type(e).__name__}: {e}".splitlines()[0]
+                logger.warning("plugin %s: %s", impl.plugin_name, err)
+                results.append(HookResult(impl.plugin_name, error=err))
+        return results
+
+    def listing(self) -> list[PluginInfo]:
+        return sorted(self.infos.values(), key=lambda i: i.name)
+
+
+def _allow_list() -> set[str] | None:
+    raw = os.environ.get("TURNOUT_PLUGINS")
+    if raw is None:
+        return None
+    return {n.strip() for n in raw.split(",") if n.strip()}
+
+
+_manager: PluginManager | None = None
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process-wide manager, loaded from entry points on first use."""
+    global _manager
+    if _manager is None:
+        _manager = PluginManager()
+        _manager.load_entry_points()
+    return _manager
+
+
+def reset_plugin_manager() -> None:
+    global _manager
+    _manager = None

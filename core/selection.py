@@ -1,0 +1,210 @@
+"""Selection, devpi/conda style: ask every plugin, collect every candidate, pick in the core, and keep
+the reason for every rejection so `turnout explain` can show it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from turnout.attention.backend import AttentionBackend, AttentionContext
+from turnout.config import EngineConfig
+from turnout.errors import SelectionError
+from turnout.executor.base import ExecutorContext, ExecutorSpec
+from turnout.graphs.modes import GraphPolicy, downgrade
+from turnout.models.info import ModelInfo
+from turnout.models.registry import ModelArchitecture
+from turnout.platform import Platform, current_platform
+from turnout.plugins import PluginManager, get_plugin_manager
+
+logger = logging.getLogger("turnout")
+
+KIND_LABELS = {
+    "attention": "attention backend",
+    "model": "model architecture",
+    "executor": "executor",
+    "graph": "graph policy",
+}
+
+
+@dataclass
+class Candidate:
+    kind: str
+    name: str
+    plugin: str
+    priority: int
+    reasons: list[str]
+    obj: Any = None
+    chosen: bool = False
+
+    @property
+    def valid(self) -> bool:
+        return not self.reasons
+
+    def as_dict(self) -> dict[str, Any]:
+        keys = ("name", "plugin", "priority", "valid", "reasons", "chosen")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass
+class Choice:
+    kind: str
+    requested: str
+    candidates: list[Candidate]
+    chosen: Candidate
+
+    @property
+    def obj(self) -> Any:
+        return self.chosen.obj
+
+
+def choose(kind: str, candidates: list[Candidate], requested: str = "auto") -> Choice:
+    """An explicit request must be valid; otherwise the highest priority valid candidate, ties by name."""
+    label = KIND_LABELS[kind]
+    valid = sorted((c for c in candidates if c.valid), key=lambda c: (-c.priority, c.name))
+    options = ", ".join(c.name for c in valid) or "none"
+    if requested != "auto":
+        named = [c for c in candidates if c.name == requested]
+        if not named:
+            known = ", ".join(sorted({c.name for c in candidates})) or "none"
+            raise SelectionError(f"unknown {label} '{requested}'; installed: {known}; valid here: {options}")
+        ok = [c for c in named if c.valid]
+        if not ok:
+            why = "; ".join(r for c in named for r in c.reasons)
+            raise SelectionError(f"{label} '{requested}' cannot be used: {why}; valid here: {options}")
+        winner = ok[0]
+    elif valid:
+        winner = valid[0]
+    else:
+        rejected = "; ".join(f"{c.name}: {', '.join(c.reasons)}" for c in candidates) or "none installed"
+        raise SelectionError(f"no usable {label}: {rejected}; install or enable a plugin that provides one")
+    winner.chosen = True
+    return Choice(kind, requested, candidates, winner)
+
+
+def _collect(pm: PluginManager, hook: str, kind: str, **kwargs: Any) -> list[tuple[str, Any]]:
+    out = []
+    for res in pm.call_each(hook, **kwargs):
+        if res.error:
+            out.append((res.plugin, res.error))
+        else:
+            out.extend((res.plugin, item) for item in res.value or [])
+    return out
+
+
+def attention_candidates(pm: PluginManager, ctx: AttentionContext) -> list[Candidate]:
+    cands = []
+    for plugin, b in _collect(pm, "turnout_attention_backends", "attention", platform=ctx.platform):
+        if isinstance(b, str):
+            cands.append(Candidate("attention", f"<{plugin}>", plugin, 0, [b]))
+            continue
+        try:
+            reasons = b.check(ctx)
+        except Exception as e:
+            reasons = [f"check() raised {type(e).__name__}: {e}"]
+        cands.append(Candidate("attention", b.name, plugin, b.priority, reasons, b))
+    return cands
+
+
+def model_candidates(pm: PluginManager, architecture: str) -> list[Candidate]:
+    cands = []
+    for plugin, a in _collect(pm, "turnout_model_architectures", "model"):
+        if isinstance(a, str):
+            cands.append(Candidate("model", f"<{plugin}>", plugin, 0, [a]))
+            continue
+        reasons = [] if a.name == architecture else [f"checkpoint is {architecture}"]
+        cands.append(Candidate("model", a.name, plugin, a.priority, reasons, a))
+    return cands
+
+
+def executor_candidates(pm: PluginManager, ctx: ExecutorContext) -> list[Candidate]:
+    cands = []
+    for plugin, e in _collect(pm, "turnout_executors", "executor"):
+        if isinstance(e, str):
+            cands.append(Candidate("executor", f"<{plugin}>", plugin, 0, [e]))
+            continue
+        try:
+            reasons = e.check(ctx)
+        except Exception as err:
+            reasons = [f"check() raised {type(err).__name__}: {err}"]
+        cands.append(Candidate("executor", e.name, plugin, e.priority, reasons, e))
+    return cands
+
+
+def graph_candidates(pm: PluginManager) -> list[Candidate]:
+    cands, seen = [], {}
+    for plugin, p in _collect(pm, "turnout_graph_policies", "graph"):
+        if isinstance(p, str):
+            cands.append(Candidate("graph", f"<{plugin}>", plugin, 0, [p]))
+            continue
+        reasons = [f"name already registered by plugin {seen[p.name]}"] if p.name in seen else []
+        seen.setdefault(p.name, plugin)
+        cands.append(Candidate("graph", p.name, plugin, p.priority, reasons, p))
+    return cands
+
+
+@dataclass
+class Selection:
+    """Everything chosen at start-up, and why."""
+
+    platform: Platform
+    model_info: ModelInfo
+    dtype: torch.dtype
+    attention: Choice
+    model: Choice
+    executor: Choice
+    graph: Choice
+    effective_graph: GraphPolicy
+    graph_note: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def backend(self) -> AttentionBackend:
+        return self.attention.obj
+
+    @property
+    def architecture(self) -> ModelArchitecture:
+        return self.model.obj
+
+    @property
+    def executor_spec(self) -> ExecutorSpec:
+        return self.executor.obj
+
+    @property
+    def choices(self) -> list[Choice]:
+        return [self.attention, self.model, self.executor, self.graph]
+
+
+def select_all(
+    config: EngineConfig, info: ModelInfo, pm: PluginManager | None = None, platform: Platform | None = None
+) -> Selection:
+    pm = pm or get_plugin_manager()
+    platform = platform or current_platform()
+    dtype = info.resolve_dtype(config.dtype, platform.device_type)
+    actx = AttentionContext(platform, dtype, info.head_size, info.num_heads, info.num_kv_heads, config.block_size)
+    attention = choose("attention", attention_candidates(pm, actx), config.attention_backend)
+    model = _choose_model(pm, info.architecture)
+    ectx = ExecutorContext(platform, config.world_size, config.executor != "auto")
+    executor = choose("executor", executor_candidates(pm, ectx), config.executor)
+    graph = choose("graph", graph_candidates(pm), config.cudagraph_mode)
+    backend: AttentionBackend = attention.obj
+    effective, note = downgrade(
+        graph.obj, backend.cudagraph_support, backend.name, platform.device_type, config.enforce_eager
+    )
+    if note:  # expected on CPU; worth a warning only where graphs could have run
+        level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
+        logger.log(level, "cudagraph_mode %s -> %s: %s", graph.chosen.name, effective.name, note)
+    return Selection(platform, info, dtype, attention, model, executor, graph, effective, note)
+
+
+def _choose_model(pm: PluginManager, architecture: str) -> Choice:
+    cands = model_candidates(pm, architecture)
+    if not any(c.valid for c in cands):
+        installed = ", ".join(f"{c.name} ({c.plugin})" for c in cands if c.obj) or "none"
+        raise SelectionError(
+            f"model architecture '{architecture}' is not supported by any installed plugin; "
+            f"installed: {installed}; install a model plugin that provides it (e.g. turnout-llama, turnout-qwen3)"
+        )
+    return choose("model", cands, architecture)

@@ -1,0 +1,209 @@
+"""Turns a SchedulerOutput into tensors, runs the model, samples.
+
+Per step it builds input_ids, positions, slot_mapping, query_start_loc (cu_seqlens), seq_lens and the
+block table, publishes them to the Attention layers through forward_context, and keeps the logits of the
+rows that sample until sample_tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from turnout.attention.backend import AttentionBackend, AttentionMetadata
+from turnout.config import EngineConfig
+from turnout.distributed import get_parallel_state
+from turnout.engine.scheduler import ScheduledRequest, SchedulerOutput
+from turnout.errors import WeightLoadError
+from turnout.layers.attention import ForwardContext, forward_context
+from turnout.loader.weights import iter_safetensors
+from turnout.sampling_params import SamplingParams
+from turnout.selection import Selection
+from turnout.worker.sampler import Sampler
+
+logger = logging.getLogger("turnout")
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # req id -> new token
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] token index of each sampling row's last token
+    sample_reqs: list[ScheduledRequest]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, selection: Selection, device: torch.device) -> None:
+        self.config, self.selection, self.device = config, selection, device
+        self.backend: AttentionBackend = selection.backend
+        self.dtype = selection.dtype
+        self.info = selection.model_info
+        self.block_size = config.block_size
+        self.model = self._load_model()
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self._pending: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
+
+    def _load_model(self) -> nn.Module:
+        t0 = time.perf_counter()
+        cls = self.selection.architecture.load()
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(self.info.hf_config)
+        finally:
+            torch.set_default_dtype(prev)
+        loaded = model.load_weights(iter_safetensors(self.info.path))
+        missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+        if missing:
+            raise WeightLoadError(
+                f"checkpoint {self.info.path} lacks {len(missing)} tensors (e.g. {missing[0]}); "
+                "the weights do not match config.json: re-download or re-convert the model"
+            )
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info("loaded %s (%.0f MiB) in %.1fs", type(model).__name__, nbytes / 2**20, time.perf_counter() - t0)
+        return model.eval()
+
+    # ---- KV cache ----
+    def kv_bytes_per_block(self) -> int:
+        layers = len(self.model.model.layers)
+        attn = self.model.model.layers[0].self_attn if layers else None
+        kv_heads, head = (attn.num_kv_heads, attn.head_size) if attn else (0, 0)
+        return 2 * layers * self.block_size * kv_heads * head * self.dtype.itemsize
+
+    def profile_num_blocks(self) -> int:
+        """How many KV blocks fit: cpu_kv_cache_bytes on CPU; on CUDA, what is left of
+        gpu_memory_utilization after the weights and the peak of a max-size dummy step."""
+        if self.config.num_gpu_blocks_override:
+            return self.config.num_gpu_blocks_override
+        per_block = self.kv_bytes_per_block()
+        if self.device.type != "cuda":
+            return max(1, self.config.cpu_kv_cache_bytes // per_block)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_run(self.config.max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes, NCCL
+        budget = total * self.config.gpu_memory_utilization - peak - used_elsewhere
+        logger.info("memory: total %.1f GiB, peak step %.2f GiB", total / 2**30, peak / 2**30)
+        return max(0, int(budget // per_block))
+
+    def _dummy_run(self, num_tokens: int) -> None:
+        """A prefill of num_tokens over a throwaway KV cache: measures peak activation memory."""
+        num_seqs = max(1, min(self.config.max_num_seqs, num_tokens))
+        per_seq = num_tokens // num_seqs
+        nb = -(-per_seq // self.block_size)
+        self.allocate_kv_cache(nb * num_seqs)
+        blocks = [list(range(i * nb, (i + 1) * nb)) for i in range(num_seqs)]
+        reqs = [ScheduledRequest(f"dummy{i}", [0] * per_seq, 0, b, True, _GREEDY, [], []) for i, b in enumerate(blocks)]
+        self.execute_model(SchedulerOutput(reqs))
+        self.sample_tokens()
+        self.kv_caches = []
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        attn = self.model.model.layers[0].self_attn
+        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_size)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers
+        ]
+
+    # ---- one step ----
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        reqs = out.requests
+        qlens = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)
+        starts = np.array([r.start_pos for r in reqs], dtype=np.int64)
+        cu = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(qlens, out=cu[1:])
+        input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=int(cu[-1]))
+        positions = np.concatenate([np.arange(s, s + q) for s, q in zip(starts, qlens)])
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        block_table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
+        for i, r in enumerate(reqs):
+            block_table[i, : len(r.block_ids)] = r.block_ids
+        row = np.repeat(np.arange(len(reqs)), qlens)
+        slot_mapping = block_table[row, positions // self.block_size].astype(np.int64) * self.block_size
+        slot_mapping += positions % self.block_size
+        seq_lens = starts + qlens
+        sample_reqs = [r for r in reqs if r.sample]
+        logits_idx = [int(cu[i + 1]) - 1 for i, r in enumerate(reqs) if r.sample]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(block_table).to(dev),
+            max_query_len=int(qlens.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_actual_tokens=int(cu[-1]),
+            num_decode_tokens=int((qlens == 1).sum()),
+        )
+        return StepInputs(
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+            meta,
+            torch.tensor(logits_idx, dtype=torch.long, device=dev),
+            sample_reqs,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.generators.pop(req_id, None)
+        if not out.requests:
+            self._pending = None
+            return
+        inp = self.prepare(out)
+        inp.meta.backend_data = self.backend.build_metadata(inp.meta)
+        with forward_context(ForwardContext(self.backend, inp.meta, self.kv_caches)):
+            hidden = self.model(inp.input_ids, inp.positions)
+        if not get_parallel_state().is_last_pp:
+            self._pending = None
+            return
+        logits = self.model.compute_logits(hidden[inp.logits_indices]) if inp.sample_reqs else None
+        self._pending = (logits, inp.sample_reqs) if logits is not None else None
+
+    @torch.inference_mode()
+    def sample_tokens(self) -> ModelRunnerOutput:
+        if self._pending is None:
+            return ModelRunnerOutput()
+        logits, reqs = self._pending
+        self._pending = None
+        res = self.sampler(
+            logits,
+            [r.params for r in reqs],
+            [self._generator(r) for r in reqs],
+            [r.prompt_token_ids for r in reqs],
+            [r.output_token_ids for r in reqs],
+        )
+        out = ModelRunnerOutput({r.req_id: t for r, t in zip(reqs, res.token_ids)})
+        if res.logprobs is not None and res.top_logprobs is not None:
+            for r, lp, top in zip(reqs, res.logprobs, res.top_logprobs):
+                if r.params.logprobs is not None:
+                    out.logprobs[r.req_id] = (lp, top)
+        return out
+
+    def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
+        if r.params.seed is None or r.params.greedy:
+            return None
+        g = self.generators.get(r.req_id)
+        if g is None:
+            g = self.generators[r.req_id] = torch.Generator(self.device).manual_seed(r.params.seed)
+        return g
+

@@ -1,0 +1,115 @@
+"""Paged attention with torch's SDPA on the CPU.
+
+Decode rows (one query token) run batched: their block_table rows are gathered into one padded
+[Bd, Hkv, L, D] tensor with a length mask. Prefill rows (chunks, prefix hits) run one request at a time with a causal
+mask offset by the cached context. All indices are built once per step in build_metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata, CudagraphSupport
+
+
+@dataclass
+class _Prefill:
+    row: int
+    q_start: int
+    q_end: int
+    blocks: torch.Tensor  # [max_blocks] block ids (the row of block_table)
+    seq_len: int
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, None when plain causal from position 0
+
+
+@dataclass
+class CPUMetadata:
+    decode_tokens: torch.Tensor  # [Bd] token index of each decode row's query
+    decode_blocks: torch.Tensor  # [Bd, max_blocks] block ids
+    decode_lens: torch.Tensor  # [Bd] seq_len of each decode row
+    prefills: list[_Prefill]
+    slots_valid: torch.Tensor | None  # [T] bool when some slots are -1 (padding), else None
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size], made by the first layer
+
+
+class CPUAttentionBackend(AttentionBackend):
+    name = "cpu"
+    priority = 0
+    device_types = ("cpu",)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    cudagraph_support = CudagraphSupport.NEVER
+
+    def build_metadata(self, meta: AttentionMetadata) -> CPUMetadata:
+        qsl = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        decode_rows, prefills = [], []
+        for row, (qs, qe, seq_len) in enumerate(zip(qsl, qsl[1:], seq_lens)):
+            if qe - qs == 1:
+                decode_rows.append(row)
+                continue
+            ctx = seq_len - (qe - qs)
+            mask = None
+            if ctx:
+                mask = torch.arange(seq_len)[None, :] <= torch.arange(ctx, seq_len)[:, None]
+            prefills.append(_Prefill(row, qs, qe, meta.block_table[row], seq_len, mask))
+        rows = torch.tensor(decode_rows, dtype=torch.long)
+        slot_ok = meta.slot_mapping[: meta.num_actual_tokens] >= 0
+        return CPUMetadata(
+            decode_tokens=meta.query_start_loc[rows].long(),
+            decode_blocks=meta.block_table[rows].long(),
+            decode_lens=meta.seq_lens[rows].long(),
+            prefills=prefills,
+            slots_valid=None if bool(slot_ok.all()) else slot_ok,
+        )
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        md: CPUMetadata = meta.backend_data
+        hkv, d = kv_cache.shape[-2:]
+        self._store(kv_cache, k, v, meta, md)
+        out = torch.zeros_like(q)
+        if len(md.decode_tokens):
+            out[md.decode_tokens] = self._decode(q[md.decode_tokens], kv_cache, md, layer.scale)
+        for p in md.prefills:
+            keys = kv_cache[0, p.blocks].reshape(-1, hkv, d)[: p.seq_len].transpose(0, 1)  # [Hkv, L, D]
+            vals = kv_cache[1, p.blocks].reshape(-1, hkv, d)[: p.seq_len].transpose(0, 1)
+            qq = q[p.q_start : p.q_end].transpose(0, 1)  # [H, q_len, D]
+            o = F.scaled_dot_product_attention(
+                qq, keys, vals, attn_mask=p.mask, is_causal=p.mask is None, scale=layer.scale, enable_gqa=True
+            )
+            out[p.q_start : p.q_end] = o.transpose(0, 1)
+        return out
+
+    def _store(
+        self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, md: CPUMetadata
+    ) -> None:
+        t = meta.num_actual_tokens
+        slots, k, v = meta.slot_mapping[:t], k[:t], v[:t]
+        if md.slots_valid is not None:
+            slots, k, v = slots[md.slots_valid], k[md.slots_valid], v[md.slots_valid]
+        hkv, d = kv_cache.shape[-2:]
+        kv_cache[0].view(-1, hkv, d).index_copy_(0, slots, k)
+        kv_cache[1].view(-1, hkv, d).index_copy_(0, slots, v)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: CPUMetadata, scale: float) -> torch.Tensor:
+        """q [Bd, H, D] -> [Bd, H, D]."""
+        bd, nb = md.decode_blocks.shape
+        hkv, d = kv_cache.shape[-2:]
+        keys = kv_cache[0, md.decode_blocks].reshape(bd, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, L, D]
+        vals = kv_cache[1, md.decode_blocks].reshape(bd, -1, hkv, d).transpose(1, 2)
+        if md.decode_mask is None:
+            md.decode_mask = (torch.arange(keys.shape[2])[None, :] < md.decode_lens[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, vals, attn_mask=md.decode_mask, scale=scale, enable_gqa=True
+        )
+        return o.squeeze(2)

@@ -1,0 +1,5 @@
+from turnout.models.decoder import DecoderForCausalLM
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    """Plain pre-norm decoder; `attention_bias` in config.json turns on qkv bias."""

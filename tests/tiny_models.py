@@ -1,0 +1,72 @@
+"""Tiny random-weight checkpoints written with HF transformers: the reference for parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TOKENIZER_VOCAB = 512
+
+
+def _tokenizer(path: Path) -> None:
+    """A small word-level tokenizer, so text prompts work without network access."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(TOKENIZER_VOCAB - len(vocab)):
+        vocab[f"w{i}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
+
+
+def make_tiny_model(path: Path, arch: str = "llama", num_kv_heads: int = 2, seed: int = 0, **overrides) -> Path:
+    """Write config.json + model.safetensors (float32) + tokenizer for a 2-layer random model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=TOKENIZER_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config}[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    config = cls(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; widen it so logits are far from ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer(path)
+    return path
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Each prompt alone through HF generate, float32, greedy: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = model.generate(
+                ids, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0
+            )
+        outs.append(gen[0, len(p) :].tolist())
+    return outs
