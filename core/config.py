@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -73,7 +73,9 @@ class EngineConfig(BaseModel):
         for values, source in layers:
             for key, value in values.items():
                 if key not in cls.model_fields:
-                    raise ConfigError(f"unknown key '{key}' in {source}; valid keys: {', '.join(cls.model_fields)}")
+                    raise ConfigError(
+                        f"unknown key '{key}' in {source}; valid keys: {', '.join(cls.model_fields)}"
+                    )
                 merged[key], sources[key] = value, source
         try:
             return cls(**merged)

@@ -24,9 +24,13 @@ class LLM:
     """LLM(model=None, config=None, **overrides). No model = the embedded SmolLM2-135M-Instruct.
     `config` is an EngineConfig or a path to a TOML/YAML file; overrides are EngineConfig fields."""
 
-    def __init__(self, model: str | None = None, config: EngineConfig | str | Path | None = None, **overrides: Any):
+    def __init__(
+        self, model: str | None = None, config: EngineConfig | str | Path | None = None, **overrides: Any
+    ):
         if isinstance(config, EngineConfig):
-            cfg = config.model_copy(update={k: v for k, v in {"model": model, **overrides}.items() if v is not None})
+            cfg = config.model_copy(
+                update={k: v for k, v in {"model": model, **overrides}.items() if v is not None}
+            )
             cfg = EngineConfig(**cfg.model_dump())  # re-validate the merged values
         else:
             cfg = EngineConfig.load(config, model=model, **overrides)
@@ -51,8 +55,12 @@ class LLM:
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params; pass one or one each")
-        results = [RequestOutput(str(i), p if isinstance(p, str) else None, []) for i, p in enumerate(prompts)]
+            raise ValueError(
+                f"got {len(prompts)} prompts but {len(params_list)} sampling params; pass one or one each"
+            )
+        results = [
+            RequestOutput(str(i), p if isinstance(p, str) else None, []) for i, p in enumerate(prompts)
+        ]
         pending: dict[str, tuple[int, int]] = {}  # engine req id -> (prompt index, sample index)
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params_list)):

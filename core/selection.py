@@ -183,7 +183,9 @@ def select_all(
     pm = pm or get_plugin_manager()
     platform = platform or current_platform()
     dtype = info.resolve_dtype(config.dtype, platform.device_type)
-    actx = AttentionContext(platform, dtype, info.head_size, info.num_heads, info.num_kv_heads, config.block_size)
+    actx = AttentionContext(
+        platform, dtype, info.head_size, info.num_heads, info.num_kv_heads, config.block_size
+    )
     attention = choose("attention", attention_candidates(pm, actx), config.attention_backend)
     model = _choose_model(pm, info.architecture)
     ectx = ExecutorContext(platform, config.world_size, config.executor != "auto")
@@ -205,6 +207,6 @@ def _choose_model(pm: PluginManager, architecture: str) -> Choice:
         installed = ", ".join(f"{c.name} ({c.plugin})" for c in cands if c.obj) or "none"
         raise SelectionError(
             f"model architecture '{architecture}' is not supported by any installed plugin; "
-            f"installed: {installed}; install a model plugin that provides it (e.g. turnout-llama, turnout-qwen3)"
+            f"installed: {installed}; install a model plugin that provides it (e.g. turnout-qwen3)"
         )
     return choose("model", cands, architecture)

@@ -23,7 +23,9 @@ def _tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def make_tiny_model(path: Path, arch: str = "llama", num_kv_heads: int = 2, seed: int = 0, **overrides) -> Path:
+def make_tiny_model(
+    path: Path, arch: str = "llama", num_kv_heads: int = 2, seed: int = 0, **overrides
+) -> Path:
     """Write config.json + model.safetensors (float32) + tokenizer for a 2-layer random model."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -46,7 +48,7 @@ def make_tiny_model(path: Path, arch: str = "llama", num_kv_heads: int = 2, seed
         common.setdefault("head_dim", 16)
     config = cls(**common)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random init is tiny; widen it so logits are far from ties
         for p in model.parameters():
             if p.dim() > 1:
@@ -57,16 +59,16 @@ def make_tiny_model(path: Path, arch: str = "llama", num_kv_heads: int = 2, seed
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Each prompt alone through HF generate, float32, greedy: the reference."""
+    """Each prompt alone through HF's forward, float32, argmax at every step, EOS not special: the
+    reference for `ignore_eos=True` greedy runs."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     outs = []
     for p in prompts:
-        ids = torch.tensor([p])
+        ids = list(p)
         with torch.no_grad():
-            gen = model.generate(
-                ids, max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=max_new_tokens, pad_token_id=0
-            )
-        outs.append(gen[0, len(p) :].tolist())
+            for _ in range(max_new_tokens):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        outs.append(ids[len(p) :])
     return outs

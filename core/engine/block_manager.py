@@ -75,20 +75,24 @@ class BlockManager:
 
     def can_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
         have = len(req.block_ids) + len(cached)
-        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - have
+        need = self.blocks_needed(self._end(req, num_new_tokens, cached)) - have
         revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # taken from the free queue
         return need <= self.num_free_blocks - revived
 
     def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
-        """Give req the cached blocks plus enough new ones for num_new_tokens more; False if they don't fit."""
+        """Give req the cached blocks and enough new ones for num_new_tokens more; False if they don't fit."""
         if not self.can_allocate(req, num_new_tokens, cached):
             return False
         for b in cached:
             self._ref(b)
         req.block_ids.extend(cached)
-        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        need = self.blocks_needed(self._end(req, num_new_tokens, cached)) - len(req.block_ids)
         req.block_ids.extend(self._take() for _ in range(need))
         return True
+
+    def _end(self, req: Request, num_new_tokens: int, cached: Sequence[int]) -> int:
+        """Tokens the request will hold: computed (or about to be, from the cache) plus the new ones."""
+        return req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]

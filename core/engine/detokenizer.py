@@ -16,7 +16,9 @@ class Detokenizer:
 
     def step(self, token_ids: list[int]) -> str:
         """Append the text of newly added tokens; returns the new text (empty while a char is incomplete)."""
-        prefix = self.tokenizer.decode(token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        prefix = self.tokenizer.decode(
+            token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True
+        )
         full = self.tokenizer.decode(token_ids[self.prefix_offset :], skip_special_tokens=True)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""

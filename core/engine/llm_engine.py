@@ -94,7 +94,9 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
         return list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, req_id: str | None = None) -> Request:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, req_id: str | None = None
+    ) -> Request:
         """Validate and queue one request; a bad one raises RequestError and changes nothing."""
         token_ids = self.tokenize(prompt)
         vocab = self.info.hf_config.get("vocab_size", 1 << 62)
@@ -106,7 +108,9 @@ class LLMEngine:
                 "(prompt plus at least one new token); shorten the prompt or raise max_model_len"
             )
         if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise RequestError(f"prompt token ids must lie in [0, {vocab}); got {min(token_ids)}..{max(token_ids)}")
+            raise RequestError(
+                f"prompt token ids must lie in [0, {vocab}); got {min(token_ids)}..{max(token_ids)}"
+            )
         req_id = req_id or str(next(self._ids))
         if req_id in self.requests:
             raise RequestError(f"request id {req_id} is already in use; pick another")

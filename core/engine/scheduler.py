@@ -123,7 +123,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], requests: dict[str, Request]) -> list[Request]:
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int], requests: dict[str, Request]
+    ) -> list[Request]:
         """Append sampled tokens, cache newly full blocks, finish requests that hit a stop."""
         done = []
         for s in out.requests:

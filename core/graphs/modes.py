@@ -77,7 +77,9 @@ def downgrade(
 ) -> tuple[GraphPolicy, str | None]:
     """The policy that will actually run, and why it differs from the requested one (None if it doesn't)."""
     if enforce_eager or device_type != "cuda":
-        why = "enforce_eager is set" if enforce_eager else f"CUDA graphs need a CUDA device, have {device_type}"
+        why = (
+            "enforce_eager is set" if enforce_eager else f"CUDA graphs need a CUDA device, have {device_type}"
+        )
         if policy.decode is RuntimeMode.NONE and policy.mixed is RuntimeMode.NONE:
             return policy, None
         return GraphPolicy("NONE", RuntimeMode.NONE, RuntimeMode.NONE), why

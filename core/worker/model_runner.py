@@ -76,7 +76,9 @@ class ModelRunner:
                 "the weights do not match config.json: re-download or re-convert the model"
             )
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        logger.info("loaded %s (%.0f MiB) in %.1fs", type(model).__name__, nbytes / 2**20, time.perf_counter() - t0)
+        logger.info(
+            "loaded %s (%.0f MiB) in %.1fs", type(model).__name__, nbytes / 2**20, time.perf_counter() - t0
+        )
         return model.eval()
 
     # ---- KV cache ----
@@ -112,7 +114,10 @@ class ModelRunner:
         nb = -(-per_seq // self.block_size)
         self.allocate_kv_cache(nb * num_seqs)
         blocks = [list(range(i * nb, (i + 1) * nb)) for i in range(num_seqs)]
-        reqs = [ScheduledRequest(f"dummy{i}", [0] * per_seq, 0, b, True, _GREEDY, [], []) for i, b in enumerate(blocks)]
+        reqs = [
+            ScheduledRequest(f"dummy{i}", [0] * per_seq, 0, b, True, _GREEDY, [], [])
+            for i, b in enumerate(blocks)
+        ]
         self.execute_model(SchedulerOutput(reqs))
         self.sample_tokens()
         self.kv_caches = []
@@ -206,4 +211,3 @@ class ModelRunner:
         if g is None:
             g = self.generators[r.req_id] = torch.Generator(self.device).manual_seed(r.params.seed)
         return g
-

@@ -1,8 +1,8 @@
 """Paged attention with torch's SDPA on the CPU.
 
 Decode rows (one query token) run batched: their block_table rows are gathered into one padded
-[Bd, Hkv, L, D] tensor with a length mask. Prefill rows (chunks, prefix hits) run one request at a time with a causal
-mask offset by the cached context. All indices are built once per step in build_metadata.
+[Bd, Hkv, L, D] tensor with a length mask. Prefill rows (chunks, prefix hits) run one request at a
+time with a causal mask offset by the cached context. All indices are built once per step in build_metadata.
 """
 
 from __future__ import annotations
@@ -91,7 +91,12 @@ class CPUAttentionBackend(AttentionBackend):
         return out
 
     def _store(
-        self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, md: CPUMetadata
+        self,
+        kv_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        md: CPUMetadata,
     ) -> None:
         t = meta.num_actual_tokens
         slots, k, v = meta.slot_mapping[:t], k[:t], v[:t]
@@ -108,7 +113,9 @@ class CPUAttentionBackend(AttentionBackend):
         keys = kv_cache[0, md.decode_blocks].reshape(bd, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, L, D]
         vals = kv_cache[1, md.decode_blocks].reshape(bd, -1, hkv, d).transpose(1, 2)
         if md.decode_mask is None:
-            md.decode_mask = (torch.arange(keys.shape[2])[None, :] < md.decode_lens[:, None])[:, None, None, :]
+            md.decode_mask = (torch.arange(keys.shape[2])[None, :] < md.decode_lens[:, None])[
+                :, None, None, :
+            ]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, vals, attn_mask=md.decode_mask, scale=scale, enable_gqa=True
         )
