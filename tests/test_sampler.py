@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+
 from turnout.sampling_params import SamplingParams as SP
 from turnout.worker.sampler import Sampler, SamplerOutput
 
