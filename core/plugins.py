@@ -69,7 +69,9 @@ class PluginManager:
         for name in self.unmatched_allow:
             logger.warning("TURNOUT_PLUGINS names '%s', but no installed plugin has that name", name)
 
-    def register(self, plugin: ModuleType | object, name: str, dist: str = "(in-process)", version: str = "") -> None:
+    def register(
+        self, plugin: ModuleType | object, name: str, dist: str = "(in-process)", version: str = ""
+    ) -> None:
         self.pm.register(plugin, name=name)
         hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
         self.infos[name] = PluginInfo(name, dist, version, hooks)
@@ -81,7 +83,7 @@ class PluginManager:
     def call_each(self, hook: str, **kwargs: Any) -> list[HookResult]:
         """Call every implementation of `hook` separately, so each result knows its plugin."""
         results = []
-        for impl in reversed(getattr(self.pm.hook, hook).get_hookimpls()):
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():  # registration order
             fn: Callable[..., Any] = impl.function
             args = {k: kwargs[k] for k in impl.argnames}
             try:

