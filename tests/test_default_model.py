@@ -1,0 +1,84 @@
+"""The embedded SmolLM2-135M-Instruct: our converted checkpoint through the engine against HF transformers
+loading the same GGUF file, greedy, float32, on chat prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turnout import LLM, SamplingParams
+from turnout.loader.default_model import default_gguf_path
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about trains.",
+    "List three prime numbers.",
+    "Explain what a railway switch does, briefly.",
+]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM(max_model_len=512)  # no model: the embedded default
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.slow
+def test_default_model_matches_hf_gguf(llm):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+        for c in CHATS
+    ]
+    refs = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = hf.generate(ids, max_new_tokens=MAX_NEW, do_sample=False)
+        refs.append(gen[0, ids.shape[1] :].tolist())
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    assert [o.token_ids for o in outs] == refs
+    assert "Paris" in outs[0].text
+
+
+@pytest.mark.slow
+def test_stop_strings_and_seeded_sampling(llm):
+    prompt = llm.apply_chat_template(
+        [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    )
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    assert "5" in full.text
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=["5"]), use_tqdm=False)[0]
+    assert cut.finish_reason == "stop" and "5" not in cut.text and full.text.startswith(cut.text)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16, n=2)
+    a = llm.generate([prompt, prompt], sp, use_tqdm=False)
+    b = llm.generate(prompt, sp, use_tqdm=False)
+    assert (
+        [c.token_ids for c in a[0].outputs]
+        == [c.token_ids for c in a[1].outputs]
+        == [c.token_ids for c in b[0].outputs]
+    )
+    assert a[0].outputs[0].token_ids != a[0].outputs[1].token_ids  # seeds seed and seed+1
+
+
+@pytest.mark.slow
+def test_bad_request_fails_alone(llm):
+    prompts = ["Hello!", "", [1] * 600, "Name a color."]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert [o.error is None for o in outs] == [True, False, False, True]
+    assert "empty prompt" in outs[1].error and "max_model_len" in outs[2].error
+    alone = llm.generate(
+        ["Hello!", "Name a color."], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
+    assert [o.token_ids for o in alone] == [outs[0].token_ids, outs[3].token_ids]
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    lp = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert len(lp.logprobs) == 3 and all(len(t) == 2 and t[0][1] >= t[1][1] for t in lp.top_logprobs)
