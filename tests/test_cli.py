@@ -123,3 +123,40 @@ def test_generate_missing_weights(tiny_llama, tmp_path):
     (bad / "model.safetensors").unlink()
     p = run("generate", "--model", str(bad), "--prompt", "w1", check=False)
     assert p.returncode == 2 and "error:" in p.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_pip_installed_third_party_backend_is_listed_explained_and_chosen(tiny_llama, tmp_path):
+    """The README's promise, end to end: pip install a backend package, pick it in a config file."""
+    from pathlib import Path
+
+    example = Path(__file__).parents[1] / "examples" / "turnout-example-backend"
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*pip, "--target", str(site), str(example)], check=True, capture_output=True, timeout=300)
+    env = {"PYTHONPATH": str(site)}
+    rows = {r["name"]: r for r in json.loads(run("plugins", "--json", env=env).stdout)}
+    assert rows["example_backend"]["distribution"] == "turnout-example-backend"
+    assert rows["example_backend"]["status"] == "loaded"
+    cfg = tmp_path / "turnout.toml"
+    cfg.write_text('attention_backend = "naive"\n')
+    doc = json.loads(run("explain", "--model", str(tiny_llama), "--json", env=env).stdout)
+    assert doc["kinds"]["attention"]["chosen"] == "cpu" and "naive" in str(doc["kinds"]["attention"])
+    doc = json.loads(
+        run("explain", "--model", str(tiny_llama), "--config", str(cfg), "--json", env=env).stdout
+    )
+    assert doc["kinds"]["attention"]["chosen"] == "naive"
+    args = [
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--prompt",
+        "w5 w6 w7",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+    ]
+    with_naive = json.loads(run(*args, "--config", str(cfg), env=env).stdout)
+    with_cpu = json.loads(run(*args, env=env).stdout)
+    assert with_naive["token_ids"] == with_cpu["token_ids"] and len(with_cpu["token_ids"]) == 6
