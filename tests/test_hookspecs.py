@@ -1,0 +1,44 @@
+"""Every hook spec must be exercised by some test, and every spec must be typed and documented."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from turnout import hookspecs
+
+SPECS = sorted(
+    name for name, fn in vars(hookspecs).items() if name.startswith("turnout_") and inspect.isfunction(fn)
+)
+TEST_TEXT = {
+    p.name: p.read_text() for p in Path(__file__).parent.glob("test_*.py") if p.name != Path(__file__).name
+}
+
+
+def test_there_are_four_plugin_kinds():
+    assert SPECS == [
+        "turnout_attention_backends",
+        "turnout_executors",
+        "turnout_graph_policies",
+        "turnout_model_architectures",
+    ]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_spec_is_typed_documented_and_prefixed(spec: str):
+    fn = getattr(hookspecs, spec)
+    sig = inspect.signature(fn)
+    assert sig.return_annotation is not inspect.Signature.empty, f"{spec} has no return type"
+    assert all(p.annotation is not inspect.Parameter.empty for p in sig.parameters.values())
+    assert "Combine:" in (fn.__doc__ or ""), f"{spec}'s docstring must say how results combine"
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_spec_has_a_test(spec: str):
+    """A test file must implement the hook (def <spec>) or call it by name through the plugin manager."""
+    pattern = re.compile(rf"def {spec}\(|[\"']{spec}[\"']")
+    users = [name for name, text in TEST_TEXT.items() if pattern.search(text)]
+    assert users, f"hook spec {spec} is not exercised by any test: add one"
