@@ -117,7 +117,11 @@ class AttentionBackend:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def build_metadata(self, meta: AttentionMetadata) -> Any:
-        """Once per step, before the forward: plan kernels, precompute indices. Stored in backend_data."""
+        """Once per step, before the forward: plan kernels, precompute indices. Stored in backend_data.
+
+        For FULL CUDA graphs the runner calls it on static metadata buffers before capture and again
+        before every replay: whatever tensors forward reads must then be updated in place, not replaced.
+        While a graph is captured, meta's host ints (max_query_len, max_seq_len) are upper bounds."""
         return None
 
     def forward(

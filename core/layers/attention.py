@@ -6,7 +6,7 @@ it, so models never see backends. This is also where piecewise CUDA graphs put t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -21,6 +21,8 @@ class ForwardContext:
     backend: AttentionBackend
     meta: AttentionMetadata
     kv_caches: list[torch.Tensor]  # one per layer of this rank, indexed by local layer idx
+    # set while piecewise CUDA graphs are captured: attention becomes a hole between two graphs
+    hole: Callable[[AttentionLayerSpec, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 _ctx: ForwardContext | None = None
@@ -42,12 +44,16 @@ def get_forward_context() -> ForwardContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> None:
+    def __init__(
+        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_size: int, scale: float
+    ) -> None:
         super().__init__()
         self.spec = AttentionLayerSpec(layer_idx, num_heads, num_kv_heads, head_size, scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
         ctx = get_forward_context()
+        if ctx.hole is not None:
+            return ctx.hole(self.spec, q, k, v)
         out = ctx.backend.forward(self.spec, q, k, v, ctx.kv_caches[self.spec.layer_idx], ctx.meta)
         return out.reshape(q.shape[0], -1)

@@ -20,6 +20,9 @@ from turnout.config import EngineConfig
 from turnout.distributed import get_parallel_state
 from turnout.engine.scheduler import ScheduledRequest, SchedulerOutput
 from turnout.errors import WeightLoadError
+from turnout.graphs.dispatcher import GraphDispatcher, default_capture_sizes
+from turnout.graphs.modes import RuntimeMode
+from turnout.graphs.runner import GraphRunner
 from turnout.layers.attention import ForwardContext, forward_context
 from turnout.loader.weights import iter_safetensors
 from turnout.sampling_params import SamplingParams
@@ -56,6 +59,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: GraphRunner | None = None
         self._pending: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
 
     def _load_model(self) -> nn.Module:
@@ -129,6 +133,20 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers
         ]
 
+    def capture_graphs(self, num_blocks: int) -> None:
+        policy = self.selection.effective_graph
+        if self.device.type != "cuda" or not policy.uses_graphs or get_parallel_state().pp_size > 1:
+            return
+        cfg = self.config
+        sizes = cfg.cudagraph_capture_sizes or default_capture_sizes(cfg.max_num_seqs)
+        sizes = [s for s in sizes if s <= cfg.max_num_batched_tokens]
+        max_len = min(cfg.max_model_len or self.info.max_position_embeddings, num_blocks * self.block_size)
+        self.graphs = GraphRunner(
+            self.model, self.backend, self.kv_caches, GraphDispatcher(policy, sizes),
+            cfg.max_num_seqs, -(-max_len // self.block_size), max_len,
+        )  # fmt: skip
+        self.graphs.capture()
+
     # ---- one step ----
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         reqs = out.requests
@@ -175,9 +193,15 @@ class ModelRunner:
             self._pending = None
             return
         inp = self.prepare(out)
-        inp.meta.backend_data = self.backend.build_metadata(inp.meta)
-        with forward_context(ForwardContext(self.backend, inp.meta, self.kv_caches)):
-            hidden = self.model(inp.input_ids, inp.positions)
+        d = self.graphs.dispatcher.dispatch([len(r.token_ids) for r in out.requests]) if self.graphs else None
+        if d is not None and d.mode is not RuntimeMode.NONE:
+            if d.mode is RuntimeMode.PIECEWISE:  # attention runs eagerly in the holes
+                inp.meta.backend_data = self.backend.build_metadata(inp.meta)
+            hidden = self.graphs.run(d, inp.input_ids, inp.positions, inp.meta)
+        else:
+            inp.meta.backend_data = self.backend.build_metadata(inp.meta)
+            with forward_context(ForwardContext(self.backend, inp.meta, self.kv_caches)):
+                hidden = self.model(inp.input_ids, inp.positions)
         if not get_parallel_state().is_last_pp:
             self._pending = None
             return

@@ -27,6 +27,7 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_graphs(num_blocks)
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()

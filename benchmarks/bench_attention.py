@@ -1,0 +1,222 @@
+"""Attention kernel micro-benchmark for every installed attention backend (CUDA only).
+
+Decode: batch 1, 32, 256 at context 512 and 4096, one query token per request; reports the KV + Q bytes
+read per second and its share of the H200's ~4.3 TB/s. Prefill: one causal sequence of 4k and 16k tokens;
+reports TFLOP/s (4 * N^2 / 2 * H * D for QK^T and PV) and its share of ~790 TFLOP/s bf16.
+Times forward (KV write + attention) with CUDA events after an L2 flush, median of --iters: eagerly
+(host launch overhead included) and, where the backend's cudagraph_support covers the batch, replayed
+from a CUDA graph (kernel time); rates use the graph time when there is one. build_metadata runs once
+per step in the engine and is timed on its own (meta_ms). Example:
+  python benchmarks/bench_attention.py --backends triton --json benchmarks/results/$(date +%F)-attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata as md
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from turnout.attention import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    CudagraphSupport,
+)
+from turnout.platform import current_platform
+
+PEAK_BW = 4.3e12  # bytes/s, H200 device copy
+PEAK_FLOPS = 790e12  # bf16 dense matmul
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def discover(names: list[str] | None) -> list[AttentionBackend]:
+    found = []
+    for ep in md.entry_points(group="turnout"):
+        try:
+            hook = getattr(ep.load(), "turnout_attention_backends", None)
+        except Exception as e:
+            print(f"plugin {ep.name} failed to load: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        found += hook(platform=current_platform()) if hook else []
+    return [b for b in found if names is None or b.name in names]
+
+
+def make_step(
+    seq_lens: list[int], query_lens: list[int], heads: tuple[int, int, int], dtype: torch.dtype, bs: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q, k, v, a filled cache of shuffled blocks, and the metadata for one step."""
+    h, kvh, d = heads
+    dev = "cuda"
+    nblocks = [-(-s // bs) for s in seq_lens]
+    ids = torch.randperm(sum(nblocks), device=dev, dtype=torch.int32)
+    table = torch.zeros(len(seq_lens), max(nblocks), dtype=torch.int32, device=dev)
+    slots, start = [], 0
+    for b, (n, s, ql) in enumerate(zip(nblocks, seq_lens, query_lens)):
+        table[b, :n] = ids[start : start + n]
+        start += n
+        pos = torch.arange(s - ql, s, device=dev)
+        slots.append(table[b, pos // bs].long() * bs + pos % bs)
+    t = sum(query_lens)
+    kv_cache = torch.randn(2, sum(nblocks), bs, kvh, d, device=dev, dtype=dtype)
+    q, k, v = (torch.randn(t, n, d, device=dev, dtype=dtype) for n in (h, kvh, kvh))
+    cu = torch.tensor([0] + query_lens, device=dev).cumsum(0).to(torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        query_start_loc=cu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        block_table=table,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        num_actual_tokens=t,
+        num_decode_tokens=sum(ql == 1 for ql in query_lens) if max(query_lens) == 1 else 0,
+    )
+    return q, k, v, kv_cache, meta
+
+
+def time_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    """Median milliseconds of fn on the current stream, each run after a 256 MB write evicts L2."""
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    """time_ms of fn captured once in a CUDA graph and replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return time_ms(g.replay, iters, warmup)
+
+
+def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argparse.Namespace) -> dict | None:
+    dtype, heads = DTYPES[args.dtype], (args.num_heads, args.num_kv_heads, args.head_size)
+    m = be.block_size_multiple
+    bs = args.block_size if args.block_size % m == 0 else m * -(-args.block_size // m)
+    reasons = be.check(AttentionContext(current_platform(), dtype, args.head_size, *heads[:2], bs))
+    if reasons:
+        print(f"{be.name}: skipped ({'; '.join(reasons)})", file=sys.stderr)
+        return None
+    qlens = [1] * batch if kind == "decode" else [ctx]
+    q, k, v, kv_cache, meta = make_step([ctx] * batch, qlens, heads, dtype, bs)
+    layer = AttentionLayerSpec(0, args.num_heads, args.num_kv_heads, args.head_size, args.head_size**-0.5)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    meta.backend_data = be.build_metadata(meta)
+    torch.cuda.synchronize()
+    meta_ms = (time.perf_counter() - t0) * 1e3
+
+    def fwd() -> torch.Tensor:
+        return be.forward(layer, q, k, v, kv_cache, meta)
+
+    ms = time_ms(fwd, args.iters, args.warmup)
+    S = CudagraphSupport  # one prefill request is a uniform batch
+    graphable = be.cudagraph_support >= (S.UNIFORM_DECODE if kind == "decode" else S.UNIFORM_BATCH)
+    g_ms = graph_ms(fwd, args.iters, args.warmup) if graphable and not args.eager else None
+    row = dict(backend=be.name, kind=kind, batch=batch, context=ctx, block_size=bs)
+    row.update(eager_ms=ms, graph_ms=g_ms, meta_ms=meta_ms)
+    ms, esz = g_ms or ms, dtype.itemsize
+    if kind == "decode":
+        nbytes = batch * ctx * 2 * args.num_kv_heads * args.head_size * esz + q.numel() * esz
+        row.update(gbps=nbytes / ms / 1e6, pct_peak=100 * nbytes / (ms * 1e-3) / PEAK_BW)
+    else:
+        flops = 2 * ctx * ctx * args.num_heads * args.head_size  # 4 N^2 H D, halved by the causal mask
+        row.update(tflops=flops / ms / 1e9, pct_peak=100 * flops / (ms * 1e-3) / PEAK_FLOPS)
+    return row
+
+
+def git_commit() -> str:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backends", help="comma-separated backend names (default: every valid one)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--num-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16, help="raised to each backend's block-size multiple")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--eager", action="store_true", help="skip the CUDA-graph timings")
+    args = p.parse_args()
+    if current_platform().device_type != "cuda":
+        sys.exit("bench_attention: needs a CUDA device (none found, or TURNOUT_DEVICE=cpu); nothing measured")
+    names = args.backends.split(",") if args.backends else None
+    backends = discover(names)
+    if not backends:
+        sys.exit(f"bench_attention: no attention backend installed matches {names}")
+    cases = [("decode", b, c) for b in (1, 32, 256) for c in (512, 4096)]
+    cases += [("prefill", 1, 4096), ("prefill", 1, 16384)]
+    rows = []
+    print(f"{'backend':<10}{'case':<9}{'batch':>6}{'context':>8}{'eager ms':>10}{'graph ms':>10}", end="")
+    print(f"{'rate':>15}{'% peak':>8}")
+    for be in backends:
+        for kind, batch, ctx in cases:
+            torch.manual_seed(0)
+            if (row := run_case(be, kind, batch, ctx, args)) is None:
+                break
+            rows.append(row)
+            rate = f"{row['gbps']:.0f} GB/s" if kind == "decode" else f"{row['tflops']:.1f} TFLOP/s"
+            g = "-" if row["graph_ms"] is None else f"{row['graph_ms']:.4f}"
+            print(f"{be.name:<10}{kind:<9}{batch:>6}{ctx:>8}{row['eager_ms']:>10.4f}{g:>10}", end="")
+            print(f"{rate:>15}{row['pct_peak']:>7.1f}%")
+    if args.json:
+        result = dict(
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            device=torch.cuda.get_device_name(),
+            capability=list(torch.cuda.get_device_capability()),
+            torch=torch.__version__,
+            triton=version("triton"),
+            git_commit=git_commit(),
+            command=shlex.join([sys.executable, *sys.argv]),
+            config=vars(args),
+            peaks=dict(bytes_per_s=PEAK_BW, flops=PEAK_FLOPS),
+            results=rows,
+        )
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

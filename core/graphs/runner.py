@@ -1,0 +1,225 @@
+"""CUDA-graph capture and replay for one model on one device.
+
+FULL: the whole forward, attention included, is one graph per (size, uniform-decode) key. Every input
+lives in a static buffer (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_table);
+replay copies the step's values in, then the backend's build_metadata refreshes its own buffers in place.
+
+PIECEWISE: the forward is cut at every attention call. While capturing, the Attention layer hands its
+q, k, v to `hole`, which ends the current graph, runs attention eagerly into a shared output buffer and
+begins the next graph. Replay runs graph 0, attention 0, graph 1, ... so attention sees the real,
+unpadded batch of any composition, and the pieces between see the padded token count.
+
+All graphs share one memory pool and are captured largest size first. Padded rows write no KV
+(slot_mapping -1); logits and sampling stay outside the graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from turnout.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from turnout.errors import TurnoutError
+from turnout.graphs.dispatcher import Dispatch, GraphDispatcher
+from turnout.graphs.modes import RuntimeMode
+from turnout.layers.attention import ForwardContext, forward_context
+
+logger = logging.getLogger("turnout")
+
+
+@dataclass
+class _Hole:
+    spec: AttentionLayerSpec
+    q: torch.Tensor  # [N, H, D], written by the graph before it
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass
+class _Piecewise:
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    holes: list[_Hole] = field(default_factory=list)
+    output: torch.Tensor | None = None
+
+
+@dataclass
+class _Full:
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor
+    meta: AttentionMetadata
+
+
+class GraphRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        backend: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        dispatcher: GraphDispatcher,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+    ) -> None:
+        self.model, self.backend, self.kv_caches, self.dispatcher = model, backend, kv_caches, dispatcher
+        self.max_model_len = max_model_len
+        n, dev = dispatcher.capture_sizes[-1], kv_caches[0].device
+        self.max_reqs = max(n, max_num_seqs)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.query_start_loc = torch.zeros(self.max_reqs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(self.max_reqs, dtype=torch.int32, device=dev)
+        self.block_table = torch.zeros(self.max_reqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.full: dict[tuple[int, bool], _Full] = {}
+        self.piecewise: dict[int, _Piecewise] = {}
+        self.pool = None
+        self.attn_out: torch.Tensor | None = None  # [N, H * D], shared by every hole
+        self.stream = torch.cuda.Stream(dev)
+
+    # ---- capture ----
+    def capture(self) -> None:
+        dev = self.input_ids.device
+        torch.cuda.synchronize(dev)
+        free0, t0 = torch.cuda.mem_get_info(dev)[0], time.perf_counter()
+        self.pool = torch.cuda.graph_pool_handle()
+        try:
+            for n in reversed(self.dispatcher.capture_sizes):
+                policy = self.dispatcher.policy
+                modes = {(policy.runtime_mode(n, u), u) for u in (True, False)}
+                for mode, uniform in sorted(modes, key=lambda m: (m[0].value, m[1])):
+                    if mode is RuntimeMode.FULL:
+                        self._capture_full(n, uniform)
+                    elif mode is RuntimeMode.PIECEWISE and n not in self.piecewise:
+                        self._capture_piecewise(n)
+        except torch.OutOfMemoryError:
+            raise TurnoutError(
+                "CUDA graph capture ran out of memory; set fewer cudagraph_capture_sizes, "
+                "lower gpu_memory_utilization, or use cudagraph_mode NONE"
+            ) from None
+        torch.cuda.synchronize(dev)
+        used = free0 - torch.cuda.mem_get_info(dev)[0]
+        logger.info(
+            "captured %d FULL and %d PIECEWISE graph sets (%d sizes) in %.1fs, graph memory %.2f GiB",
+            len(self.full), len(self.piecewise), len(self.dispatcher.capture_sizes),
+            time.perf_counter() - t0, used / 2**30,
+        )  # fmt: skip
+
+    def _static_meta(self, n: int, uniform: bool) -> AttentionMetadata:
+        """Metadata over the static buffers; for capture every request runs one token (decode) or the
+        first request runs them all (mixed). Host ints are the largest they can be at replay."""
+        b = n if uniform else min(n, self.max_reqs)
+        qsl = self.query_start_loc[: b + 1]
+        qsl.copy_(
+            torch.arange(b + 1, dtype=torch.int32) if uniform else torch.full((b + 1,), n, dtype=torch.int32)
+        )
+        qsl[0] = 0
+        self.seq_lens[:b].fill_(n if not uniform else 1)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n],
+            query_start_loc=qsl,
+            seq_lens=self.seq_lens[:b],
+            block_table=self.block_table[:b],
+            max_query_len=1 if uniform else n,
+            max_seq_len=self.max_model_len,
+            num_actual_tokens=n,
+            num_decode_tokens=n if uniform else 0,
+        )
+
+    def _run_model(self, n: int) -> torch.Tensor:
+        return self.model(self.input_ids[:n], self.positions[:n])
+
+    def _capture_full(self, n: int, uniform: bool) -> None:
+        meta = self._static_meta(n, uniform)
+        meta.backend_data = self.backend.build_metadata(meta)
+        ctx = ForwardContext(self.backend, meta, self.kv_caches)
+        with forward_context(ctx):
+            self._run_model(n)  # warm-up: JIT, autotuning, lazy workspaces
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                output = self._run_model(n)
+        self.full[(n, uniform)] = _Full(graph, output, meta)
+
+    def _capture_piecewise(self, n: int) -> None:
+        meta = self._static_meta(n, uniform=False)
+        meta.backend_data = self.backend.build_metadata(meta)
+        pw = _Piecewise()
+
+        def hole(spec: AttentionLayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            pw.graphs[-1].capture_end()
+            pw.holes.append(_Hole(spec, q, k, v))
+            out = self._attn_out(n, q.shape[1] * q.shape[2], q)
+            out.copy_(
+                self.backend.forward(spec, q, k, v, self.kv_caches[spec.layer_idx], meta).reshape(n, -1)
+            )
+            pw.graphs.append(torch.cuda.CUDAGraph())
+            pw.graphs[-1].capture_begin(pool=self.pool)
+            return out
+
+        with forward_context(ForwardContext(self.backend, meta, self.kv_caches)):
+            self._run_model(n)  # warm-up, eager
+        torch.cuda.synchronize()
+        with (
+            torch.cuda.stream(self.stream),
+            forward_context(ForwardContext(self.backend, meta, self.kv_caches, hole)),
+        ):
+            pw.graphs.append(torch.cuda.CUDAGraph())
+            pw.graphs[-1].capture_begin(pool=self.pool)
+            pw.output = self._run_model(n)
+            pw.graphs[-1].capture_end()
+        torch.cuda.synchronize()
+        self.piecewise[n] = pw
+
+    def _attn_out(self, n: int, width: int, like: torch.Tensor) -> torch.Tensor:
+        if self.attn_out is None:
+            self.attn_out = torch.empty(
+                self.dispatcher.capture_sizes[-1], width, dtype=like.dtype, device=like.device
+            )
+        return self.attn_out[:n]
+
+    # ---- replay ----
+    def run(
+        self, d: Dispatch, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The forward of one step through the graphs; returns hidden states [T, hidden] (unpadded)."""
+        t, n = meta.num_actual_tokens, d.num_tokens
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
+        self.slot_mapping[t:n].fill_(-1)
+        if d.mode is RuntimeMode.FULL:
+            full = self.full[(n, d.uniform_decode)]
+            self._fill_full_meta(full.meta, meta, n, d.uniform_decode)
+            full.meta.backend_data = self.backend.build_metadata(full.meta)
+            full.graph.replay()
+            return full.output[:t]
+        pw = self.piecewise[n]
+        step_meta = AttentionMetadata(**{**meta.__dict__, "slot_mapping": self.slot_mapping[:t]})
+        for graph, h in zip(pw.graphs, pw.holes + [None]):
+            graph.replay()
+            if h is not None:
+                o = self.backend.forward(
+                    h.spec, h.q[:t], h.k[:t], h.v[:t], self.kv_caches[h.spec.layer_idx], step_meta
+                )
+                self.attn_out[:t].copy_(o.reshape(t, -1))
+        return pw.output[:t]
+
+    def _fill_full_meta(
+        self, static: AttentionMetadata, meta: AttentionMetadata, n: int, uniform: bool
+    ) -> None:
+        b, t = meta.num_reqs, meta.num_actual_tokens
+        bp = static.seq_lens.shape[0]
+        qsl = static.query_start_loc
+        qsl[: b + 1].copy_(meta.query_start_loc)
+        # padded requests: one token each when uniform (they own the padded rows), else empty
+        pad = torch.arange(1, bp - b + 1, dtype=torch.int32, device=qsl.device)
+        qsl[b + 1 :].copy_(t + pad if uniform else torch.full_like(pad, t))
+        static.seq_lens[:b].copy_(meta.seq_lens)
+        static.seq_lens[b:].fill_(1)
+        width = meta.block_table.shape[1]
+        static.block_table[:b, :width].copy_(meta.block_table)
+        static.block_table[b:].zero_()

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# On the offline GPU test machine: install the few pure-Python dependencies the image lacks (carried as
+# wheels in .device-deps/, made by `pip download` here), then the core and every plugin, editable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q --no-index --find-links .device-deps pydantic gguf 2>&1 | grep -v WARNING || true
+args=(-e .)
+for p in plugins/*/*/; do args+=(-e "$p"); done
+python3 -m pip install -q --no-deps --no-build-isolation "${args[@]}" 2>&1 | grep -v -i warning || true
+python3 -c 'import turnout, torch; print("turnout ok, torch", torch.__version__, "cuda", torch.cuda.is_available())'
