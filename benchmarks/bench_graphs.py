@@ -84,6 +84,7 @@ def main() -> None:
     path = make_random_model(Path(args.model_dir), "qwen3-0.6b")
     log = _CaptureLog()
     logging.getLogger("turnout").addHandler(log)
+    logging.getLogger("turnout").setLevel(logging.INFO)
     rng = random.Random(1)
     check = [(rng.randint(16, 700), 32) for _ in range(64)]  # mixed, chunked by the 512-token budget
     rows, ref = [], {}
