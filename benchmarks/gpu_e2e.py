@@ -1,0 +1,82 @@
+"""End to end on the GPU: bf16 Qwen3- and Llama-shaped models, 32 prompts, 64 greedy tokens. Every
+installed GPU attention backend against each other and against HF transformers (bf16, same GPU).
+
+  python benchmarks/gpu_e2e.py --json benchmarks/results/gpu_e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import print_table, write_json  # noqa: E402
+from random_models import make_random_model  # noqa: E402
+
+NEW = 64
+
+
+def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            gen = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p) :].tolist())
+    del model
+    return outs
+
+
+def agree(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for sa, sb in zip(a, b) for x, y in zip(sa, sb)) / sum(len(s) for s in a)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama-360m"])
+    ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer", "triton"])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    from turnout import LLM, SamplingParams
+    from turnout.errors import SelectionError
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(16, 256))] for _ in range(32)]
+    rows = []
+    for shape in args.shapes:
+        path = make_random_model(Path(f"/tmp/turnout-{shape}"), shape)
+        ref = hf_greedy(path, prompts)
+        outs: dict[str, list[list[int]]] = {}
+        for b in args.backends:
+            try:
+                llm = LLM(str(path), attention_backend=b, gpu_memory_utilization=0.5)
+            except SelectionError as e:
+                print(f"{shape} {b}: skipped: {e}")
+                continue
+            sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+            outs[b] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+            mode = llm.selection.effective_graph.name
+            llm.shutdown()
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+            row = {"model": shape, "backend": b, "graph_mode": mode, "vs_hf": agree(outs[b], ref)}
+            for other in outs:
+                if other != b:
+                    row[f"vs_{other}"] = agree(outs[b], outs[other])
+            rows.append(row)
+            print(row, flush=True)
+    print_table([{k: r.get(k, "") for k in sorted({k for r in rows for k in r}, key=str)} for r in rows])
+    write_json(args.json, rows, prompts=32, new_tokens=NEW, dtype="bfloat16")
+
+
+if __name__ == "__main__":
+    main()
