@@ -43,6 +43,9 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     data_parallel_size: int = Field(1, ge=1)
+    rpc_timeout: float = Field(
+        300, gt=0, description="seconds to wait for a worker's answer before giving up"
+    )
     # graphs
     cudagraph_mode: str = Field("FULL_AND_PIECEWISE", description="a graph policy name (turnout plugins)")
     cudagraph_capture_sizes: list[int] | None = Field(None, description="None = vLLM's default sizes")

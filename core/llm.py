@@ -35,7 +35,12 @@ class LLM:
         else:
             cfg = EngineConfig.load(config, model=model, **overrides)
         self.config = cfg
-        self.engine = LLMEngine(cfg)
+        if cfg.data_parallel_size > 1:  # replicas behind one front that speaks LLMEngine's request API
+            from turnout.engine.dp import DataParallelEngine
+
+            self.engine = DataParallelEngine(cfg)
+        else:
+            self.engine = LLMEngine(cfg)
         self.tokenizer = self.engine.tokenizer
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:

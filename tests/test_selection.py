@@ -112,12 +112,16 @@ def test_unknown_architecture_lists_installed(tiny_llama, tmp_path, plugin_manag
     assert "install a model plugin" in msg
 
 
-def test_executor_auto_rejects_uniproc_for_two_ranks(tiny_llama, plugin_manager):
+def test_executor_auto_picks_multiproc_for_two_ranks(tiny_llama, plugin_manager):
     info = ModelInfo.from_dir(tiny_llama)
     sel = select_all(EngineConfig(), info, plugin_manager, CPU)
     assert sel.executor.chosen.name == "uniproc"
-    with pytest.raises(SelectionError, match="uniproc: runs one rank, world size is 2"):
-        select_all(EngineConfig(tensor_parallel_size=2), info, plugin_manager, CPU)
+    sel = select_all(EngineConfig(tensor_parallel_size=2), info, plugin_manager, CPU)
+    assert sel.executor.chosen.name == "multiproc"
+    uni = next(c for c in sel.executor.candidates if c.name == "uniproc")
+    assert uni.reasons == ["runs one rank, world size is 2"]
+    with pytest.raises(SelectionError, match="'uniproc' cannot be used: runs one rank, world size is 2"):
+        select_all(EngineConfig(tensor_parallel_size=2, executor="uniproc"), info, plugin_manager, CPU)
 
 
 class _Policies:

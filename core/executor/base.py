@@ -37,6 +37,9 @@ class Executor:
     """Implementations: __init__(config, selection) builds the workers and their KV caches."""
 
     num_blocks: int
+    in_process: bool = (
+        True  # False: the model runs in other processes (DataParallelEngine steps it in a thread)
+    )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Run the forward for this step; logits stay on the workers until sample_tokens."""
@@ -58,4 +61,3 @@ class Executor:
     def step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.execute_model(scheduler_output)
         return self.sample_tokens()
-

@@ -52,7 +52,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused. KV heads are sharded, or replicated when fewer than TP ranks."""
 
-    def __init__(self, hidden: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ) -> None:
         tp = get_parallel_state().tp_size
         assert num_heads % tp == 0, f"{num_heads} attention heads do not split over {tp} ranks"
         self.head_size = head_size
@@ -76,7 +78,9 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         ps = get_parallel_state()
         self.tp_rank, self.tp_size = ps.tp_rank, ps.tp_size
-        assert in_features % self.tp_size == 0, f"{in_features} columns do not split over {self.tp_size} ranks"
+        assert in_features % self.tp_size == 0, (
+            f"{in_features} columns do not split over {self.tp_size} ranks"
+        )
         self.weight = _param(out_features, in_features // self.tp_size, loader=self.weight_loader)
         self.bias = _param(out_features, loader=self._bias_loader) if bias else None
 

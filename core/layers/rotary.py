@@ -21,7 +21,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_size: int, max_position: int, base: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(
+        self, head_size: int, max_position: int, base: float, scaling: dict[str, Any] | None
+    ) -> None:
         super().__init__()
         # float32 throughout, as HF computes it, so positions get bit-identical angles
         inv_freq = 1.0 / base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size)

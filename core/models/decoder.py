@@ -32,7 +32,9 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         rope_base = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        self.rotary = RotaryEmbedding(self.head_size, cfg.get("max_position_embeddings", 2048), rope_base, scaling)
+        self.rotary = RotaryEmbedding(
+            self.head_size, cfg.get("max_position_embeddings", 2048), rope_base, scaling
+        )
         self.q_norm = RMSNorm(self.head_size, cfg["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, cfg["rms_norm_eps"]) if qk_norm else None
         scale = self.head_size**-0.5

@@ -28,7 +28,9 @@ class ModelInfo:
         try:
             return cls(path, json.loads(cfg.read_text()))
         except json.JSONDecodeError as e:
-            raise TurnoutError(f"{cfg} is not valid JSON ({e}); re-download or re-convert the model") from None
+            raise TurnoutError(
+                f"{cfg} is not valid JSON ({e}); re-download or re-convert the model"
+            ) from None
 
     @property
     def architecture(self) -> str:

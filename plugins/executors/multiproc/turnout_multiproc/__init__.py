@@ -1,0 +1,20 @@
+"""The multi-process executor: one worker process per rank on this node."""
+
+from turnout import hookimpl
+from turnout.executor import ExecutorContext, ExecutorSpec
+
+
+def _check(ctx: ExecutorContext) -> list[str]:
+    if ctx.world_size == 1 and not ctx.explicit:
+        return ["world size is 1: uniproc runs it in-process (pass executor=multiproc to force a worker)"]
+    have = ctx.platform.device_count
+    if ctx.platform.is_cuda and ctx.world_size > have:
+        return [f"needs {ctx.world_size} GPUs on this node, have {have}; use executor=ray for several nodes"]
+    return []
+
+
+@hookimpl
+def turnout_executors() -> list[ExecutorSpec]:
+    return [
+        ExecutorSpec("multiproc", "turnout_multiproc.executor:MultiprocExecutor", priority=5, check=_check)
+    ]
