@@ -116,9 +116,10 @@ class CPUAttentionBackend(AttentionBackend):
         keys = kv_cache[0].index_select(0, flat).reshape(bd, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, L, D]
         vals = kv_cache[1].index_select(0, flat).reshape(bd, -1, hkv, d).transpose(1, 2)
         if md.decode_mask is None:
-            md.decode_mask = (torch.arange(keys.shape[2])[None, :] < md.decode_lens[:, None])[
-                :, None, None, :
-            ]
+            md.decode_mask = (torch.arange(keys.shape[2]) < md.decode_lens[:, None])[:, None, None, :]
+        # slots past seq_len may hold anything (even NaN), and masked softmax still multiplies them by 0
+        valid = md.decode_mask.transpose(2, 3)  # [Bd, 1, L, 1]
+        keys, vals = keys.masked_fill(~valid, 0), vals.masked_fill(~valid, 0)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, vals, attn_mask=md.decode_mask, scale=scale, enable_gqa=True
         )

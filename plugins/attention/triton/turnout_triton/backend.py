@@ -1,0 +1,83 @@
+"""TritonAttentionBackend: paged attention with this package's own Triton kernels (turnout_triton.kernels).
+
+triton is imported only when the backend is checked or runs. With TRITON_INTERPRET=1 set before that
+import, the kernels run in Triton's interpreter, so the backend also serves the CPU (slowly: for tests).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from turnout.attention import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    CudagraphSupport,
+)
+
+MAX_HEAD_SIZE = 256  # heads are padded to a power of two in registers; past 256 the tiles spill
+
+
+def _kernels() -> ModuleType:
+    from turnout_triton import kernels
+
+    return kernels
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    priority = 10  # below FlashAttention (30) and FlashInfer (20), as in vLLM on Hopper
+    device_types = ("cuda",)
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)  # float32 dots run in IEEE precision
+    head_sizes = None  # any size up to MAX_HEAD_SIZE, see check()
+    block_size_multiple = 1  # keys are found one by one through block_table: any block size works
+    min_capability = (8, 0)
+    # Kernels read lengths, offsets and block ids on the device; no host planning. Grids come from tensor
+    # shapes (T, B, num_kv_heads) and, while a graph is captured, a split count from shapes alone. So a
+    # graph captured on static metadata buffers replays correctly for any batch of those shapes, with one
+    # rule, as in vLLM: max_query_len at capture picks the kernels. Captured with max_query_len == 1, the
+    # graph serves decode-only batches; captured with max_query_len > 1, it serves any batch.
+    cudagraph_support = CudagraphSupport.ALWAYS
+
+    def __init__(self) -> None:
+        if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every kernel on the host
+            self.device_types = ("cuda", "cpu")
+            self.min_capability = None
+            self.priority = -1  # it is for tests: never preferred over a native backend
+
+    def import_error(self) -> str | None:
+        try:
+            kn = _kernels()
+        except ImportError as e:
+            return f"cannot import triton: {e}"
+        if "cpu" in self.device_types and not kn.INTERPRET:
+            return "turnout_triton.kernels was imported before TRITON_INTERPRET=1 was set"
+        return None
+
+    def check(self, ctx: AttentionContext) -> list[str]:
+        reasons = super().check(ctx)
+        if ctx.head_size > MAX_HEAD_SIZE:
+            reasons.insert(0, f"head size {ctx.head_size} unsupported (at most {MAX_HEAD_SIZE})")
+        return reasons
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        q: torch.Tensor,  # [T, num_heads, head_size]
+        k: torch.Tensor,  # [T, num_kv_heads, head_size]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        kn = _kernels()
+        kn.store_kv(k, v, kv_cache, meta.slot_mapping)
+        # A graph replays with other sequence lengths: while capturing, split by occupancy alone.
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        max_seq_len = None if capturing else meta.max_seq_len
+        splits = kn.num_splits(meta.num_reqs, layer.num_kv_heads, max_seq_len, q.device)
+        lens = (meta.query_start_loc, meta.seq_lens, meta.block_table)
+        return kn.paged_attention(q, kv_cache, *lens, layer.scale, meta.max_query_len, splits)

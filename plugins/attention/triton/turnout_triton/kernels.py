@@ -1,0 +1,321 @@
+"""Triton kernels for paged attention over the default cache layout, and their launchers.
+
+Cache: kv_cache [2, num_blocks, block_size, num_kv_heads, head_size]; K = kv_cache[0], V = kv_cache[1].
+Every key is found through block_table (block = pos // block_size, row = pos % block_size), so any
+block size works. Query heads are folded into the M dimension of each tile: the QPK = num_heads //
+num_kv_heads query heads sharing one KV head read each K/V tile once. Softmax is online in float32 with
+exp2: scores are pre-multiplied by scale * log2(e); split-KV partials carry their LSE in log2 units.
+
+Constraints: num_heads a multiple of num_kv_heads; head_size <= 256 (padded to a power of two >= 16 in
+registers, so 64/128/256 waste nothing); any block size; q, k, v may be strided views (last dim unit
+stride). Grids depend only on tensor shapes and the split count (`num_splits`), never on per-request
+lengths, which the kernels read from device memory, so CUDA graphs replay them for any batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _store_kv_kernel(
+    k, v, k_cache, v_cache, slot_mapping,
+    s_kt, s_kh, s_vt, s_vh, s_cb, s_cs, s_ch, block_size, num_kv_heads,
+    HEAD: tl.constexpr, HEAD_P2: tl.constexpr, KVH_P2: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    h = tl.arange(0, KVH_P2)[:, None]
+    d = tl.arange(0, HEAD_P2)[None, :]
+    mask = (h < tl.where(slot >= 0, num_kv_heads, 0)) & (d < HEAD)  # [KVH_P2, HEAD_P2]
+    dst = (slot // block_size) * s_cb + (slot % block_size) * s_cs + h * s_ch + d
+    tl.store(k_cache + dst, tl.load(k + t * s_kt + h * s_kh + d, mask=mask), mask=mask)
+    tl.store(v_cache + dst, tl.load(v + t * s_vt + h * s_vh + d, mask=mask), mask=mask)
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    if PREC == "upcast":  # the interpreter's dot multiplies bfloat16 bit patterns as integers (triton 3.9)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _attend_tile(
+    qt, m, den, acc, k_cache, v_cache, bt_row, j, kv_end, qpos, d, kv_off, block_size, s_cb, s_cs,
+    scale_log2, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    PREC: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N tile of keys [j, j + BLOCK_N) against qt [M, HEAD_P2]; keys >= kv_end are masked."""
+    pos = j + tl.arange(0, BLOCK_N)
+    kmask = pos < kv_end
+    blk = tl.load(bt_row + pos // block_size, mask=kmask, other=0).to(tl.int64)
+    off = blk * s_cb + (pos % block_size) * s_cs + kv_off  # [BLOCK_N]
+    if HEAD == HEAD_P2:
+        lmask = kmask[:, None]
+    else:
+        lmask = kmask[:, None] & (d[None, :] < HEAD)
+    kt = tl.load(k_cache + off[:, None] + d[None, :], mask=lmask, other=0.0)  # [BLOCK_N, HEAD_P2]
+    vt = tl.load(v_cache + off[:, None] + d[None, :], mask=lmask, other=0.0)
+    s = _dot(qt, tl.trans(kt), PREC) * scale_log2  # [M, BLOCK_N]
+    if CAUSAL:
+        s = tl.where(kmask[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at zero weight
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    den = den * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PREC)
+    return m_new, den, acc
+
+
+@triton.jit
+def _find_request(cu, num_reqs, pid, BLOCK_Q: tl.constexpr):
+    """Largest b with cu[b] // BLOCK_Q + b <= pid: request b owns tiles [that, next request's)."""
+    lo = 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(cu + mid) // BLOCK_Q + mid <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _prefill_kernel(
+    q, k_cache, v_cache, out, cu, seq_lens, block_table, scale_log2, num_reqs, block_size,
+    s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
+    QPK: tl.constexpr, QPK_P2: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Grid (T // BLOCK_Q + B, num_kv_heads). Requests with query_len 1 are left to the decode kernel."""
+    BLOCK_M: tl.constexpr = BLOCK_Q * QPK_P2
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = _find_request(cu, num_reqs, pid, BLOCK_Q)
+    q0 = tl.load(cu + b)
+    qlen = tl.load(cu + b + 1) - q0
+    ctx = tl.load(seq_lens + b) - qlen
+    qb = pid - (q0 // BLOCK_Q + b)  # this program's query tile within the request
+    r = tl.arange(0, BLOCK_M)
+    tok = qb * BLOCK_Q + r // QPK_P2  # [M] query index within the request
+    head = kvh * QPK + r % QPK_P2
+    d = tl.arange(0, HEAD_P2)
+    row_ok = (tok < tl.where(qlen > 1, qlen, 0)) & (r % QPK_P2 < QPK)
+    io_mask = row_ok[:, None] & (d[None, :] < HEAD)
+    qt = tl.load(q + (q0 + tok)[:, None] * s_qt + head[:, None] * s_qh + d[None, :], mask=io_mask, other=0.0)
+    qpos = ctx + tok
+    tile_end = tl.minimum((qb + 1) * BLOCK_Q, qlen)
+    kv_end = tl.where((qlen > 1) & (tile_end > qb * BLOCK_Q), ctx + tile_end, 0)
+    full_end = tl.minimum((ctx + qb * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, kv_end)  # keys every row sees
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_P2], tl.float32)
+    bt_row = block_table + b.to(tl.int64) * s_bt
+    kv_off = kvh * s_ch
+    for j in range(0, full_end, BLOCK_N):
+        m, den, acc = _attend_tile(
+            qt, m, den, acc, k_cache, v_cache, bt_row, j, kv_end, qpos, d, kv_off, block_size, s_cb, s_cs,
+            scale_log2, HEAD, HEAD_P2, BLOCK_N, False, PREC,
+        )  # fmt: skip
+    for j in range(full_end, kv_end, BLOCK_N):
+        m, den, acc = _attend_tile(
+            qt, m, den, acc, k_cache, v_cache, bt_row, j, kv_end, qpos, d, kv_off, block_size, s_cb, s_cs,
+            scale_log2, HEAD, HEAD_P2, BLOCK_N, True, PREC,
+        )  # fmt: skip
+    acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+    o_ptr = out + (q0 + tok)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
+    tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _decode_kernel(
+    q, k_cache, v_cache, out, part_o, part_lse, cu, seq_lens, block_table, scale_log2, block_size,
+    s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
+    QPK: tl.constexpr, ROWS: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Grid (B, num_kv_heads, NUM_SPLITS); only requests with query_len 1. Split s covers one
+    BLOCK_N-aligned chunk of [0, seq_len); with one split it writes out, else part_o/part_lse."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    q0 = tl.load(cu + b)
+    is_dec = tl.load(cu + b + 1) - q0 == 1
+    seq_len = tl.where(is_dec, tl.load(seq_lens + b), 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    r = tl.arange(0, ROWS)
+    head = kvh * QPK + r
+    d = tl.arange(0, HEAD_P2)
+    row_ok = r < tl.where(is_dec, QPK, 0)
+    io_mask = row_ok[:, None] & (d[None, :] < HEAD)
+    qt = tl.load(q + q0 * s_qt + head[:, None] * s_qh + d[None, :], mask=io_mask, other=0.0)  # [ROWS, HD_P2]
+    qpos = tl.full([ROWS], 0, tl.int32) + seq_len - 1
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    den = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_P2], tl.float32)
+    bt_row = block_table + b.to(tl.int64) * s_bt
+    for j in range(start, end, BLOCK_N):
+        m, den, acc = _attend_tile(
+            qt, m, den, acc, k_cache, v_cache, bt_row, j, end, qpos, d, kvh * s_ch, block_size, s_cb, s_cs,
+            scale_log2, HEAD, HEAD_P2, BLOCK_N, True, PREC,
+        )  # fmt: skip
+    acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+    if NUM_SPLITS == 1:
+        o_ptr = out + q0 * s_ot + head[:, None] * s_oh + d[None, :]
+        tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=io_mask)
+    else:
+        row = (b * (QPK * tl.num_programs(1)) + head) * NUM_SPLITS + sp  # [ROWS] into [B, H, NUM_SPLITS]
+        tl.store(part_o + row[:, None] * HEAD + d[None, :], acc, mask=io_mask)
+        lse = tl.where(den == 0.0, float("-inf"), m + tl.log2(tl.where(den == 0.0, 1.0, den)))
+        tl.store(part_lse + row, lse, mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    out, part_o, part_lse, cu, s_ot, s_oh,
+    HEAD: tl.constexpr, HEAD_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Grid (B, num_heads): out = sum_s 2^(lse_s - LSE) o_s for the decode requests."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    q0 = tl.load(cu + b)
+    is_dec = tl.load(cu + b + 1) - q0 == 1
+    sp = tl.arange(0, NUM_SPLITS)
+    row = (b * tl.num_programs(1) + h) * NUM_SPLITS + sp  # [S]
+    d = tl.arange(0, HEAD_P2)
+    lse = tl.load(part_lse + row, mask=sp < tl.where(is_dec, NUM_SPLITS, 0), other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # [S]
+    io_mask = d < tl.where(is_dec, HEAD, 0)
+    o = tl.load(part_o + row[:, None] * HEAD + d[None, :], mask=io_mask[None, :], other=0.0)  # [S, HEAD_P2]
+    res = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(out + q0 * s_ot + h * s_oh + d, res.to(out.dtype.element_ty), mask=io_mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, num_kv_heads, head_size] -> kv_cache[:, slot] for every slot_mapping[t] >= 0."""
+    t, kvh, hs = k.shape
+    if t == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    kc, vc = kv_cache[0], kv_cache[1]
+    p2 = triton.next_power_of_2
+    _store_kv_kernel[(t,)](
+        k, v, kc, vc, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), kc.shape[1], kvh,
+        HEAD=hs, HEAD_P2=_head_p2(hs), KVH_P2=p2(kvh), num_warps=1 if INTERPRET else 4,
+    )  # fmt: skip
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    num_splits: int,
+) -> torch.Tensor:
+    """q [T, H, D] against the cache -> [T, H, D]. Rows past query_start_loc[-1] (padding) stay unwritten.
+
+    The decode kernel always runs (its programs skip requests with query_len != 1); the prefill kernel
+    runs only when max_query_len > 1 (its programs skip requests with query_len 1).
+    """
+    t, h, hs = q.shape
+    kc, vc = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_size]
+    nb, bs, kvh, _ = kc.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    b = seq_lens.shape[0]
+    if t == 0 or b == 0:
+        return out
+    q = _last_dim_contiguous(q)
+    qpk = h // kvh
+    prec = "ieee" if q.dtype == torch.float32 else "upcast" if INTERPRET else "tf32"  # tf32: moot for 16-bit
+    p2, hp2 = triton.next_power_of_2, _head_p2(hs)
+    common = (kc.stride(0), kc.stride(1), kc.stride(2), block_table.stride(0))
+    io = (q.stride(0), q.stride(1), out.stride(0), out.stride(1))
+    scale_log2 = scale * LOG2E
+    fp32 = q.dtype == torch.float32
+    dec = _decode_config(hp2, p2(qpk), fp32)
+    s = num_splits
+    part_o = out if s == 1 else torch.empty((b, h, s, hs), dtype=torch.float32, device=q.device)
+    part_lse = out if s == 1 else torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    _decode_kernel[(b, kvh, s)](
+        q, kc, vc, out, part_o, part_lse, query_start_loc, seq_lens, block_table, scale_log2, bs,
+        *io, *common, QPK=qpk, ROWS=dec["rows"], HEAD=hs, HEAD_P2=hp2, BLOCK_N=dec["block_n"], NUM_SPLITS=s,
+        PREC=prec, num_warps=dec["warps"], num_stages=dec["stages"],
+    )  # fmt: skip
+    if s > 1:
+        _reduce_kernel[(b, h)](
+            out, part_o, part_lse, query_start_loc, out.stride(0), out.stride(1),
+            HEAD=hs, HEAD_P2=hp2, NUM_SPLITS=s, num_warps=1 if INTERPRET else 4,
+        )  # fmt: skip
+    if max_query_len > 1:
+        pre = _prefill_config(hp2, p2(qpk), fp32)
+        bq = pre["block_m"] // p2(qpk)
+        _prefill_kernel[(t // bq + b, kvh)](
+            q, kc, vc, out, query_start_loc, seq_lens, block_table, scale_log2, b, bs, *io, *common,
+            QPK=qpk, QPK_P2=p2(qpk), HEAD=hs, HEAD_P2=hp2, BLOCK_Q=bq, BLOCK_N=pre["block_n"], PREC=prec,
+            num_warps=pre["warps"], num_stages=pre["stages"],
+        )  # fmt: skip
+    return out
+
+
+def num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device) -> int:
+    """KV splits per decode request, a power of two <= MAX_SPLITS: enough programs to fill the GPU, and
+    no split under 256 keys. max_seq_len None (graph capture) sizes by occupancy alone. Any value is
+    correct; only speed depends on it."""
+    if device.type != "cuda" or INTERPRET:  # exercise the split path cheaply under the interpreter
+        want = 1 if max_seq_len is None else math.ceil(max_seq_len / 64)
+        return min(triton.next_power_of_2(want), 4)
+    want = math.ceil(2 * _sm_count(device.index or 0) / max(num_reqs * num_kv_heads, 1))
+    if max_seq_len is not None:
+        want = min(want, math.ceil(max_seq_len / 256))
+    return min(triton.next_power_of_2(max(want, 1)), MAX_SPLITS)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# Tile choices, tuned on an H200 (bf16, 32 query / 8 KV heads, head 128; see benchmarks/bench_attention.py):
+# decode 64-key tiles on 2 warps read ~3.2 TB/s at 32 x 4k; prefill 128 x 128 tiles ~350 TFLOP/s at 16k.
+def _decode_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
+    if INTERPRET:
+        return dict(rows=qpk_p2, block_n=32, warps=1, stages=1)
+    rows = max(16, qpk_p2)  # tl.dot needs M >= 16
+    if head_p2 <= 128 and not fp32:
+        return dict(rows=rows, block_n=64, warps=2 if rows <= 16 else 4, stages=3)
+    return dict(rows=rows, block_n=32, warps=4, stages=2)
+
+
+def _prefill_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
+    if INTERPRET:
+        return dict(block_m=max(64, qpk_p2), block_n=32, warps=1, stages=1)  # few, large programs
+    if head_p2 <= 128 and not fp32:
+        return dict(block_m=max(128, qpk_p2), block_n=128, warps=8, stages=2)
+    return dict(block_m=max(64, qpk_p2), block_n=32, warps=4, stages=2)
+
+
+def _head_p2(head_size: int) -> int:
+    return max(16, triton.next_power_of_2(head_size))  # tl.dot needs K >= 16
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()

@@ -1,0 +1,219 @@
+"""One conformance suite for every installed attention backend (entry-point group `turnout`).
+
+Each case draws a random paged step (attention_reference.make_case), poisons every cache slot that
+holds no token with NaN, runs build_metadata + forward, and checks:
+  - the output against a float64 reference by ||out - ref|| / ||ref||, and that it is finite;
+  - the cache bit for bit: k, v written exactly at slot_mapping, every other slot (poison included)
+    untouched;
+  - that q, k, v were not modified.
+Off CUDA, Triton backends run under TRITON_INTERPRET=1, which is set only while the backends are
+discovered (and their libraries imported) and while this module's tests run (triton imports more of
+itself lazily), so the rest of the test session does not see it.
+TURNOUT_PLUGINS=name[,name] limits the suite to those entry points, as it limits the engine.
+The CPU run uses small shapes; the `gpu` cases run the full product with larger ones.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import itertools
+import os
+import random
+
+import pytest
+import torch
+
+from turnout.attention import AttentionBackend, AttentionContext, AttentionLayerSpec, CudagraphSupport
+from turnout.platform import current_platform
+
+from attention_reference import KINDS, make_case
+
+PLATFORM = current_platform()
+ON_CUDA = PLATFORM.is_cuda
+DEVICE = "cuda" if ON_CUDA else "cpu"
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+BATCHES = {  # name -> (request kinds drawn from, graph-padding tokens, decode rows first)
+    "decode": (("decode",), 0, True),
+    "prefill": (("prefill",), 0, True),
+    "prefix": (("prefix",), 0, True),
+    "chunked": (("chunked",), 0, True),
+    "mixed": (KINDS, 0, True),
+    "padded": (KINDS, 5, True),  # CUDA-graph padding: trailing tokens with slot -1
+    "unordered": (KINDS, 0, False),  # decode rows anywhere; num_decode_tokens counts the leading ones
+}
+GQAS = (1, 2, 4, 8)
+HEADS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SMALL = dict(num_reqs=4, num_kv_heads=2, max_ctx=64, max_query=24)  # the interpreter is slow
+LARGE = dict(num_reqs=8, num_kv_heads=4, max_ctx=1500, max_query=200)
+
+
+def _discover() -> list[tuple[str, AttentionBackend | None, str]]:
+    """(entry point, backend, why it failed to load) for every backend the installed plugins offer."""
+    allow = os.environ.get("TURNOUT_PLUGINS")
+    allow = None if allow is None else {n.strip() for n in allow.split(",")}
+    prev = os.environ.get("TRITON_INTERPRET")
+    if not ON_CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+    found = []
+    try:
+        for ep in sorted(md.entry_points(group="turnout"), key=lambda e: e.name):
+            if allow is not None and ep.name not in allow:
+                continue
+            try:
+                hook = getattr(ep.load(), "turnout_attention_backends", None)
+                backends = hook(platform=PLATFORM) if hook else []
+            except Exception as e:  # a broken plugin is reported, not fatal to the others
+                found.append((ep.name, None, f"{type(e).__name__}: {e}".splitlines()[0]))
+                continue
+            for be in backends:
+                be.import_error()  # heavy imports happen here, under the interpreter flag
+                found.append((ep.name, be, ""))
+    finally:
+        if prev is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = prev
+    return found
+
+
+def _backend_params() -> list:
+    params = []
+    for ep, be, err in _discover():
+        if be is None:
+            params.append(pytest.param(None, id=ep, marks=pytest.mark.skip(reason=f"plugin {ep}: {err}")))
+        else:
+            params.append(pytest.param(be, id=be.name))
+    return params or [pytest.param(None, marks=pytest.mark.skip(reason="no attention backend installed"))]
+
+
+BACKENDS = _backend_params()
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not ON_CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _block_size(be: AttentionBackend, want: int = 16) -> int:
+    m = be.block_size_multiple
+    return want if want % m == 0 else m * -(-want // m)
+
+
+def _run(be: AttentionBackend, batch: str, gqa: int, head: int, dtype: torch.dtype, seed: int, shape: dict,
+         block_size: int | None = None) -> None:  # fmt: skip
+    bs = block_size or _block_size(be)
+    ctx = AttentionContext(PLATFORM, dtype, head, shape["num_kv_heads"] * gqa, shape["num_kv_heads"], bs)
+    if reasons := be.check(ctx):
+        pytest.skip(f"{be.name}: " + "; ".join(reasons))
+    kinds, pad, decode_first = BATCHES[batch]
+    rng = random.Random(f"{seed}-{batch}-{gqa}-{head}-{dtype}-{bs}")
+    c = make_case(rng, gqa=gqa, head_size=head, dtype=dtype, block_size=bs, kinds=kinds, pad_tokens=pad,
+                  decode_first=decode_first, device=DEVICE, **shape)  # fmt: skip
+    layer = AttentionLayerSpec(0, c.q.shape[1], c.num_kv_heads, head, c.scale)
+    inputs = [x.clone() for x in (c.q, c.k, c.v)]
+    c.meta.backend_data = be.build_metadata(c.meta)
+    out = be.forward(layer, c.q, c.k, c.v, c.kv_cache, c.meta)
+    n, m = c.meta.num_actual_tokens, c.meta
+    where = f"{be.name} {batch}: {c.kinds}, seq_lens={m.seq_lens.tolist()} cu={m.query_start_loc.tolist()}"
+    assert out.shape == c.q.shape and out.dtype == dtype, where
+    assert torch.isfinite(out[:n]).all(), f"non-finite output: {where}"
+    err = ((out[:n].double() - c.expected).norm() / c.expected.norm()).item()
+    assert err <= TOL[dtype], f"relative error {err:.2e} > {TOL[dtype]:.0e}: {where}"
+    changed = (c.kv_cache.view(torch.uint8) != c.expected_cache.view(torch.uint8)).nonzero()
+    assert changed.numel() == 0, f"cache differs from a write at slot_mapping at bytes {changed[:4].tolist()}"
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (c.q, c.k, c.v))), f"q, k or v modified: {where}"
+
+
+def _covering() -> list:
+    """Every batch kind x GQA ratio; head size and dtype rotate so that every pair of values meets."""
+    params = []
+    for (i, batch), (j, gqa) in itertools.product(enumerate(BATCHES), enumerate(GQAS)):
+        head, dtype = HEADS[(i + j) % 2], DTYPES[(i + j) % 3]
+        params.append(pytest.param(batch, gqa, head, dtype, id=f"{batch}-gqa{gqa}-d{head}-{str(dtype)[6:]}"))
+    return params
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("batch,gqa,head,dtype", _covering())
+def test_conformance(be: AttentionBackend, batch: str, gqa: int, head: int, dtype: torch.dtype) -> None:
+    _run(be, batch, gqa, head, dtype, seed=0, shape=LARGE if ON_CUDA else SMALL)
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("block_size", [1, 8, 48])
+def test_block_sizes(be: AttentionBackend, block_size: int) -> None:
+    _run(be, "mixed", 2, 64, torch.float16, seed=1, shape=LARGE if ON_CUDA else SMALL, block_size=block_size)
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("head", [80, 96, 256])
+def test_head_sizes(be: AttentionBackend, head: int) -> None:
+    _run(be, "mixed", 4, head, torch.float16, seed=5, shape=LARGE if ON_CUDA else SMALL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("batch", ["decode", "chunked", "mixed"])
+def test_long_context(be: AttentionBackend, batch: str) -> None:
+    """Contexts long enough for split-KV decode and many key tiles, still small for the interpreter."""
+    shape = dict(num_reqs=3, num_kv_heads=1, max_ctx=900, max_query=96)
+    _run(be, batch, 4, 128, torch.bfloat16, seed=2, shape=LARGE if ON_CUDA else shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("gqa", GQAS)
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_conformance_full(be: AttentionBackend, batch: str, gqa: int, head: int, dtype: torch.dtype) -> None:
+    _run(be, batch, gqa, head, dtype, seed=3, shape=LARGE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("be", BACKENDS)
+def test_cudagraph_replay(be: AttentionBackend) -> None:
+    """Capture forward once on static metadata buffers holding a dummy batch, then replay it on a real
+    batch of the same shapes copied into those buffers: what the support level promises."""
+    if be.cudagraph_support == CudagraphSupport.NEVER:
+        pytest.skip(f"{be.name} does not support CUDA graphs")
+    batch = "padded" if be.cudagraph_support == CudagraphSupport.ALWAYS else "decode"
+    bs = _block_size(be)
+    ctx = AttentionContext(PLATFORM, torch.bfloat16, 128, 16, 4, bs)
+    if reasons := be.check(ctx):
+        pytest.skip("; ".join(reasons))
+    kinds, pad, _ = BATCHES[batch]
+    c = make_case(random.Random(4), gqa=4, head_size=128, dtype=torch.bfloat16, block_size=bs, kinds=kinds,
+                  pad_tokens=pad, device=DEVICE, **LARGE)  # fmt: skip
+    m = c.meta
+    layer = AttentionLayerSpec(0, c.q.shape[1], c.num_kv_heads, 128, c.scale)
+    real = {f: getattr(m, f).clone() for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_table")}
+    b, t = m.num_reqs, c.q.shape[0]
+    cu = torch.arange(b + 1, device=DEVICE) * (m.num_actual_tokens // b)  # dummy: equal queries, no context
+    cu[-1] = m.num_actual_tokens
+    m.query_start_loc.copy_(cu)
+    m.seq_lens.copy_(cu[1:] - cu[:-1])
+    m.block_table.zero_()
+    m.slot_mapping.fill_(-1)
+    host = (m.max_query_len, m.max_seq_len)
+    m.max_query_len, m.max_seq_len = int(m.seq_lens.max()), int(m.seq_lens.max())
+    m.backend_data = be.build_metadata(m)
+    cache0 = c.kv_cache.clone()
+    be.forward(layer, c.q, c.k, c.v, c.kv_cache, m)  # warm-up: compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = be.forward(layer, c.q, c.k, c.v, c.kv_cache, m)
+    for f, x in real.items():
+        getattr(m, f).copy_(x)
+    m.max_query_len, m.max_seq_len = host
+    c.kv_cache.copy_(cache0)
+    g.replay()
+    torch.cuda.synchronize()
+    n = m.num_actual_tokens
+    err = ((out[:n].double() - c.expected).norm() / c.expected.norm()).item()
+    assert err <= TOL[torch.bfloat16], f"{be.name} replay of {batch} ({t} tokens): relative error {err:.2e}"
+    assert torch.equal(c.kv_cache.view(torch.uint8), c.expected_cache.view(torch.uint8))
