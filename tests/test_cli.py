@@ -67,9 +67,13 @@ def test_explain_shows_all_kinds_and_config_choice(third_party, tiny_llama, tmp_
 
 
 def test_explain_bad_choices_exit_nonzero_with_one_line(tiny_llama):
-    p = run("explain", "--model", str(tiny_llama), "--attention-backend", "flashinfer", check=False)
+    p = run("explain", "--model", str(tiny_llama), "--attention-backend", "nosuchbackend", check=False)
     assert p.returncode == 2
-    assert p.stderr.strip().splitlines()[-1].startswith("error: unknown attention backend 'flashinfer'")
+    assert p.stderr.strip().splitlines()[-1].startswith("error: unknown attention backend 'nosuchbackend'")
+    p = run("explain", "--model", str(tiny_llama), "--attention-backend", "flashinfer", check=False)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "'flashinfer' cannot be used: needs device cuda, have cpu" in last
+    assert "valid here: cpu" in last
     p = run("explain", "--model", str(tiny_llama), "--cudagraph-mode", "SOMETIMES", check=False)
     assert p.returncode == 2 and "unknown graph policy 'SOMETIMES'" in p.stderr
 

@@ -1,0 +1,288 @@
+"""FlashInferBackend: paged attention through FlashInfer's batch wrappers (flashinfer-python 0.6).
+
+KV layout: the default [2, num_blocks, block_size, num_kv_heads, head_size]; (kv_cache[0], kv_cache[1]) is
+FlashInfer's NHD (k_cache, v_cache) tuple with one page per block, so any block size is a page size. k and v
+are written through slot_mapping in torch (slot -1 writes nowhere) before attention.
+
+One plan per step, not per layer. build_metadata turns seq_lens / block_table into FlashInfer's paged
+indices (kv_indptr, kv_indices, kv_last_page_len: vectorised, fixed shapes) and plans one wrapper:
+  - uniform decode (every request runs one token): a BatchDecodeWithPagedKVCacheWrapper per batch size, made
+    in CUDA-graph mode on fixed index buffers, with tensor cores, FA2 kernels and split-KV off. Its plan then
+    depends on the batch size alone: lengths and page ids are read on the device.
+  - any other batch (the model runner does not reorder requests, so decode rows may sit anywhere): one
+    BatchPrefillWithPagedKVCacheWrapper, causal, over every request. Its kernels are FlashInfer's FA2 ones
+    too, so prefill and decode share one JIT module per (dtype, head size);
+    TURNOUT_FLASHINFER_PREFILL_BACKEND=auto picks FA3 on SM90 instead (faster prefill, a second JIT module).
+plan needs the layer's head counts, head size, dtype and scale and the cache's block size, which the metadata
+does not carry: the backend learns them from its first forward and plans in build_metadata from then on; a
+forward whose layer differs from the plan re-plans (eagerly). All wrappers share one 128 MiB float workspace.
+
+CUDA graphs (UNIFORM_DECODE). Capturing a uniform-decode batch needs:
+  1. static metadata tensors (slot_mapping, query_start_loc, seq_lens, block_table of a fixed width) that are
+     refilled in place before each replay, with num_reqs == tokens == the captured size (padding tokens are
+     padding requests: slot -1, any seq_len >= 0);
+  2. prepare_cudagraphs(max_blocks_per_req) once, so the decode wrappers' page-index buffers fit the widest
+     block_table; then per captured size build_metadata on the static tensors and one eager forward (JIT
+     compile, plan) before torch.cuda.graph(...);
+  3. nothing per replay: the first attention layer in the graph recomputes the paged indices from seq_lens /
+     block_table into the wrapper's fixed buffers. Calling build_metadata before a replay also works (it
+     re-plans the same buffers with the same schedule).
+Mixed batches cannot be captured (planning reads lengths on the host): trying raises.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import torch
+
+from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata, CudagraphSupport
+
+WORKSPACE_BYTES = 128 << 20  # float workspace, shared by every wrapper (FlashInfer's recommended size)
+MIN_VERSION = (0, 6)
+
+
+def _flashinfer() -> ModuleType:
+    import flashinfer
+
+    return flashinfer
+
+
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in v.split("+")[0].split(".")[:2] if p.isdigit())
+
+
+class _Spec(NamedTuple):
+    """What a plan is made for: the layer and the cache."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    scale: float
+    block_size: int
+
+
+@dataclass
+class _StaticDecode:
+    """A CUDA-graph-mode decode wrapper for one batch size, and the fixed buffers its kernels read."""
+
+    wrapper: Any
+    indptr: torch.Tensor  # [B + 1] int32
+    indices: torch.Tensor  # [capacity] int32
+    last_page_len: torch.Tensor  # [B] int32
+    captured: bool = False
+
+    def refresh(self, meta: AttentionMetadata, block_size: int) -> None:
+        indptr, indices, last = paged_indices(meta.seq_lens, meta.block_table, block_size)
+        self.indptr.copy_(indptr)
+        self.indices[: indices.numel()].copy_(indices)
+        self.last_page_len.copy_(last)
+
+
+@dataclass
+class FlashInferMetadata:
+    decode: bool  # uniform decode: the static decode wrapper; otherwise the prefill wrapper
+    rows: int  # query rows the wrapper runs: num_reqs (decode) or num_actual_tokens
+    store_rows: torch.Tensor | None  # [n] token rows with a slot >= 0; None when every slot is valid
+    spec: _Spec | None = None  # what `wrapper` is planned for; None: not planned yet
+    wrapper: Any = None
+    static: _StaticDecode | None = None
+    refreshed: bool = False  # the current capture already recomputes the static page indices
+
+
+def paged_indices(
+    seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """seq_lens [B], block_table [B, W] -> FlashInfer's kv_indptr [B + 1], kv_indices [B * W] (the first
+    kv_indptr[-1] are real) and kv_last_page_len [B], int32 on the device. Fixed shapes: capturable."""
+    b, w = block_table.shape
+    dev = seq_lens.device
+    # [B]; the clamp only matters for a plan made on a guessed block size, which forward redoes
+    pages = ((seq_lens + block_size - 1) // block_size).clamp(max=w)
+    indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+    indptr[1:] = torch.cumsum(pages, 0)
+    col = torch.arange(w, device=dev)
+    dst = torch.where(col < pages[:, None], indptr[:-1, None] + col, b * w)  # [B, W]; b * w: a dump slot
+    indices = torch.zeros(b * w + 1, dtype=torch.int32, device=dev)
+    indices.scatter_(0, dst.flatten(), block_table.flatten().to(torch.int32))
+    last = torch.where(seq_lens > 0, (seq_lens - 1) % block_size + 1, 0).to(torch.int32)
+    return indptr, indices[: b * w], last
+
+
+def store_kv(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    slots: torch.Tensor,  # [T] int64, -1 writes nowhere
+    rows: torch.Tensor | None,  # [n] the rows with slot >= 0, None when all are
+    capturing: bool,
+) -> None:
+    """Eagerly, index_copy_ the valid rows. While a graph is captured the valid rows are unknown, so every
+    row is written: a -1 row repeats a valid row's write (same slot, same value), or rewrites slot 0 with
+    its own value when no row is valid. The captured kernels then serve any later slot_mapping."""
+    hkv, d = kv_cache.shape[-2:]
+    caches = (kv_cache[0].view(-1, hkv, d), kv_cache[1].view(-1, hkv, d))
+    if not capturing:
+        if rows is not None:
+            slots, k, v = slots[rows], k[rows], v[rows]
+        for c, x in zip(caches, (k, v)):
+            c.index_copy_(0, slots, x)
+        return
+    valid = slots >= 0
+    j = valid.to(torch.int32).argmax()  # a valid row if there is one
+    has = valid[j]
+    dst = torch.where(valid, slots, torch.where(has, slots[j], 0))
+    for c, x in zip(caches, (k, v)):
+        fill = torch.where(has, x[j], c[0])  # [Hkv, D]
+        c.index_copy_(0, dst, torch.where(valid[:, None, None], x, fill))
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+    priority = 20  # between FlashAttention (30) and Triton (10), as in vLLM on Hopper
+    device_types = ("cuda",)
+    dtypes = (torch.float16, torch.bfloat16)
+    head_sizes = (64, 128, 256)  # FA3's static_assert (hopper/prefill_sm90.cuh); FA2 builds these too
+    block_size_multiple = 1  # a block is a page; FlashInfer takes any page size
+    min_capability = (8, 0)
+    # Uniform decode replays from static buffers (see the module docstring); mixed batches plan on the host.
+    cudagraph_support = CudagraphSupport.UNIFORM_DECODE
+
+    def __init__(self) -> None:
+        self._spec: _Spec | None = None  # learned from the first forward
+        self._workspace: torch.Tensor | None = None
+        self._prefill: Any = None
+        self._decode: dict[int, _StaticDecode] = {}  # batch size -> wrapper
+        self._retired: list[_StaticDecode] = []  # replaced, but a captured graph still reads their buffers
+        self._graph_width = 0
+
+    def import_error(self) -> str | None:
+        try:
+            fi = _flashinfer()
+        except ModuleNotFoundError as e:
+            if e.name == "flashinfer":
+                return "flashinfer is not installed (pip install flashinfer-python)"
+            return f"cannot import flashinfer: {e}"
+        except Exception as e:  # the JIT toolchain or a CUDA library failing to load
+            return f"cannot import flashinfer: {type(e).__name__}: {e}"
+        version = getattr(fi, "__version__", "0")
+        if _version(version) < MIN_VERSION:
+            return f"flashinfer {version} is too old (needs >= %d.%d)" % MIN_VERSION
+        return None
+
+    def prepare_cudagraphs(self, max_blocks_per_req: int) -> None:
+        """Before capturing: size the decode wrappers' page-index buffers for block tables this wide."""
+        self._graph_width = max_blocks_per_req
+        for b, st in list(self._decode.items()):
+            if st.indices.numel() < b * max_blocks_per_req and not st.captured:
+                del self._decode[b]
+
+    def build_metadata(self, meta: AttentionMetadata) -> FlashInferMetadata:
+        valid = meta.slot_mapping >= 0
+        decode = meta.max_query_len == 1 and meta.num_actual_tokens == meta.num_reqs
+        rows = meta.num_reqs if decode else meta.num_actual_tokens
+        md = FlashInferMetadata(decode, rows, None if bool(valid.all()) else valid.nonzero().squeeze(1))
+        if self._spec is not None:
+            self._plan(md, meta, self._spec)
+        return md
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        q: torch.Tensor,  # [T, num_heads, head_size]
+        k: torch.Tensor,  # [T, num_kv_heads, head_size]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        md: FlashInferMetadata = meta.backend_data
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        spec = _Spec(
+            layer.num_heads, layer.num_kv_heads, layer.head_size, q.dtype, layer.scale, kv_cache.shape[2]
+        )
+        if md.spec != spec:
+            if capturing:
+                raise RuntimeError(
+                    "flashinfer: plan before capturing (build_metadata, then one eager forward)"
+                )
+            self._spec = spec
+            self._plan(md, meta, spec)
+        store_kv(kv_cache, k, v, meta.slot_mapping, md.store_rows, capturing)
+        if capturing:
+            if md.static is None:
+                raise RuntimeError("flashinfer: only uniform-decode batches can be captured (UNIFORM_DECODE)")
+            md.static.captured = True
+            if not md.refreshed:
+                md.static.refresh(meta, spec.block_size)
+                md.refreshed = True
+        else:
+            md.refreshed = False
+        n = md.rows
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        md.wrapper.run(q[:n], (kv_cache[0], kv_cache[1]), out=out[:n])
+        if n < q.shape[0]:  # graph padding
+            out[n:].zero_()
+        return out
+
+    def _plan(self, md: FlashInferMetadata, meta: AttentionMetadata, spec: _Spec) -> None:
+        indptr, indices, last = paged_indices(meta.seq_lens, meta.block_table, spec.block_size)
+        heads = (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
+        kw = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
+        if md.decode:
+            st = self._static_decode(meta.num_reqs, meta.block_table.shape[1], indptr.device)
+            st.wrapper.plan(indptr, indices, last, *heads, disable_split_kv=True, **kw)
+            md.static, md.wrapper = st, st.wrapper
+        else:
+            md.wrapper = self._prefill_wrapper(indptr.device)
+            md.wrapper.plan(meta.query_start_loc, indptr, indices, last, *heads, causal=True, **kw)
+        md.spec = spec
+
+    def _float_workspace(self, device: torch.device) -> torch.Tensor:
+        if self._workspace is None:
+            with torch.inference_mode(False):
+                self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspace
+
+    def _prefill_wrapper(self, device: torch.device) -> Any:
+        if self._prefill is None:
+            backend = os.environ.get("TURNOUT_FLASHINFER_PREFILL_BACKEND", "fa2")
+            with torch.inference_mode(False):
+                ws = self._float_workspace(device)
+                self._prefill = _flashinfer().BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+        return self._prefill
+
+    def _static_decode(self, b: int, width: int, device: torch.device) -> _StaticDecode:
+        st = self._decode.get(b)
+        if st is not None and st.indices.numel() >= b * width:
+            return st
+        if st is not None and st.captured:
+            self._retired.append(st)
+        w = max(width, self._graph_width, 1)
+        cap = b * (1 << (w - 1).bit_length())  # widths grow: round up to a power of two
+        with torch.inference_mode(False):
+            ws = self._float_workspace(device)
+            indptr, indices, last = (
+                torch.zeros(n, dtype=torch.int32, device=device) for n in (b + 1, cap, b)
+            )
+            wrapper = _flashinfer().BatchDecodeWithPagedKVCacheWrapper(
+                ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+                paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last, backend="fa2",
+            )  # fmt: skip
+            # The default int workspace is 8 MiB (and as much pinned) per wrapper; a decode plan of B requests
+            # needs a few hundred bytes plus ~60 B per request.
+            wrapper.reset_workspace_buffer(
+                ws, torch.zeros((64 << 10) + 64 * b, dtype=torch.uint8, device=device)
+            )
+            # In CUDA-graph mode the plan pads its work list to a fixed grid and leaves the padding entries of
+            # the (uninitialised) pinned buffer as they are: zeros make padding CTAs redo request 0's tile
+            # (same values written twice) instead of reading garbage request ids.
+            pinned = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)  # 0.6's name for it
+            if pinned is not None:
+                pinned.zero_()
+        st = _StaticDecode(wrapper, indptr, indices, last)
+        self._decode[b] = st
+        return st

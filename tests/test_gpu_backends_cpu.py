@@ -1,0 +1,216 @@
+"""The FlashInfer and FlashAttention plugins, CPU side: they load without their libraries, say precisely why
+they cannot serve, and their torch helpers (paged indices, the KV write) are right. Their kernels run in the
+GPU conformance suite (test_attention_conformance.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from turnout.attention import AttentionContext, AttentionMetadata, CudagraphSupport
+from turnout.platform import Platform
+from turnout.plugins import PluginManager
+
+fi_backend = pytest.importorskip(
+    "turnout_flashinfer.backend", reason="pip install --no-deps -e plugins/attention/flashinfer"
+)
+fa_backend = pytest.importorskip(
+    "turnout_flash_attn.backend", reason="pip install --no-deps -e plugins/attention/flash_attn"
+)
+
+H200 = Platform("cuda", "H200", 1, (9, 0), 141 << 30, (torch.float16, torch.bfloat16, torch.float32))
+A100 = Platform("cuda", "A100", 1, (8, 0), 80 << 30, (torch.float16, torch.bfloat16, torch.float32))
+CPU = Platform("cpu", "cpu", 1, None, 16 << 30, (torch.float32, torch.bfloat16, torch.float16))
+NO_FLASHINFER = importlib.util.find_spec("flashinfer") is None
+NO_FLASH_ATTN = importlib.util.find_spec("flash_attn") is None
+FA_MISSING = fa_backend.NOT_INSTALLED
+
+
+def ctx(platform=H200, dtype=torch.bfloat16, head=128, heads=32, kv_heads=8, block=16) -> AttentionContext:
+    return AttentionContext(platform, dtype, head, heads, kv_heads, block)
+
+
+@pytest.fixture
+def flashinfer():
+    return fi_backend.FlashInferBackend()
+
+
+@pytest.fixture
+def flash_attn(monkeypatch):
+    monkeypatch.delenv("TURNOUT_FLASH_ATTN", raising=False)
+    return fa_backend.FlashAttnBackend(H200)
+
+
+def test_plugins_load_through_entry_points():
+    pm = PluginManager()
+    pm.load_entry_points()
+    info = {i.name: i for i in pm.listing()}
+    for name, dist in (("flashinfer", "turnout-flashinfer"), ("flash_attn", "turnout-flash-attn")):
+        assert (info[name].status, info[name].distribution) == ("loaded", dist)
+        assert info[name].hooks == ["turnout_attention_backends"]
+    backends = {
+        b.name: b for res in pm.call_each("turnout_attention_backends", platform=H200) for b in res.value
+    }
+    assert backends["flashinfer"].priority == 20 and backends["flash_attn"].priority == 30
+
+
+def test_plugins_import_without_their_libraries():
+    code = "import sys, turnout_flashinfer, turnout_flash_attn; print(*(m in sys.modules for m in %r))"
+    code %= (("flashinfer", "flash_attn"),)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_cpu_platform_is_refused_without_importing(flashinfer, flash_attn):
+    for be in (flashinfer, flash_attn):
+        assert be.check(ctx(CPU)) == ["needs device cuda, have cpu"]
+    assert flash_attn.probe is None  # the library was not even looked for
+
+
+@pytest.mark.skipif(not NO_FLASHINFER, reason="flashinfer is installed here")
+def test_flashinfer_missing_library_on_h200(flashinfer):
+    assert flashinfer.check(ctx()) == ["flashinfer is not installed (pip install flashinfer-python)"]
+
+
+@pytest.mark.skipif(not NO_FLASH_ATTN, reason="flash_attn is installed here")
+def test_flash_attn_missing_library_on_h200_and_a100(flash_attn):
+    assert flash_attn.check(ctx()) == [FA_MISSING]
+    assert flash_attn.check(ctx(A100)) == [FA_MISSING]
+    assert flash_attn.cudagraph_support == CudagraphSupport.NEVER and flash_attn.block_size_multiple == 1
+
+
+@pytest.mark.skipif(not NO_FLASH_ATTN, reason="flash_attn is installed here")
+@pytest.mark.parametrize(
+    "force,cap,why",
+    [
+        ("2", (9, 0), "flash_attn 2.x is not installed (pip install turnout-flash-attn[fa2])"),
+        ("4", (9, 0), "flash-attn-4 is not installed (pip install flash-attn-4)"),
+        ("4", (8, 0), "FA4 needs compute capability >= 9.0, have 8.0"),
+        ("4", (12, 0), "FA4 has no paged KV on compute capability 12.0"),
+    ],
+)
+def test_flash_attn_forced_path_reasons(monkeypatch, force, cap, why):
+    monkeypatch.setenv("TURNOUT_FLASH_ATTN", force)
+    platform = Platform("cuda", "gpu", 1, cap, 80 << 30, (torch.float16, torch.bfloat16))
+    assert fa_backend.FlashAttnBackend(platform).check(ctx(platform)) == [why]
+
+
+def test_dtype_head_and_gqa_reasons(flashinfer, flash_attn):
+    # the library is imported only when nothing else is wrong: these reasons never mention it
+    assert flashinfer.check(ctx(dtype=torch.float32, head=96)) == [
+        "dtype float32 unsupported (supports float16, bfloat16)",
+        "head size 96 unsupported (supports [64, 128, 256])",
+    ]
+    assert flash_attn.check(ctx(dtype=torch.float32, heads=12, kv_heads=8)) == [
+        "dtype float32 unsupported (supports float16, bfloat16)",
+        "num_heads 12 not divisible by num_kv_heads 8",
+    ]
+    old = Platform("cuda", "T4", 1, (7, 5), 16 << 30, (torch.float16, torch.float32))
+    for be in (flashinfer, flash_attn):
+        assert be.check(ctx(old, dtype=torch.float16))[0] == "needs compute capability >= 8.0, have (7, 5)"
+
+
+def test_flashinfer_takes_any_block_size(flashinfer):
+    for block in (1, 7, 16, 48, 256):
+        reasons = flashinfer.check(ctx(block=block))
+        assert not [r for r in reasons if "block" in r]
+    assert flashinfer.cudagraph_support == CudagraphSupport.UNIFORM_DECODE
+
+
+def test_flash_attn_path_constraints(flash_attn):
+    fa2, fa4 = fa_backend.Probe("fa2"), fa_backend.Probe("fa4")
+    flash_attn.use(fa2)
+    assert (flash_attn.block_size_multiple, flash_attn.cudagraph_support) == (
+        256,
+        CudagraphSupport.UNIFORM_BATCH,
+    )
+    assert fa_backend.path_reasons("fa2", ctx(block=16, head=100)) == [
+        "FA2 paged KV needs block_size a multiple of 256, got 16",
+        "FA2 needs head size a multiple of 8 up to 256, got 100",
+    ]
+    assert fa_backend.path_reasons("fa2", ctx(block=512, head=96)) == []
+    flash_attn.use(fa4)
+    assert (flash_attn.block_size_multiple, flash_attn.min_capability) == (1, (9, 0))
+    assert flash_attn.cudagraph_support == CudagraphSupport.ALWAYS
+    for head in (64, 96, 128, 256):
+        assert fa_backend.path_reasons("fa4", ctx(head=head, block=1)) == []
+    assert fa_backend.path_reasons("fa4", ctx(head=72)) == [
+        "FA4 paged KV needs head size a multiple of 16 up to 256, got 72"
+    ]
+    b200 = Platform("cuda", "B200", 1, (10, 0), 180 << 30, (torch.float16, torch.bfloat16))
+    assert fa_backend.path_reasons("fa4", ctx(b200, head=192)) == [
+        "FA4 paged KV needs head size a multiple of 16 up to 128 (or exactly 256), got 192"
+    ]
+
+
+def _table(rng: random.Random, seq_lens: list[int], block: int) -> torch.Tensor:
+    nblocks = [-(-s // block) for s in seq_lens]
+    ids = rng.sample(range(1, 1000), sum(nblocks))
+    table = torch.zeros(len(seq_lens), max(nblocks) + 2, dtype=torch.int32)
+    for b, n in enumerate(nblocks):
+        table[b, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+        ids = ids[n:]
+    return table
+
+
+@pytest.mark.parametrize("block", [1, 16, 48])
+def test_paged_indices_match_a_loop(block):
+    rng = random.Random(block)
+    seq_lens = [rng.randint(0, 200) for _ in range(7)] + [block, block + 1]
+    table = _table(rng, [max(s, 1) for s in seq_lens], block)
+    indptr, indices, last = fi_backend.paged_indices(torch.tensor(seq_lens, dtype=torch.int32), table, block)
+    assert indptr.dtype == indices.dtype == last.dtype == torch.int32
+    pages = [-(-s // block) for s in seq_lens]
+    assert indptr.tolist() == [sum(pages[:i]) for i in range(len(pages) + 1)]
+    assert indices[: indptr[-1]].tolist() == [int(table[b, i]) for b, n in enumerate(pages) for i in range(n)]
+    assert last.tolist() == [s - (n - 1) * block if n else 0 for s, n in zip(seq_lens, pages)]
+
+
+@pytest.mark.parametrize(
+    "store_kv", [fi_backend.store_kv, fa_backend.store_kv], ids=["flashinfer", "flash_attn"]
+)
+@pytest.mark.parametrize("capturing", [False, True])
+@pytest.mark.parametrize("slots", [[5, 9, 2, 30], [5, -1, 9, -1, -1], [-1, -1, -1]])
+def test_store_kv_writes_exactly_the_valid_slots(store_kv, capturing, slots):
+    """The eager path and the graph-safe path (used while capturing) leave the same cache."""
+    t, hkv, d = len(slots), 2, 8
+    slot_t = torch.tensor(slots)
+    k, v = torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    cache = torch.randn(2, 4, 8, hkv, d)
+    expected = cache.clone()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            expected[0].view(-1, hkv, d)[s], expected[1].view(-1, hkv, d)[s] = k[i], v[i]
+    valid = slot_t >= 0
+    rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
+    store_kv(cache, k, v, slot_t, rows, capturing)
+    assert torch.equal(cache, expected)
+
+
+def _meta(qlens: list[int], ctxs: list[int], pad: int = 0, block: int = 16) -> AttentionMetadata:
+    seq_lens = [c + q for c, q in zip(ctxs, qlens)]
+    cu = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    n = sum(qlens)
+    slots = torch.cat([torch.arange(n), torch.full((pad,), -1)])
+    table = _table(random.Random(0), seq_lens, block)
+    return AttentionMetadata(slots, cu, torch.tensor(seq_lens, dtype=torch.int32), table, max(qlens),
+                             max(seq_lens), n)  # fmt: skip
+
+
+def test_metadata_routes_uniform_decode_and_everything_else(flashinfer, flash_attn):
+    decode, mixed, padded = (
+        _meta([1, 1, 1], [5, 9, 30]),
+        _meta([1, 7, 1], [5, 0, 30]),
+        _meta([3, 1], [0, 4], pad=3),
+    )
+    for be in (flashinfer, flash_attn):  # no plan yet: nothing imports the library
+        md = [be.build_metadata(m) for m in (decode, mixed, padded)]
+        assert [x.decode for x in md] == [True, False, False]
+        assert md[0].store_rows is None and md[2].store_rows.tolist() == [0, 1, 2, 3]
+    assert [flashinfer.build_metadata(m).rows for m in (decode, mixed, padded)] == [3, 9, 4]
+    assert flash_attn.build_metadata(mixed).cu_seqlens_k.tolist() == [0, 6, 13, 44]
