@@ -58,11 +58,12 @@ def main() -> None:
         for b in args.backends:
             try:
                 llm = LLM(str(path), attention_backend=b, gpu_memory_utilization=0.5)
-            except SelectionError as e:
-                print(f"{shape} {b}: skipped: {e}")
+                sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+                outs[b] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+            except (SelectionError, RuntimeError) as e:
+                print(f"{shape} {b}: failed: {str(e).splitlines()[0]}")
+                rows.append({"model": shape, "backend": b, "error": str(e).splitlines()[0]})
                 continue
-            sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-            outs[b] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
             mode = llm.selection.effective_graph.name
             llm.shutdown()
             del llm
@@ -74,7 +75,8 @@ def main() -> None:
                     row[f"vs_{other}"] = agree(outs[b], outs[other])
             rows.append(row)
             print(row, flush=True)
-    print_table([{k: r.get(k, "") for k in sorted({k for r in rows for k in r}, key=str)} for r in rows])
+    keys = sorted({k for r in rows for k in r}, key=str)
+    print_table([{k: r.get(k, "") for k in keys} for r in rows])
     write_json(args.json, rows, prompts=32, new_tokens=NEW, dtype="bfloat16")
 
 

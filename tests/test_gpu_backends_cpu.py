@@ -136,7 +136,9 @@ def test_flash_attn_path_constraints(flash_attn):
     assert fa_backend.path_reasons("fa2", ctx(block=512, head=96)) == []
     flash_attn.use(fa4)
     assert (flash_attn.block_size_multiple, flash_attn.min_capability) == (1, (9, 0))
-    assert flash_attn.cudagraph_support == CudagraphSupport.ALWAYS
+    assert (
+        flash_attn.cudagraph_support == CudagraphSupport.NEVER
+    )  # capture failed on the H200, see backend.py
     for head in (64, 96, 128, 256):
         assert fa_backend.path_reasons("fa4", ctx(head=head, block=1)) == []
     assert fa_backend.path_reasons("fa4", ctx(head=72)) == [

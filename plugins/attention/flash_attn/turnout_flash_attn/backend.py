@@ -8,8 +8,10 @@ the backend is checked (TURNOUT_FLASH_ATTN=2 or 4 forces one):
     must hold finite values: zeros from allocation or stale keys are fine); other sizes load row by row
     through cp.async. Head sizes: multiples of 16 (the paged loaders refuse padded head dims), up to 256 on
     SM90, up to 128 or exactly 256 on SM100/110. No host lengths are passed (max_seqlen_q/k default to shape
-    bounds), so a launch depends on shapes alone and reads lengths and page ids on the device:
-    CudagraphSupport.ALWAYS.
+    bounds), so a launch depends on shapes alone and reads lengths and page ids on the device. Even so,
+    on the H200 (flash-attn-4 4.0.0b36, 2026-11-29) capturing it invalidated the stream capture
+    (cudaErrorStreamCaptureInvalidated) after an eager warm-up: so NEVER, and graphs run PIECEWISE with
+    FA4 eager in the holes, until a capture-safe launch is shown.
   - FlashAttention 2 (`flash-attn` 2.x) on SM80+: flash_attn_with_kvcache for uniform-decode batches,
     flash_attn_varlen_func(block_table=...) for the others. Its paged KV needs block_size % 256 == 0; head
     sizes are multiples of 8 up to 256. UNIFORM_BATCH, as vLLM declares FA2: which call (and, for decode,
@@ -43,7 +45,7 @@ from turnout.platform import Platform
 
 NOT_INSTALLED = "flash_attn is not installed (pip install turnout-flash-attn[fa2] or flash-attn-4 on SM90+)"
 FA2_BLOCK = 256
-SUPPORT = {"fa4": CudagraphSupport.ALWAYS, "fa2": CudagraphSupport.UNIFORM_BATCH}
+SUPPORT = {"fa4": CudagraphSupport.NEVER, "fa2": CudagraphSupport.UNIFORM_BATCH}
 
 
 @dataclass(frozen=True)
