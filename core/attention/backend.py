@@ -124,6 +124,9 @@ class AttentionBackend:
         While a graph is captured, meta's host ints (max_query_len, max_seq_len) are upper bounds."""
         return None
 
+    def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
+        """Called once before any FULL capture: size static buffers for the largest batch and block table."""
+
     def forward(
         self,
         layer: AttentionLayerSpec,

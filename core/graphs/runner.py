@@ -79,6 +79,7 @@ class GraphRunner:
         self.pool = None
         self.attn_out: torch.Tensor | None = None  # [N, H * D], shared by every hole
         self.stream = torch.cuda.Stream(dev)
+        backend.prepare_cudagraphs(self.max_reqs, max_blocks_per_seq)
 
     # ---- capture ----
     def capture(self) -> None:

@@ -149,8 +149,10 @@ class FlashInferBackend(AttentionBackend):
     head_sizes = (64, 128, 256)  # FA3's static_assert (hopper/prefill_sm90.cuh); FA2 builds these too
     block_size_multiple = 1  # a block is a page; FlashInfer takes any page size
     min_capability = (8, 0)
-    # Uniform decode replays from static buffers (see the module docstring); mixed batches plan on the host.
-    cudagraph_support = CudagraphSupport.UNIFORM_DECODE
+    # Designed for UNIFORM_DECODE (static decode buffers, see the module docstring), but on the H200
+    # (flashinfer 0.6.0, 2026-11-29) a FULL capture invalidated the stream capture. NEVER until a capture
+    # is shown to work; graphs then run PIECEWISE with FlashInfer eager in the holes.
+    cudagraph_support = CudagraphSupport.NEVER
 
     def __init__(self) -> None:
         self._spec: _Spec | None = None  # learned from the first forward
@@ -174,7 +176,7 @@ class FlashInferBackend(AttentionBackend):
             return f"flashinfer {version} is too old (needs >= %d.%d)" % MIN_VERSION
         return None
 
-    def prepare_cudagraphs(self, max_blocks_per_req: int) -> None:
+    def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
         """Before capturing: size the decode wrappers' page-index buffers for block tables this wide."""
         self._graph_width = max_blocks_per_req
         for b, st in list(self._decode.items()):
