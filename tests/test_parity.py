@@ -64,3 +64,21 @@ def test_second_generate_hits_prefix_cache(tiny_llama) -> None:
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert all(o.num_cached_tokens >= 28 for o in second)
     assert all(o.num_cached_tokens == 0 for o in first)
+
+
+def test_llama3_rope_scaling_matches_hf(tmp_path) -> None:
+    """Llama 3.x's "llama3" rope scaling, with an original context short enough that it matters."""
+    from tiny_models import make_tiny_model
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    path = make_tiny_model(tmp_path, "llama", rope_scaling=scaling, rope_theta=10000.0)
+    prompts = _prompts(6, 4, 20, 90)
+    ref = hf_greedy(path, prompts, MAX_NEW)
+    llm = LLM(str(path), cpu_kv_cache_bytes=1 << 22)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
