@@ -53,6 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], help="run both engines in each")
     ap.add_argument("--json")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -61,16 +62,27 @@ def main() -> None:
     from turnout.loader.default_model import default_model_path
 
     path = default_model_path()
-    llm = LLM(str(path))
     tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rows = []
-    for b in args.batch:
-        texts = prompts(tok, b)
-        bench_turnout(llm, texts[:1], 4)  # warm-up
-        ours = bench_turnout(llm, texts, args.output_len)
-        theirs = bench_hf(hf, tok, texts, args.output_len)
-        rows.append({"batch": b, "turnout_tok_s": ours, "hf_tok_s": theirs, "speedup": ours / theirs})
+    for dtype in args.dtype:
+        llm = LLM(str(path), dtype=dtype)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        for b in args.batch:
+            texts = prompts(tok, b)
+            bench_turnout(llm, texts[:1], 4)  # warm-up
+            ours = bench_turnout(llm, texts, args.output_len)
+            theirs = bench_hf(hf, tok, texts, args.output_len)
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "batch": b,
+                    "turnout_tok_s": ours,
+                    "hf_tok_s": theirs,
+                    "speedup": ours / theirs,
+                }
+            )
+        llm.shutdown()
+        del llm, hf
     print_table(rows)
     write_json(
         args.json, rows, model="SmolLM2-135M-Instruct (Q4_1 GGUF -> float32)", threads=torch.get_num_threads()

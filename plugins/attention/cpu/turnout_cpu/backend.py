@@ -32,7 +32,10 @@ class CPUMetadata:
     decode_lens: torch.Tensor  # [Bd] seq_len of each decode row
     prefills: list[_Prefill]
     slots_valid: torch.Tensor | None  # [T] bool when some slots are -1 (padding), else None
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size], made by the first layer
+    decode_slots: torch.Tensor | None = (
+        None  # [Bd * L] cache slots, made by the first layer (needs block size)
+    )
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, L] True = attend, L = longest decode row
 
 
 class CPUAttentionBackend(AttentionBackend):
@@ -108,18 +111,26 @@ class CPUAttentionBackend(AttentionBackend):
         kv_cache[0].view(-1, hkv, d).index_copy_(0, slots, k)
         kv_cache[1].view(-1, hkv, d).index_copy_(0, slots, v)
 
+    @staticmethod
+    def _decode_slots(md: CPUMetadata, block_size: int) -> None:
+        """Once per step: the cache slot of every key position of every decode row, [Bd * L]. Positions
+        past a row's seq_len point at its position 0: a finite value that the mask then ignores (a masked
+        slot still meets the values in the matmul, so it must not hold NaN)."""
+        pos = torch.arange(int(md.decode_lens.max()))
+        valid = pos[None, :] < md.decode_lens[:, None]  # [Bd, L]
+        pos = torch.where(valid, pos, 0)
+        slots = md.decode_blocks.gather(1, pos // block_size) * block_size + pos % block_size
+        md.decode_slots, md.decode_mask = slots.flatten(), valid[:, None, None, :]
+
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: CPUMetadata, scale: float) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D]."""
-        bd, nb = md.decode_blocks.shape
+        bd = md.decode_blocks.shape[0]
         hkv, d = kv_cache.shape[-2:]
-        flat = md.decode_blocks.flatten()
-        keys = kv_cache[0].index_select(0, flat).reshape(bd, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, L, D]
-        vals = kv_cache[1].index_select(0, flat).reshape(bd, -1, hkv, d).transpose(1, 2)
-        if md.decode_mask is None:
-            md.decode_mask = (torch.arange(keys.shape[2]) < md.decode_lens[:, None])[:, None, None, :]
-        # slots past seq_len may hold anything (even NaN), and masked softmax still multiplies them by 0
-        valid = md.decode_mask.transpose(2, 3)  # [Bd, 1, L, 1]
-        keys, vals = keys.masked_fill(~valid, 0), vals.masked_fill(~valid, 0)
+        if md.decode_slots is None:
+            self._decode_slots(md, kv_cache.shape[2])
+        keys = kv_cache[0].view(-1, hkv, d).index_select(0, md.decode_slots).view(bd, -1, hkv, d)
+        vals = kv_cache[1].view(-1, hkv, d).index_select(0, md.decode_slots).view(bd, -1, hkv, d)
+        keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)  # [Bd, Hkv, L, D]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, vals, attn_mask=md.decode_mask, scale=scale, enable_gqa=True
         )
