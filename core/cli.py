@@ -184,6 +184,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.output:
             sink.close()
             logger.info("wrote %d results to %s", len(outs), args.output)
+        if hasattr(llm.engine, "stats"):
+            logger.info("engine stats: %s", llm.engine.stats())
         return 1 if any(o.error for o in outs) else 0
     finally:
         llm.shutdown()

@@ -52,3 +52,20 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_state.tp_size)]
     dist.all_gather(parts, x.contiguous(), group=_state.tp_group)
     return torch.cat(parts, dim=dim)
+
+
+def _pp_peer(offset: int) -> int:
+    """Global rank of the stage `offset` away from this one, at this TP rank."""
+    return dist.get_global_rank(_state.pp_group, _state.pp_rank + offset)
+
+
+def pp_send(x: torch.Tensor) -> dist.Work:
+    """Start sending x to the next stage; keep x alive until the returned work's wait()."""
+    return dist.isend(x, dst=_pp_peer(1), group=_state.pp_group)
+
+
+def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Receive a tensor of this shape from the previous stage (sends between a pair arrive in order)."""
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, src=_pp_peer(-1), group=_state.pp_group)
+    return x

@@ -82,3 +82,13 @@ def test_llama3_rope_scaling_matches_hf(tmp_path) -> None:
     ref = hf_greedy(path, prompts, MAX_NEW)
     llm = LLM(str(path), cpu_kv_cache_bytes=1 << 22)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
+
+
+def test_engine_stats_count_hits_and_preemptions(tiny_llama) -> None:
+    llm = LLM(str(tiny_llama), cpu_kv_cache_bytes=1 << 22, block_size=4, num_gpu_blocks_override=12)
+    prompts = _prompts(8, 4, 8, 14, shared_prefix=8)
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    s = llm.engine.stats()
+    assert s["prefix_cache_hits"] >= 8 * 3 and 0 < s["prefix_cache_hit_rate"] < 1
+    assert s["preemptions"] > 0 and s["free_blocks"] == s["total_blocks"] == 12

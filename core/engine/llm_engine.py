@@ -42,6 +42,11 @@ class LLMEngine:
         self.config = config
         model_dir = resolve_model_dir(config)
         self.info = ModelInfo.from_dir(model_dir)
+        if config.pipeline_parallel_size > self.info.num_layers:
+            raise ConfigError(
+                f"pipeline_parallel_size {config.pipeline_parallel_size} exceeds the model's "
+                f"{self.info.num_layers} layers; every stage needs at least one layer"
+            )
         self.selection: Selection = select_all(config, self.info)
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
         self.executor = self.selection.executor_spec.load()(config, self.selection)
@@ -162,6 +167,17 @@ class LLMEngine:
             delta = d.text[before:]
             self.scheduler.finish(req, "stop")
         return delta
+
+    def stats(self) -> dict[str, float]:
+        bm = self.scheduler.bm
+        return {
+            "prefix_cache_queries": bm.stats.queries,
+            "prefix_cache_hits": bm.stats.hits,
+            "prefix_cache_hit_rate": round(bm.stats.hit_rate, 4),
+            "preemptions": self.scheduler.num_preemptions,
+            "free_blocks": bm.num_free_blocks,
+            "total_blocks": bm.num_blocks,
+        }
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -3,6 +3,14 @@
 Per step it builds input_ids, positions, slot_mapping, query_start_loc (cu_seqlens), seq_lens and the
 block table, publishes them to the Attention layers through forward_context, and keeps the logits of the
 rows that sample until sample_tokens.
+
+Pipeline parallelism (pp_size > 1): every stage gets the same SchedulerOutput and splits its requests the
+same way into up to pp_size micro-batches of contiguous requests with about equal token counts
+(`micro_batches`); each gets its own inputs and attention metadata. For micro-batch m a stage receives
+the [2, T_m, hidden] (hidden, residual) pair from the previous stage (the first stage embeds instead),
+runs its layers, and starts an async send to the next stage before it moves on to m + 1. So while stage s
+runs m, stage s - 1 already runs m + 1: a GPipe-style fill and drain within each step. Only the last stage
+computes logits (all micro-batches' rows, in request order) and samples; the others return nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from torch import nn
 
 from turnout.attention.backend import AttentionBackend, AttentionMetadata
 from turnout.config import EngineConfig
-from turnout.distributed import get_parallel_state
+from turnout.distributed import get_parallel_state, pp_recv, pp_send
 from turnout.engine.scheduler import ScheduledRequest, SchedulerOutput
 from turnout.errors import WeightLoadError
 from turnout.graphs.dispatcher import GraphDispatcher, default_capture_sizes
@@ -189,9 +197,11 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
             self.generators.pop(req_id, None)
+        self._pending = None
         if not out.requests:
-            self._pending = None
             return
+        if get_parallel_state().pp_size > 1:
+            return self._execute_pipeline(out)
         inp = self.prepare(out)
         d = self.graphs.dispatcher.dispatch([len(r.token_ids) for r in out.requests]) if self.graphs else None
         if d is not None and d.mode is not RuntimeMode.NONE:
@@ -199,14 +209,35 @@ class ModelRunner:
                 inp.meta.backend_data = self.backend.build_metadata(inp.meta)
             hidden = self.graphs.run(d, inp.input_ids, inp.positions, inp.meta)
         else:
-            inp.meta.backend_data = self.backend.build_metadata(inp.meta)
-            with forward_context(ForwardContext(self.backend, inp.meta, self.kv_caches)):
-                hidden = self.model(inp.input_ids, inp.positions)
-        if not get_parallel_state().is_last_pp:
-            self._pending = None
-            return
-        logits = self.model.compute_logits(hidden[inp.logits_indices]) if inp.sample_reqs else None
-        self._pending = (logits, inp.sample_reqs) if logits is not None else None
+            hidden = self._forward(inp)
+        if inp.sample_reqs:
+            self._pending = (self.model.compute_logits(hidden[inp.logits_indices]), inp.sample_reqs)
+
+    def _forward(self, inp: StepInputs, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """Eager forward: [T, hidden], or [2, T, hidden] on a non-last pipeline stage."""
+        inp.meta.backend_data = self.backend.build_metadata(inp.meta)
+        with forward_context(ForwardContext(self.backend, inp.meta, self.kv_caches)):
+            return self.model(inp.input_ids, inp.positions, intermediate)
+
+    def _execute_pipeline(self, out: SchedulerOutput) -> None:
+        ps = get_parallel_state()
+        hidden_size = self.info.hf_config["hidden_size"]
+        sends, logits, sample_reqs = [], [], []
+        for reqs in micro_batches(out.requests, ps.pp_size):
+            inp = self.prepare(SchedulerOutput(reqs))
+            x = None
+            if not ps.is_first_pp:
+                x = pp_recv((2, inp.meta.num_actual_tokens, hidden_size), self.dtype, self.device)
+            hidden = self._forward(inp, x)
+            if not ps.is_last_pp:
+                sends.append((hidden, pp_send(hidden)))  # the tensor stays alive until its send is done
+            elif inp.sample_reqs:
+                logits.append(self.model.compute_logits(hidden[inp.logits_indices]))
+                sample_reqs += inp.sample_reqs
+        for _, work in sends:
+            work.wait()
+        if logits:
+            self._pending = (torch.cat(logits), sample_reqs)
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
@@ -235,3 +266,12 @@ class ModelRunner:
         if g is None:
             g = self.generators[r.req_id] = torch.Generator(self.device).manual_seed(r.params.seed)
         return g
+
+
+def micro_batches(reqs: list[ScheduledRequest], n: int) -> list[list[ScheduledRequest]]:
+    """Up to n runs of contiguous requests with about equal token counts; a request is never split."""
+    cum = np.cumsum([len(r.token_ids) for r in reqs])
+    # cut after the first request whose running total reaches k/n of the step's tokens
+    cuts = np.searchsorted(cum, cum[-1] * np.arange(1, n) / n) + 1
+    bounds = np.unique([0, *cuts.tolist(), len(reqs)])
+    return [reqs[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
