@@ -51,11 +51,6 @@ class MultiprocExecutor(Executor):
     in_process = False  # the model runs in other processes: a DataParallelEngine may step us in a thread
 
     def __init__(self, config: EngineConfig, selection: Selection) -> None:
-        if config.pipeline_parallel_size > 1:
-            raise TurnoutError(
-                "executor multiproc: pipeline parallelism is not implemented yet; "
-                "set pipeline_parallel_size=1 and use tensor_parallel_size"
-            )
         self.world_size = config.world_size
         self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self.timeout = rpc_timeout(config)

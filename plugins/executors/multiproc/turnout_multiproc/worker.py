@@ -116,7 +116,7 @@ def _serve(worker: Worker, conn: Connection, is_output: bool) -> None:
         try:
             result: Any = worker.call(method, *args, **kwargs)
             if method == "sample_tokens" and not is_output:
-                result = None  # every rank samples (same generator state); only one answer travels
+                result = None  # the last stage's TP ranks all sample alike; only one answer travels
             conn.send(("ok", result))
         except Exception:
             conn.send(("error", traceback.format_exc()))
