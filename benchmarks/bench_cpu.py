@@ -83,6 +83,12 @@ def main() -> None:
             )
         llm.shutdown()
         del llm, hf
+    by = {(r["dtype"], r["batch"]): r for r in rows}
+    for b in args.batch:  # turnout's default ("auto": bf16 on CPUs with native bf16) against HF's float32
+        if ("bfloat16", b) in by and ("float32", b) in by:
+            ours, theirs = by[("bfloat16", b)]["turnout_tok_s"], by[("float32", b)]["hf_tok_s"]
+            rows.append({"dtype": "bf16 vs HF fp32", "batch": b, "turnout_tok_s": ours, "hf_tok_s": theirs,
+                         "speedup": ours / theirs})  # fmt: skip
     print_table(rows)
     write_json(
         args.json, rows, model="SmolLM2-135M-Instruct (Q4_1 GGUF -> float32)", threads=torch.get_num_threads()

@@ -17,6 +17,7 @@ class Platform:
     capability: tuple[int, int] | None  # CUDA compute capability, None on CPU
     total_memory: int  # bytes of one device (system RAM on CPU)
     dtypes: tuple[torch.dtype, ...] = field(default=(torch.float32,))
+    native_bf16: bool = False  # bf16 arithmetic in hardware (CUDA sm80+, or AVX512-BF16 / AMX on the CPU)
 
     @property
     def is_cuda(self) -> bool:
@@ -35,6 +36,15 @@ def _system_memory() -> int:
         return 0
 
 
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 @functools.cache
 def current_platform() -> Platform:
     """Probe once. TURNOUT_DEVICE=cpu forces the CPU even where CUDA exists."""
@@ -42,5 +52,7 @@ def current_platform() -> Platform:
         props = torch.cuda.get_device_properties(0)
         cap = (props.major, props.minor)
         dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if cap >= (8, 0) else ())
-        return Platform("cuda", props.name, torch.cuda.device_count(), cap, props.total_memory, dtypes)
-    return Platform("cpu", "cpu", 1, None, _system_memory(), (torch.float32, torch.bfloat16, torch.float16))
+        count = torch.cuda.device_count()
+        return Platform("cuda", props.name, count, cap, props.total_memory, dtypes, cap >= (8, 0))
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return Platform("cpu", "cpu", 1, None, _system_memory(), dtypes, _cpu_has_bf16())

@@ -182,7 +182,7 @@ def select_all(
 ) -> Selection:
     pm = pm or get_plugin_manager()
     platform = platform or current_platform()
-    dtype = info.resolve_dtype(config.dtype, platform.device_type)
+    dtype = info.resolve_dtype(config.dtype, platform)
     actx = AttentionContext(
         platform, dtype, info.head_size, info.num_heads, info.num_kv_heads, config.block_size
     )

@@ -20,7 +20,7 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = LLM(max_model_len=512)  # no model: the embedded default
+    engine = LLM(max_model_len=512, dtype="float32")  # no model: the embedded default; HF runs float32
     yield engine
     engine.shutdown()
 

@@ -138,3 +138,17 @@ def test_duplicate_graph_policy_is_rejected_with_reason(register_plugin, plugin_
     fulls = [c for c in sel.graph.candidates if c.name == "FULL"]
     assert len(fulls) == 2 and sel.graph.chosen.plugin == "graphs"
     assert [c.reasons for c in fulls if c.plugin == "dup"] == [["name already registered by plugin graphs"]]
+
+
+def test_auto_dtype_rules(tiny_llama):
+    import dataclasses
+
+    info = ModelInfo.from_dir(tiny_llama)  # saved as float32
+    bf16 = dataclasses.replace(info, hf_config={**info.hf_config, "torch_dtype": "bfloat16"})
+    cpu_bf16 = dataclasses.replace(CPU, native_bf16=True)
+    assert info.resolve_dtype("auto", CPU) == torch.float32
+    assert info.resolve_dtype("auto", cpu_bf16) == torch.float32  # a float32 checkpoint stays float32
+    assert bf16.resolve_dtype("auto", cpu_bf16) == torch.bfloat16
+    assert bf16.resolve_dtype("auto", CPU) == torch.float32  # no native bf16: float32
+    assert info.resolve_dtype("auto", H200) == torch.bfloat16  # GPUs run float32 checkpoints in bf16
+    assert bf16.resolve_dtype("float16", H200) == torch.float16  # explicit wins

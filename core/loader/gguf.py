@@ -15,7 +15,7 @@ from turnout.errors import WeightLoadError
 from turnout.loader.weights import _one_line
 
 CONVERT_MARKER = "turnout-convert.json"
-CONVERT_VERSION = 1
+CONVERT_VERSION = 2
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
     "attn_norm": "input_layernorm",
@@ -111,7 +111,9 @@ def _config(reader: gguf.GGUFReader, tensors: dict[str, torch.Tensor]) -> dict[s
         "hidden_act": "silu",
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
         "mlp_bias": "model.layers.0.mlp.up_proj.bias" in tensors,
-        "torch_dtype": "float32",
+        # tensors are stored in float32 (dequantised values are exact there); bfloat16 is the released model's
+        # dtype and what "auto" runs where the hardware has it
+        "torch_dtype": "bfloat16",
     }
     return config | _special_ids(reader)
 

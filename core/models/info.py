@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from turnout.errors import TurnoutError
+from turnout.platform import Platform
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -62,10 +63,12 @@ class ModelInfo:
         eos = self.hf_config.get("eos_token_id")
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
-    def resolve_dtype(self, requested: str, device_type: str) -> torch.dtype:
+    def resolve_dtype(self, requested: str, platform: Platform) -> torch.dtype:
+        """auto: the checkpoint's dtype. On CUDA a float32 checkpoint runs in bfloat16; on CPU a bfloat16
+        checkpoint runs in bfloat16 only where the CPU has native bf16 arithmetic, else in float32."""
         if requested != "auto":
             return _DTYPES[requested]
-        if device_type == "cpu":
-            return torch.float32
         saved = _DTYPES.get(str(self.hf_config.get("torch_dtype") or self.hf_config.get("dtype")))
-        return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
+        if platform.is_cuda:
+            return saved if saved in (torch.float16, torch.bfloat16) else torch.bfloat16
+        return torch.bfloat16 if saved == torch.bfloat16 and platform.native_bf16 else torch.float32
