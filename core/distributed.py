@@ -30,6 +30,18 @@ class ParallelState:
 _state = ParallelState()
 
 
+def init_parallel_groups(rank: int, world_size: int, tp_size: int) -> ParallelState:
+    """After init_process_group: rank = pp_rank * tp + tp_rank; one TP group per stage, one PP group per TP
+    rank. Every rank creates every group, in the same order, as torch.distributed requires."""
+    tp, pp = tp_size, world_size // tp_size
+    pp_rank, tp_rank = divmod(rank, tp)
+    if pp == 1:
+        return ParallelState(tp_rank, tp, 0, 1, dist.group.WORLD, None)
+    tp_groups = [dist.new_group(list(range(p * tp, (p + 1) * tp))) for p in range(pp)]
+    pp_groups = [dist.new_group(list(range(t, world_size, tp))) for t in range(tp)]
+    return ParallelState(tp_rank, tp, pp_rank, pp, tp_groups[pp_rank], pp_groups[tp_rank])
+
+
 def get_parallel_state() -> ParallelState:
     return _state
 

@@ -4,6 +4,7 @@ the reason for every rejection so `turnout explain` can show it."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,6 +200,42 @@ def select_all(
         level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
         logger.log(level, "cudagraph_mode %s -> %s: %s", graph.chosen.name, effective.name, note)
     return Selection(platform, info, dtype, attention, model, executor, graph, effective, note)
+
+
+def worker_handoff(
+    selection: Selection, config: EngineConfig, dumps: Callable[[Any], bytes] | None = None
+) -> tuple[EngineConfig, bytes | None]:
+    """What a worker process needs to rebuild the driver's choices: the config with every choice pinned by
+    name, and the Selection pickled (None where it does not pickle; the worker then selects again)."""
+    import pickle
+
+    pinned = config.model_copy(
+        update={
+            "model": str(selection.model_info.path),
+            "attention_backend": selection.attention.chosen.name,
+            "executor": selection.executor.chosen.name,
+            "cudagraph_mode": selection.graph.chosen.name,
+        }
+    )
+    try:
+        return pinned, (dumps or pickle.dumps)(selection)
+    except Exception as e:
+        logger.info("selection does not pickle (%s); workers select again", e)
+        return pinned, None
+
+
+def selection_from_payload(config: EngineConfig, payload: bytes | None) -> Selection:
+    """In a worker process: the driver's pickled Selection, or, where it did not travel, the same choices
+    made again (the executor pins them by name in config)."""
+    import pickle
+
+    if payload is not None:
+        try:
+            return pickle.loads(payload)
+        except Exception as e:
+            logger.warning("selection did not unpickle (%s: %s); selecting again", type(e).__name__, e)
+    assert config.model is not None
+    return select_all(config, ModelInfo.from_dir(config.model))
 
 
 def _choose_model(pm: PluginManager, architecture: str) -> Choice:

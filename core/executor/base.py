@@ -22,6 +22,19 @@ class ExecutorContext:
 
 
 @dataclass(frozen=True)
+class RankInfo:
+    """What one worker process of a multi-process executor needs to join the others."""
+
+    rank: int  # pp_rank * tp_size + tp_rank
+    world_size: int
+    tp_size: int
+    init_method: str  # tcp://<host>:<port>, picked free by the driver
+    output_rank: int  # the rank whose sampled tokens travel back: first TP rank of the last stage
+    threads: int  # torch CPU threads of this process
+    log_level: int
+
+
+@dataclass(frozen=True)
 class ExecutorSpec:
     name: str
     target: str  # "package.module:ExecutorClass", imported only when chosen

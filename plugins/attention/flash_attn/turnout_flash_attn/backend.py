@@ -41,6 +41,7 @@ from turnout.attention import (
     AttentionMetadata,
     CudagraphSupport,
 )
+from turnout.attention.kv_store import store_kv
 from turnout.platform import Platform
 
 NOT_INSTALLED = "flash_attn is not installed (pip install turnout-flash-attn[fa2] or flash-attn-4 on SM90+)"
@@ -154,34 +155,6 @@ def path_reasons(path: str | None, ctx: AttentionContext) -> list[str]:
             most = "256" if sm90 else "128 (or exactly 256)"
             reasons.append(f"FA4 paged KV needs head size a multiple of 16 up to {most}, got {d}")
     return reasons
-
-
-def store_kv(
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-    k: torch.Tensor,  # [T, Hkv, D]
-    v: torch.Tensor,
-    slots: torch.Tensor,  # [T] int64, -1 writes nowhere
-    rows: torch.Tensor | None,  # [n] the rows with slot >= 0, None when all are
-    capturing: bool,
-) -> None:
-    """Eagerly, index_copy_ the valid rows. While a graph is captured the valid rows are unknown, so every
-    row is written: a -1 row repeats a valid row's write (same slot, same value), or rewrites slot 0 with
-    its own value when no row is valid. The captured kernels then serve any later slot_mapping."""
-    hkv, d = kv_cache.shape[-2:]
-    caches = (kv_cache[0].view(-1, hkv, d), kv_cache[1].view(-1, hkv, d))
-    if not capturing:
-        if rows is not None:
-            slots, k, v = slots[rows], k[rows], v[rows]
-        for c, x in zip(caches, (k, v)):
-            c.index_copy_(0, slots, x)
-        return
-    valid = slots >= 0
-    j = valid.to(torch.int32).argmax()  # a valid row if there is one
-    has = valid[j]
-    dst = torch.where(valid, slots, torch.where(has, slots[j], 0))
-    for c, x in zip(caches, (k, v)):
-        fill = torch.where(has, x[j], c[0])  # [Hkv, D]
-        c.index_copy_(0, dst, torch.where(valid[:, None, None], x, fill))
 
 
 def _cu_seqlens(seq_lens: torch.Tensor) -> torch.Tensor:

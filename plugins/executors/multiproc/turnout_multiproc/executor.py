@@ -22,10 +22,10 @@ from typing import Any, NoReturn
 from turnout.config import EngineConfig
 from turnout.engine.scheduler import SchedulerOutput
 from turnout.errors import TurnoutError
-from turnout.executor import Executor
-from turnout.selection import Selection
+from turnout.executor import Executor, RankInfo
+from turnout.selection import Selection, worker_handoff
 from turnout.worker.model_runner import ModelRunnerOutput
-from turnout_multiproc.worker import RankInfo, run_worker
+from turnout_multiproc.worker import run_worker
 
 logger = logging.getLogger("turnout")
 RPC_TIMEOUT_ENV = "TURNOUT_RPC_TIMEOUT"
@@ -67,19 +67,7 @@ class MultiprocExecutor(Executor):
 
     def _start(self, config: EngineConfig, selection: Selection) -> None:
         ctx = mp.get_context("spawn")
-        pinned = config.model_copy(
-            update={
-                "model": str(selection.model_info.path),
-                "attention_backend": selection.attention.chosen.name,
-                "executor": selection.executor.chosen.name,
-                "cudagraph_mode": selection.graph.chosen.name,
-            }
-        )
-        try:
-            payload: bytes | None = pickle.dumps(selection)
-        except Exception as e:
-            logger.info("selection does not pickle (%s); workers select again", e)
-            payload = None
+        pinned, payload = worker_handoff(selection, config)
         self.init_method = init = f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, cpu_cores() // (self.world_size * config.data_parallel_size))
         level = logger.getEffectiveLevel()

@@ -10,7 +10,6 @@ import pickle
 import signal
 import threading
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -18,23 +17,12 @@ import torch
 import torch.distributed as dist
 
 from turnout.config import EngineConfig
-from turnout.distributed import ParallelState, set_parallel_state
-from turnout.models.info import ModelInfo
-from turnout.selection import Selection, select_all
+from turnout.distributed import init_parallel_groups, set_parallel_state
+from turnout.executor import RankInfo
+from turnout.selection import selection_from_payload
 from turnout.worker.worker import Worker
 
 logger = logging.getLogger("turnout")
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    world_size: int
-    tp_size: int
-    init_method: str  # tcp://127.0.0.1:<port picked by the driver>
-    output_rank: int  # the rank whose sampled tokens the driver returns
-    threads: int  # torch CPU threads of this process
-    log_level: int
 
 
 def run_worker(info: RankInfo, config: EngineConfig, selection: bytes | None, conn: Connection) -> None:
@@ -68,7 +56,7 @@ def _exit_with_driver() -> None:
 
 
 def _build(info: RankInfo, config: EngineConfig, payload: bytes | None) -> Worker:
-    selection = _selection(config, payload)
+    selection = selection_from_payload(config, payload)
     cuda = selection.platform.is_cuda
     if cuda:
         torch.cuda.set_device(info.rank)
@@ -77,31 +65,9 @@ def _build(info: RankInfo, config: EngineConfig, payload: bytes | None) -> Worke
     dist.init_process_group(
         "nccl" if cuda else "gloo", init_method=info.init_method, rank=info.rank, world_size=info.world_size
     )
-    set_parallel_state(_parallel_state(info))  # layers read it while the model is built
+    # layers read the parallel state while the model is built
+    set_parallel_state(init_parallel_groups(info.rank, info.world_size, info.tp_size))
     return Worker(config, selection, local_rank=info.rank)
-
-
-def _parallel_state(info: RankInfo) -> ParallelState:
-    """Rank = pp_rank * tp + tp_rank; every rank creates every group, in the same order."""
-    tp, pp = info.tp_size, info.world_size // info.tp_size
-    pp_rank, tp_rank = divmod(info.rank, tp)
-    if pp == 1:
-        return ParallelState(tp_rank, tp, 0, 1, dist.group.WORLD, None)
-    tp_groups = [dist.new_group(list(range(p * tp, (p + 1) * tp))) for p in range(pp)]
-    pp_groups = [dist.new_group(list(range(t, info.world_size, tp))) for t in range(tp)]
-    return ParallelState(tp_rank, tp, pp_rank, pp, tp_groups[pp_rank], pp_groups[tp_rank])
-
-
-def _selection(config: EngineConfig, payload: bytes | None) -> Selection:
-    """The driver's own Selection; if it did not pickle, the same choices made again here (config pins
-    them by name)."""
-    if payload is not None:
-        try:
-            return pickle.loads(payload)
-        except Exception as e:
-            logger.warning("selection did not unpickle (%s: %s); selecting again", type(e).__name__, e)
-    assert config.model is not None
-    return select_all(config, ModelInfo.from_dir(config.model))
 
 
 def _serve(worker: Worker, conn: Connection, is_output: bool) -> None:

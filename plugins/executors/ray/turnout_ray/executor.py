@@ -31,10 +31,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from turnout.config import EngineConfig
 from turnout.engine.scheduler import SchedulerOutput
 from turnout.errors import TurnoutError
-from turnout.executor import Executor
-from turnout.selection import Selection
+from turnout.executor import Executor, RankInfo
+from turnout.selection import Selection, worker_handoff
 from turnout.worker.model_runner import ModelRunnerOutput
-from turnout_ray.actor import RankActor, RankInfo
+from turnout_ray.actor import RankActor
 
 logger = logging.getLogger("turnout")
 OBJECT_STORE_BYTES = 200 << 20  # a local cluster's object store: calls carry scheduler outputs, not tensors
@@ -160,19 +160,7 @@ class RayExecutor(Executor):
         self.actors, self.nodes = [self.actors[i] for i in order], [nodes[i] for i in order]
 
     def _start(self, config: EngineConfig, selection: Selection) -> None:
-        pinned = config.model_copy(
-            update={
-                "model": str(selection.model_info.path),
-                "attention_backend": selection.attention.chosen.name,
-                "executor": selection.executor.chosen.name,
-                "cudagraph_mode": selection.graph.chosen.name,
-            }
-        )
-        try:
-            payload: bytes | None = cloudpickle.dumps(selection)
-        except Exception as e:
-            logger.info("selection does not pickle (%s); workers select again", e)
-            payload = None
+        pinned, payload = worker_handoff(selection, config, cloudpickle.dumps)
         port = self._one(0, "free_port", "start-up")
         self.init_method = init = f"tcp://{self.nodes[0][0]}:{port}"
         threads = max(1, cpu_cores() // (self.world_size * config.data_parallel_size))
