@@ -1,5 +1,6 @@
 """CPU throughput on the embedded SmolLM2-135M-Instruct: turnout vs HF transformers `generate`, same
-prompts, same machine, one run. Greedy, float32, every request generates exactly --output-len tokens.
+prompts, same machine, one run, interleaved repeats (median). Greedy; every request generates exactly
+--output-len tokens; each dtype runs in both engines.
 
   python benchmarks/bench_cpu.py --batch 1 16 --output-len 64 --json benchmarks/results/cpu.json
 """
@@ -7,6 +8,7 @@ prompts, same machine, one run. Greedy, float32, every request generates exactly
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -54,6 +56,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], help="run both engines in each")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per engine; the median counts")
     ap.add_argument("--json")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,8 +73,9 @@ def main() -> None:
         for b in args.batch:
             texts = prompts(tok, b)
             bench_turnout(llm, texts[:1], 4)  # warm-up
-            ours = bench_turnout(llm, texts, args.output_len)
-            theirs = bench_hf(hf, tok, texts, args.output_len)
+            runs = [(bench_turnout(llm, texts, args.output_len), bench_hf(hf, tok, texts, args.output_len))
+                    for _ in range(args.repeats)]  # fmt: skip
+            ours, theirs = (statistics.median(r) for r in zip(*runs))
             rows.append(
                 {
                     "dtype": dtype,
