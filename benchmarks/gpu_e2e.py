@@ -36,7 +36,20 @@ def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def agree(a: list[list[int]], b: list[list[int]]) -> float:
+    """Free-running agreement: position by position, so one early flip costs the rest of the sequence."""
     return sum(x == y for sa, sb in zip(a, b) for x, y in zip(sa, sb)) / sum(len(s) for s in a)
+
+
+def teacher_forced(llm, prompts: list[list[int]], ref: list[list[int]]) -> list[list[int]]:
+    """The engine's greedy token after every prefix of HF's continuation: prompt + ref[:i] for each i.
+    Random-weight logits are nearly flat, so free-running greedy drifts apart after any near-tie; this
+    compares each step's choice on the same history (prefix caching makes it cheap)."""
+    from turnout import SamplingParams
+
+    forced = [p + r[:i] for p, r in zip(prompts, ref) for i in range(len(r))]
+    outs = llm.generate(forced, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    flat = [o.token_ids[0] for o in outs]
+    return [flat[i * NEW : (i + 1) * NEW] for i in range(len(prompts))]
 
 
 def main() -> None:
@@ -60,6 +73,7 @@ def main() -> None:
                 llm = LLM(str(path), attention_backend=b, gpu_memory_utilization=0.5)
                 sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
                 outs[b] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+                forced = teacher_forced(llm, prompts, ref)
             except (SelectionError, RuntimeError) as e:
                 print(f"{shape} {b}: failed: {str(e).splitlines()[0]}")
                 rows.append({"model": shape, "backend": b, "error": str(e).splitlines()[0]})
@@ -69,7 +83,8 @@ def main() -> None:
             del llm
             gc.collect()
             torch.cuda.empty_cache()
-            row = {"model": shape, "backend": b, "graph_mode": mode, "vs_hf": agree(outs[b], ref)}
+            row = {"model": shape, "backend": b, "graph_mode": mode, "vs_hf": agree(outs[b], ref),
+                   "vs_hf_teacher_forced": agree(forced, ref)}  # fmt: skip
             for other in outs:
                 if other != b:
                     row[f"vs_{other}"] = agree(outs[b], outs[other])
