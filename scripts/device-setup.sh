@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the offline GPU test machine: install the few pure-Python dependencies the image lacks (carried as
-# wheels in .device-deps/, made by `pip download` here), then the core and every plugin, editable.
+# wheels in .device-deps/, made here by scripts/fetch-device-deps.sh), then the core and every plugin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --find-links .device-deps pydantic gguf 2>&1 | grep -v WARNING || true
