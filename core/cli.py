@@ -14,6 +14,7 @@ from typing import Any
 
 from turnout.config import EngineConfig
 from turnout.errors import TurnoutError
+from turnout.sampling_params import SamplingParams
 
 logger = logging.getLogger("turnout")
 
@@ -122,9 +123,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sampling(args: argparse.Namespace):  # noqa: ANN202
-    from turnout.sampling_params import SamplingParams
-
+def _sampling(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

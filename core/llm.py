@@ -15,6 +15,7 @@ from turnout.engine.llm_engine import LLMEngine
 from turnout.errors import RequestError
 from turnout.outputs import CompletionOutput, RequestOutput
 from turnout.sampling_params import SamplingParams
+from turnout.selection import Selection
 
 logger = logging.getLogger("turnout")
 Prompt = str | list[int]
@@ -124,7 +125,7 @@ class LLM:
             self.engine.pop_finished(req.req_id)
 
     @property
-    def selection(self):  # noqa: ANN201 - turnout.selection.Selection
+    def selection(self) -> Selection:
         return self.engine.selection
 
     def shutdown(self) -> None:

@@ -85,65 +85,49 @@ def choose(kind: str, candidates: list[Candidate], requested: str = "auto") -> C
     return Choice(kind, requested, candidates, winner)
 
 
-def _collect(pm: PluginManager, hook: str, kind: str, **kwargs: Any) -> list[tuple[str, Any]]:
-    out = []
+def _candidates(
+    pm: PluginManager, hook: str, kind: str, reasons: Callable[[str, Any], list[str]], **kwargs: Any
+) -> list[Candidate]:
+    """Every item every plugin returns, as a candidate with reasons(plugin, item). A plugin whose hook
+    raised becomes one invalid candidate named <plugin>; a check() that raises is a reason, not a crash."""
+    cands = []
     for res in pm.call_each(hook, **kwargs):
         if res.error:
-            out.append((res.plugin, res.error))
-        else:
-            out.extend((res.plugin, item) for item in res.value or [])
-    return out
+            cands.append(Candidate(kind, f"<{res.plugin}>", res.plugin, 0, [res.error]))
+            continue
+        for item in res.value or []:
+            try:
+                why = reasons(res.plugin, item)
+            except Exception as e:
+                why = [f"check() raised {type(e).__name__}: {e}"]
+            cands.append(Candidate(kind, item.name, res.plugin, item.priority, why, item))
+    return cands
 
 
 def attention_candidates(pm: PluginManager, ctx: AttentionContext) -> list[Candidate]:
-    cands = []
-    for plugin, b in _collect(pm, "turnout_attention_backends", "attention", platform=ctx.platform):
-        if isinstance(b, str):
-            cands.append(Candidate("attention", f"<{plugin}>", plugin, 0, [b]))
-            continue
-        try:
-            reasons = b.check(ctx)
-        except Exception as e:
-            reasons = [f"check() raised {type(e).__name__}: {e}"]
-        cands.append(Candidate("attention", b.name, plugin, b.priority, reasons, b))
-    return cands
+    check = lambda _, b: b.check(ctx)
+    return _candidates(pm, "turnout_attention_backends", "attention", check, platform=ctx.platform)
 
 
 def model_candidates(pm: PluginManager, architecture: str) -> list[Candidate]:
-    cands = []
-    for plugin, a in _collect(pm, "turnout_model_architectures", "model"):
-        if isinstance(a, str):
-            cands.append(Candidate("model", f"<{plugin}>", plugin, 0, [a]))
-            continue
-        reasons = [] if a.name == architecture else [f"checkpoint is {architecture}"]
-        cands.append(Candidate("model", a.name, plugin, a.priority, reasons, a))
-    return cands
+    match = lambda _, a: [] if a.name == architecture else [f"checkpoint is {architecture}"]
+    return _candidates(pm, "turnout_model_architectures", "model", match)
 
 
 def executor_candidates(pm: PluginManager, ctx: ExecutorContext) -> list[Candidate]:
-    cands = []
-    for plugin, e in _collect(pm, "turnout_executors", "executor"):
-        if isinstance(e, str):
-            cands.append(Candidate("executor", f"<{plugin}>", plugin, 0, [e]))
-            continue
-        try:
-            reasons = e.check(ctx)
-        except Exception as err:
-            reasons = [f"check() raised {type(err).__name__}: {err}"]
-        cands.append(Candidate("executor", e.name, plugin, e.priority, reasons, e))
-    return cands
+    return _candidates(pm, "turnout_executors", "executor", lambda _, e: e.check(ctx))
 
 
 def graph_candidates(pm: PluginManager) -> list[Candidate]:
-    cands, seen = [], {}
-    for plugin, p in _collect(pm, "turnout_graph_policies", "graph"):
-        if isinstance(p, str):
-            cands.append(Candidate("graph", f"<{plugin}>", plugin, 0, [p]))
-            continue
-        reasons = [f"name already registered by plugin {seen[p.name]}"] if p.name in seen else []
-        seen.setdefault(p.name, plugin)
-        cands.append(Candidate("graph", p.name, plugin, p.priority, reasons, p))
-    return cands
+    seen: dict[str, str] = {}  # policy name -> the plugin that registered it first
+
+    def unique(plugin: str, p: GraphPolicy) -> list[str]:
+        if p.name in seen:
+            return [f"name already registered by plugin {seen[p.name]}"]
+        seen[p.name] = plugin
+        return []
+
+    return _candidates(pm, "turnout_graph_policies", "graph", unique)
 
 
 @dataclass

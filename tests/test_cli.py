@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from fake_dist import make_dist, naive_backend_source
 
 

@@ -19,6 +19,7 @@ from turnout.errors import ConfigError, TurnoutError
 from turnout.executor import ExecutorContext
 from turnout.platform import Platform
 
+from procs import alive
 from tiny_models import hf_greedy
 
 pytest.importorskip("turnout_multiproc")
@@ -35,18 +36,11 @@ def _tokens(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _wait_gone(pids: list[int], within: float) -> list[int]:
     deadline = time.monotonic() + within
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +175,7 @@ def test_workers_exit_when_driver_dies(tiny_llama: Path, sig: signal.Signals) ->
     driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         pids = [int(p) for p in driver.stdout.readline().split()]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(alive(p) for p in pids)
         time.sleep(0.5)
         driver.send_signal(sig)
         _, err = driver.communicate(timeout=30)

@@ -6,10 +6,11 @@ import importlib
 import sys
 
 import pytest
-from fake_dist import make_dist, naive_backend_source
 
 from turnout import hookimpl
 from turnout.plugins import PluginManager
+
+from fake_dist import make_dist, naive_backend_source
 
 IN_REPO = {"cpu", "graphs", "llama", "qwen3", "uniproc"}
 

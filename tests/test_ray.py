@@ -21,6 +21,8 @@ from turnout.models.info import ModelInfo
 from turnout.platform import Platform
 from turnout.selection import select_all
 
+from procs import alive
+
 ray = pytest.importorskip("ray")
 turnout_ray = pytest.importorskip("turnout_ray")
 from turnout_ray import executor as ray_executor  # noqa: E402
@@ -35,13 +37,6 @@ GPU1 = Platform("cuda", "H200", 1, (9, 0), 141 << 30, (torch.float16, torch.floa
 
 def _tokens(llm: LLM) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def _eventually(ok: Callable[[], bool], within: float = 10.0) -> bool:
@@ -118,14 +113,14 @@ def test_matches_uniproc(
     try:
         assert llm.selection.executor.chosen.name == "ray" and not ex.in_process
         assert _tokens(llm) == reference
-        assert len(set(ex.pids)) == 2 and all(map(_alive, ex.pids))
+        assert len(set(ex.pids)) == 2 and all(map(alive, ex.pids))
         assert len(set(ex.collective_rpc("kv_bytes_per_block"))) == 1
         ex.check_health()
     finally:
         llm.shutdown()
     llm.shutdown()  # idempotent
     assert ray.is_initialized()  # the module's cluster, not the engine's to stop
-    assert _eventually(lambda: _all_freed() and not any(map(_alive, ex.pids)))
+    assert _eventually(lambda: _all_freed() and not any(map(alive, ex.pids)))
     with pytest.raises(TurnoutError, match="executor ray is shut down"):
         ex.check_health()
 
@@ -149,7 +144,7 @@ def test_killed_actor_ends_engine(cluster: None, tiny_llama: Path) -> None:
     ):
         llm.generate(PROMPTS, LONG, use_tqdm=False)
     assert time.monotonic() - t0 < 30
-    assert _eventually(lambda: _all_freed() and not any(map(_alive, pids)))
+    assert _eventually(lambda: _all_freed() and not any(map(alive, pids)))
     with pytest.raises(TurnoutError, match="shut down"):
         ex.check_health()
     llm.shutdown()
@@ -161,7 +156,7 @@ def test_worker_error_is_reported(cluster: None, tiny_llama: Path) -> None:
     pids = llm.engine.executor.pids
     with pytest.raises(TurnoutError, match=r"worker rank \d failed in no_such_method: AttributeError"):
         llm.engine.executor.collective_rpc("no_such_method")
-    assert _eventually(lambda: _all_freed() and not any(map(_alive, pids)))
+    assert _eventually(lambda: _all_freed() and not any(map(alive, pids)))
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ import types
 
 import pytest
 import torch
-from fake_dist import naive_backend_source
 
 from turnout import hookimpl
 from turnout.attention import AttentionBackend, AttentionContext
@@ -15,6 +14,8 @@ from turnout.errors import SelectionError
 from turnout.models.info import ModelInfo
 from turnout.platform import Platform
 from turnout.selection import Candidate, choose, select_all
+
+from fake_dist import naive_backend_source
 
 CPU = Platform("cpu", "cpu", 1, None, 1 << 34)
 H200 = Platform("cuda", "H200", 1, (9, 0), 141 << 30, (torch.float16, torch.float32, torch.bfloat16))

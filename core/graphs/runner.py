@@ -194,7 +194,7 @@ class GraphRunner:
         self.slot_mapping[t:n].fill_(-1)
         if d.mode is RuntimeMode.FULL:
             full = self.full[(n, d.uniform_decode)]
-            self._fill_full_meta(full.meta, meta, n, d.uniform_decode)
+            self._fill_full_meta(full.meta, meta, d.uniform_decode)
             full.meta.backend_data = self.backend.build_metadata(full.meta)
             full.graph.replay()
             return full.output[:t]
@@ -209,9 +209,7 @@ class GraphRunner:
                 self.attn_out[:t].copy_(o.reshape(t, -1))
         return pw.output[:t]
 
-    def _fill_full_meta(
-        self, static: AttentionMetadata, meta: AttentionMetadata, n: int, uniform: bool
-    ) -> None:
+    def _fill_full_meta(self, static: AttentionMetadata, meta: AttentionMetadata, uniform: bool) -> None:
         b, t = meta.num_reqs, meta.num_actual_tokens
         bp = static.seq_lens.shape[0]
         qsl = static.query_start_loc

@@ -25,7 +25,7 @@ def _check(ctx: ExecutorContext) -> list[str]:
             "(choose executor=ray, or set RAY_ADDRESS, to use Ray)"
         ]
     try:
-        import ray  # noqa: F401
+        import ray  # noqa: F401  (importing is the check)
     except Exception as e:  # installed but broken: a reason, not a crash
         return [f"ray does not import ({type(e).__name__}: {e}); reinstall it (pip install turnout-ray)"]
     return []
