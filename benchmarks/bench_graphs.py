@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import random
 import sys
 import time
@@ -64,6 +65,28 @@ def tpot(llm, batch: int, steps: int = 64) -> float:
     return (t_long - t_short) / steps * 1e3
 
 
+def forward_ms(llm, batch: int, steps: int = 64) -> float:
+    """Median GPU-synchronised time (ms) of ModelRunner.execute_model (inputs, forward, logits) over the
+    decode steps at this batch: TPOT minus this is the host's share (scheduler, sampler, detokenizer)."""
+    mr = llm.engine.executor.worker.model_runner
+    orig, times = mr.execute_model, []
+
+    def timed(out) -> None:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        orig(out)
+        torch.cuda.synchronize()
+        if out.requests and all(len(r.token_ids) == 1 for r in out.requests):
+            times.append(time.perf_counter() - t)
+
+    mr.execute_model = timed
+    try:
+        run(llm, [(32, steps + 1)] * batch, seed=batch)
+    finally:
+        mr.execute_model = orig
+    return sorted(times)[len(times) // 2] * 1e3
+
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, int]:
     same = sum(x == y for sa, sb in zip(a, b) for x, y in zip(sa, sb))
     total = sum(len(s) for s in a)
@@ -78,8 +101,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1/8 of every workload")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--tpot-batches", type=int, nargs="*", default=[1, 8, 64, 256])
+    ap.add_argument("--forward-batches", type=int, nargs="*", default=[1], help="time execute_model alone")
+    ap.add_argument("--unfused", action="store_true", help="TURNOUT_FUSED_KERNELS=0: the eager torch layers")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.unfused:
+        os.environ["TURNOUT_FUSED_KERNELS"] = "0"
     from turnout import LLM
 
     path = make_random_model(Path(args.model_dir), "qwen3-0.6b")
@@ -108,20 +135,25 @@ def main() -> None:
                    "tok_agree_vs_none": tok_agree, "seqs_identical": f"{seq_same}/64"}  # fmt: skip
             for b in args.tpot_batches:
                 row[f"tpot_ms_b{b}"] = tpot(llm, b)
+            for b in args.forward_batches:
+                row[f"forward_ms_b{b}"] = forward_ms(llm, b)
             if not args.skip_throughput:
                 for name, reqs in workloads(args.quick).items():
                     dt, outs = run(llm, reqs)
                     row[f"{name}_tok_s"] = sum(len(o) for o in outs) / dt
+                    row[f"{name}_s"] = dt
             row["capture"] = capture.replace("captured ", "")
             rows.append(row)
             print(row, flush=True)
-            write_json(args.json, rows, model="Qwen3-0.6B-shaped, random bf16 weights", quick=args.quick)
+            write_json(args.json, rows, model="Qwen3-0.6B-shaped, random bf16 weights", quick=args.quick,
+                       fused_kernels=not args.unfused)  # fmt: skip
             llm.shutdown()
             del llm
             gc.collect()
             torch.cuda.empty_cache()
     print_table(rows)
-    write_json(args.json, rows, model="Qwen3-0.6B-shaped, random bf16 weights", quick=args.quick)
+    write_json(args.json, rows, model="Qwen3-0.6B-shaped, random bf16 weights", quick=args.quick,
+                       fused_kernels=not args.unfused)  # fmt: skip
 
 
 if __name__ == "__main__":

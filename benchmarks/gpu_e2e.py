@@ -22,17 +22,18 @@ NEW = 64
 
 
 def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """HF transformers' greedy continuations, all prompts in one left-padded batch."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    outs = []
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
     with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            gen = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p) :].tolist())
+        gen = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False, pad_token_id=0)  # fmt: skip
     del model
-    return outs
+    return gen[:, width:].tolist()
 
 
 def agree(a: list[list[int]], b: list[list[int]]) -> float:

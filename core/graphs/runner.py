@@ -74,6 +74,7 @@ class GraphRunner:
         self.query_start_loc = torch.zeros(self.max_reqs + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(self.max_reqs, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros(self.max_reqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.pad_ones = torch.arange(1, self.max_reqs + 1, dtype=torch.int32, device=dev)  # 1, 2, 3, ...
         self.full: dict[tuple[int, bool], _Full] = {}
         self.piecewise: dict[int, _Piecewise] = {}
         self.pool = None
@@ -215,8 +216,10 @@ class GraphRunner:
         qsl = static.query_start_loc
         qsl[: b + 1].copy_(meta.query_start_loc)
         # padded requests: one token each when uniform (they own the padded rows), else empty
-        pad = torch.arange(1, bp - b + 1, dtype=torch.int32, device=qsl.device)
-        qsl[b + 1 :].copy_(t + pad if uniform else torch.full_like(pad, t))
+        if uniform:
+            torch.add(self.pad_ones[: bp - b], t, out=qsl[b + 1 :])
+        else:
+            qsl[b + 1 :].fill_(t)
         static.seq_lens[:b].copy_(meta.seq_lens)
         static.seq_lens[b:].fill_(1)
         width = meta.block_table.shape[1]

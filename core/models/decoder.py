@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from turnout.distributed import get_parallel_state
+from turnout.layers import fused
 from turnout.layers.activation import SiluAndMul
 from turnout.layers.attention import Attention
 from turnout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -42,10 +43,17 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_size)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_size)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
+        if fused.enabled(qkv):  # one fused kernel for q/k norm and rotary
+            qn, kn = self.q_norm, self.k_norm
+            q, k = fused.qk_norm_rope(
+                qkv, positions, self.num_heads, self.num_kv_heads, self.rotary.cos, self.rotary.sin,
+                qn.weight if qn else None, kn.weight if kn else None, qn.eps if qn else 0.0,
+            )  # fmt: skip
+            return self.o_proj(self.attn(q, k, v))
+        q = qkv[:, :q_size].view(-1, self.num_heads, self.head_size)  # [T, H, D]
+        k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)

@@ -69,6 +69,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: GraphRunner | None = None
         self._pending: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
+        self._staging64 = HostStaging(device, torch.int64)
+        self._staging32 = HostStaging(device, torch.int32)
 
     def _load_model(self) -> nn.Module:
         t0 = time.perf_counter()
@@ -173,25 +175,20 @@ class ModelRunner:
         slot_mapping += positions % self.block_size
         seq_lens = starts + qlens
         sample_reqs = [r for r in reqs if r.sample]
-        logits_idx = [int(cu[i + 1]) - 1 for i, r in enumerate(reqs) if r.sample]
-        dev = self.device
+        logits_idx = (cu[1:] - 1)[np.array([r.sample for r in reqs], dtype=bool)]
+        ids, pos, slots, lidx = self._staging64([input_ids, positions, slot_mapping, logits_idx])
+        cu_d, lens_d, bt = self._staging32([cu.astype(np.int32), seq_lens.astype(np.int32), block_table])
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(block_table).to(dev),
+            slot_mapping=slots,
+            query_start_loc=cu_d,
+            seq_lens=lens_d,
+            block_table=bt.view(block_table.shape),
             max_query_len=int(qlens.max()),
             max_seq_len=int(seq_lens.max()),
             num_actual_tokens=int(cu[-1]),
             num_decode_tokens=int((qlens == 1).sum()),
         )
-        return StepInputs(
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
-            meta,
-            torch.tensor(logits_idx, dtype=torch.long, device=dev),
-            sample_reqs,
-        )
+        return StepInputs(ids, pos, meta, lidx, sample_reqs)
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> None:
@@ -266,6 +263,34 @@ class ModelRunner:
         if g is None:
             g = self.generators[r.req_id] = torch.Generator(self.device).manual_seed(r.params.seed)
         return g
+
+
+class HostStaging:
+    """A step's host arrays of one dtype go to the device in one H2D copy, through a pinned buffer; the
+    copy of the previous call must have left the buffer before it is overwritten. Off CUDA: no copy."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self.host: torch.Tensor | None = None
+        self.copied: torch.cuda.Event | None = None
+
+    def __call__(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:  # flat [a.size] tensors
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(a).ravel()) for a in arrays]
+        n = sum(a.size for a in arrays)
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self.host is None or self.host.numel() < n:
+            self.host = torch.empty(max(n, 4096, 2 * (0 if self.host is None else self.host.numel())),
+                                    dtype=self.dtype, pin_memory=True)  # fmt: skip
+        buf, off = self.host.numpy(), 0
+        for a in arrays:
+            buf[off : off + a.size] = a.ravel()
+            off += a.size
+        dev = self.host[:n].to(self.device, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return list(dev.split([a.size for a in arrays]))
 
 
 def micro_batches(reqs: list[ScheduledRequest], n: int) -> list[list[ScheduledRequest]]:

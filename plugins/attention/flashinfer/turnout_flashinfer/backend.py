@@ -125,9 +125,12 @@ class FlashInferBackend(AttentionBackend):
     # Designed for UNIFORM_DECODE (static decode buffers, see the module docstring), but on the H200
     # (flashinfer 0.6.0, 2026-11-29) a FULL capture invalidated the stream capture. NEVER until a capture
     # is shown to work; graphs then run PIECEWISE with FlashInfer eager in the holes.
+    # TURNOUT_FLASHINFER_CUDAGRAPH=UNIFORM_DECODE overrides this, to try a capture on new versions.
     cudagraph_support = CudagraphSupport.NEVER
 
     def __init__(self) -> None:
+        if level := os.environ.get("TURNOUT_FLASHINFER_CUDAGRAPH"):
+            self.cudagraph_support = CudagraphSupport[level]
         self._spec: _Spec | None = None  # learned from the first forward
         self._workspace: torch.Tensor | None = None
         self._prefill: Any = None
