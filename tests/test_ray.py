@@ -1,8 +1,11 @@
-"""The Ray executor on one local CPU cluster (gloo): parity with uniproc, the auto rule, and faults."""
+"""The Ray executor on one local CPU cluster (gloo): parity with uniproc, the auto rule, and faults; and on a
+simulated two-node cluster, where one placement group spans both nodes."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -123,6 +126,104 @@ def test_matches_uniproc(
     assert _eventually(lambda: _all_freed() and not any(map(alive, ex.pids)))
     with pytest.raises(TurnoutError, match="executor ray is shut down"):
         ex.check_health()
+
+
+# A driver process that starts a two-node cluster on this machine (ray.cluster_utils.Cluster: a head node and
+# a second node, 1 CPU each, so one CPU bundle per rank fits on neither node alone), attaches to it through
+# RAY_ADDRESS as a user would, runs TP=2 and PP=2 and reports, per run, the tokens and the Ray node each rank
+# ran on. It prints every process it started (cluster daemons, workers, actors) before it shuts the cluster
+# down, so the test can check that none is left.
+TWO_NODES = """
+import json, os, sys
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+from turnout import LLM, SamplingParams
+
+def descendants(root):
+    kids = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = set(), [root]
+    while todo:
+        out.update(new := kids.get(todo.pop(), []))
+        todo += new
+    return out
+
+model, prompts, kw = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+started, report = set(), {"runs": {}}
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+try:
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    report["nodes"] = [node.node_id for node in cluster.list_all_nodes()]
+    os.environ["RAY_ADDRESS"] = cluster.address
+    for tp, pp in ((2, 1), (1, 2)):
+        sizes = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+        llm = LLM(model, executor="ray", rpc_timeout=30, **sizes, **kw)  # unplaceable bundles: 30 s
+        try:
+            ex = llm.engine.executor
+            tokens = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            node_id = lambda actor: ray.get_runtime_context().get_node_id()
+            table = ray.util.placement_group_table(ex._held.pg)
+            report["runs"][f"tp{tp}pp{pp}"] = {
+                "executor": llm.selection.executor.chosen.name,
+                "tokens": tokens,
+                "rank_nodes": ray.get([a.__ray_call__.remote(node_id) for a in ex.actors]),
+                "bundle_nodes": sorted(table["bundles_to_node_id"].values()),
+                "strategy": table["strategy"],
+                "rank_pids": ex.pids,
+            }
+            started |= descendants(os.getpid())
+        finally:
+            llm.shutdown()
+        report["runs"][f"tp{tp}pp{pp}"]["left_ray"] = not ray.is_initialized()
+    started |= descendants(os.getpid())
+    print("STARTED", json.dumps(sorted(started)), flush=True)
+finally:
+    cluster.shutdown()
+print("REPORT", json.dumps(report), flush=True)
+"""
+
+
+def test_placement_group_spans_two_nodes(tiny_llama: Path, reference: list[list[int]]) -> None:
+    """Issue #6: one CPU bundle per rank, placed PACK on a two-node cluster, lands one rank on each node;
+    TP=2 and PP=2 across the nodes give uniproc's greedy tokens; the cluster leaves no process behind."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    argv = [sys.executable, "-c", TWO_NODES, str(tiny_llama), json.dumps(PROMPTS), json.dumps(KW)]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    tagged = [line.split(" ", 1) for line in stdout.splitlines() if line.startswith(("STARTED ", "REPORT "))]
+    lines = dict(tagged)
+    started = json.loads(lines.get("STARTED", "[]"))
+    try:
+        assert proc.returncode == 0 and "REPORT" in lines, stderr[-3000:]
+        report = json.loads(lines["REPORT"])
+        nodes = report["nodes"]
+        assert len(set(nodes)) == 2
+        assert set(report["runs"]) == {"tp2pp1", "tp1pp2"}
+        for run in report["runs"].values():
+            assert run["executor"] == "ray" and run["strategy"] == "PACK"
+            assert run["tokens"] == reference
+            assert sorted(run["rank_nodes"]) == sorted(nodes)  # rank 0 on one node, rank 1 on the other
+            assert run["bundle_nodes"] == sorted(nodes)
+            assert run["left_ray"]  # the driver disconnected once its engine was gone
+            assert set(run["rank_pids"]) <= set(started)
+        assert _eventually(lambda: not any(map(alive, started)))
+    finally:
+        for pid in filter(alive, started):  # only on failure: what this test started and left behind
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
