@@ -193,6 +193,7 @@ print("REPORT", json.dumps(report), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_placement_group_spans_two_nodes(tiny_llama: Path, reference: list[list[int]]) -> None:
     """Issue #6: one CPU bundle per rank, placed PACK on a two-node cluster, lands one rank on each node;
     TP=2 and PP=2 across the nodes give uniproc's greedy tokens; the cluster leaves no process behind."""
