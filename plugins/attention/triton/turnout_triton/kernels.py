@@ -10,6 +10,11 @@ Constraints: num_heads a multiple of num_kv_heads; head_size <= 256 (padded to a
 registers, so 64/128/256 waste nothing); any block size; q, k, v may be strided views (last dim unit
 stride). Grids depend only on tensor shapes and the split count (`num_splits`), never on per-request
 lengths, which the kernels read from device memory, so CUDA graphs replay them for any batch.
+
+Prefill: a program owns BLOCK_Q query tokens x their QPK heads against one KV head. Key tiles strictly
+below its first row's causal diagonal run in a loop without any mask (one FMA and one exp2 per score);
+the tiles that cross the diagonal run masked after it. Programs start with the longest query tiles. Its
+tiles can be overridden at run time (PREFILL_CONFIG, TURNOUT_TRITON_PREFILL) for benchmarks/tune_triton.py.
 """
 
 from __future__ import annotations
@@ -93,15 +98,100 @@ def _find_request(cu, num_reqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _mma(a, b, acc, PREC: tl.constexpr):
+    """acc + a @ b, accumulated in place (on Hopper the wgmma accumulator)."""
+    if PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _gather_rows(
+    base, off, d, kmask, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, MASK: tl.constexpr, TRANS: tl.constexpr
+):  # fmt: skip
+    """Rows base[off[n] + d] -> [N, HEAD_P2], or [HEAD_P2, N] read transposed when TRANS. Unmasked unless
+    MASK (key n valid only where kmask[n]) or the head is padded (d >= HEAD)."""
+    if TRANS:
+        ptr = base + off[None, :] + d[:, None]
+        if MASK:
+            x = tl.load(ptr, mask=kmask[None, :] & (d[:, None] < HEAD), other=0.0)
+        elif HEAD == HEAD_P2:
+            x = tl.load(ptr)
+        else:
+            x = tl.load(ptr, mask=d[:, None] < HEAD, other=0.0)
+    else:
+        ptr = base + off[:, None] + d[None, :]
+        if MASK:
+            x = tl.load(ptr, mask=kmask[:, None] & (d[None, :] < HEAD), other=0.0)
+        elif HEAD == HEAD_P2:
+            x = tl.load(ptr)
+        else:
+            x = tl.load(ptr, mask=d[None, :] < HEAD, other=0.0)
+    return x
+
+
+@triton.jit
+def _block_ids(bt_row, j, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Cache block of each key of the tile [j, j + BLOCK_N) (0 for keys >= end), in one load: a scalar
+    when the tile lies in one block, else BLOCK_N lanes reading BLOCK_N // BLOCK_SIZE entries."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        ids = tl.load(bt_row + j // BLOCK_SIZE, mask=j < end, other=0)
+    else:
+        pos = j + tl.arange(0, BLOCK_N)
+        ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos < end, other=0)
+    return ids
+
+
+@triton.jit
+def _prefill_tile(
+    qt, m, den, acc, k_cache, v_cache, blk, j, kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2,
+    HEAD: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    MASK: tl.constexpr, K_T: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Keys [j, j + BLOCK_N) (j a multiple of BLOCK_N, blk their _block_ids) against qt [M, HEAD_P2];
+    m is in log2 units (scale_log2 > 0).
+
+    MASK False: every key is below the causal diagonal of every row and < kv_end, so nothing is masked
+    and m stays finite. MASK True: keys past a row's position or >= kv_end are masked."""
+    pos = j + tl.arange(0, BLOCK_N)
+    kmask = pos < kv_end
+    off = blk.to(tl.int64) * s_cb + (pos % BLOCK_SIZE) * s_cs + kv_off  # [BLOCK_N] element offset of each key
+    if K_T:  # K^T read straight into [HEAD_P2, BLOCK_N]
+        kt = _gather_rows(k_cache, off, d, kmask, HEAD, HEAD_P2, MASK, True)
+    else:
+        kt = tl.trans(_gather_rows(k_cache, off, d, kmask, HEAD, HEAD_P2, MASK, False))
+    vt = _gather_rows(v_cache, off, d, kmask, HEAD, HEAD_P2, MASK, False)  # [BLOCK_N, HEAD_P2]
+    s = _dot(qt, kt, PREC)  # [M, BLOCK_N] raw scores
+    if MASK:
+        s = tl.where(kmask[None, :] & (pos[None, :] <= qpos[:, None]), s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at zero weight
+        p = tl.exp2(s - m_use[:, None])
+    else:
+        m_new = tl.maximum(m, tl.max(s, 1) * scale_log2)
+        m_use = m_new
+        p = tl.exp2(s * scale_log2 - m_new[:, None])  # one FMA and one exp2 per score
+    alpha = tl.exp2(m - m_use)
+    den = den * alpha + tl.sum(p, 1)
+    acc = _mma(p.to(vt.dtype), vt, acc * alpha[:, None], PREC)
+    return m_new, den, acc
+
+
+@triton.jit(do_not_specialize=["num_reqs", "s_bt"])
 def _prefill_kernel(
-    q, k_cache, v_cache, out, cu, seq_lens, block_table, scale_log2, num_reqs, block_size,
+    q, k_cache, v_cache, out, cu, seq_lens, block_table, scale_log2, num_reqs,
     s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
     QPK: tl.constexpr, QPK_P2: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, K_T: tl.constexpr,
+    PREC: tl.constexpr,
 ):  # fmt: skip
-    """Grid (T // BLOCK_Q + B, num_kv_heads). Requests with query_len 1 are left to the decode kernel."""
+    """Grid (T // BLOCK_Q + B, num_kv_heads). Requests with query_len 1 are left to the decode kernel.
+
+    Program pid takes query tile num_programs - 1 - pid, so the last tiles of a request, which see the
+    most keys, start first and the short ones fill the tail. Key tiles strictly below the causal
+    diagonal of the tile's first row run unmasked; the one or two tiles that cross it are masked."""
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_P2
-    pid = tl.program_id(0)
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
     b = _find_request(cu, num_reqs, pid, BLOCK_Q)
     q0 = tl.load(cu + b)
@@ -114,7 +204,8 @@ def _prefill_kernel(
     d = tl.arange(0, HEAD_P2)
     row_ok = (tok < tl.where(qlen > 1, qlen, 0)) & (r % QPK_P2 < QPK)
     io_mask = row_ok[:, None] & (d[None, :] < HEAD)
-    qt = tl.load(q + (q0 + tok)[:, None] * s_qt + head[:, None] * s_qh + d[None, :], mask=io_mask, other=0.0)
+    row = (q0 + tok).to(tl.int64)
+    qt = tl.load(q + row[:, None] * s_qt + head[:, None] * s_qh + d[None, :], mask=io_mask, other=0.0)
     qpos = ctx + tok
     tile_end = tl.minimum((qb + 1) * BLOCK_Q, qlen)
     kv_end = tl.where((qlen > 1) & (tile_end > qb * BLOCK_Q), ctx + tile_end, 0)
@@ -124,18 +215,25 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_P2], tl.float32)
     bt_row = block_table + b.to(tl.int64) * s_bt
     kv_off = kvh * s_ch
+    # The block ids of the next tile are read one iteration ahead, so the K/V loads, whose addresses
+    # need them, depend on no load of their own iteration. Triton's pipeliner counts such a load as a
+    # level of indirection and splits the stages between the levels (num_stages 3 would prefetch K/V
+    # only one tile ahead); this way K/V get all num_stages - 1 tiles of prefetch.
+    ids = _block_ids(bt_row, 0, full_end, BLOCK_N, BLOCK_SIZE)
     for j in range(0, full_end, BLOCK_N):
-        m, den, acc = _attend_tile(
-            qt, m, den, acc, k_cache, v_cache, bt_row, j, kv_end, qpos, d, kv_off, block_size, s_cb, s_cs,
-            scale_log2, HEAD, HEAD_P2, BLOCK_N, False, PREC,
+        cur = ids
+        ids = _block_ids(bt_row, j + BLOCK_N, full_end, BLOCK_N, BLOCK_SIZE)
+        m, den, acc = _prefill_tile(
+            qt, m, den, acc, k_cache, v_cache, cur, j, kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2,
+            HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, K_T, PREC,
         )  # fmt: skip
-    for j in range(full_end, kv_end, BLOCK_N):
-        m, den, acc = _attend_tile(
-            qt, m, den, acc, k_cache, v_cache, bt_row, j, kv_end, qpos, d, kv_off, block_size, s_cb, s_cs,
-            scale_log2, HEAD, HEAD_P2, BLOCK_N, True, PREC,
+    for j in range(full_end, kv_end, BLOCK_N):  # the tiles that cross the diagonal: masked
+        m, den, acc = _prefill_tile(
+            qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, kv_end, BLOCK_N, BLOCK_SIZE), j, kv_end,
+            qpos, d, kv_off, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, True, K_T, PREC,
         )  # fmt: skip
     acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
-    o_ptr = out + (q0 + tok)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
+    o_ptr = out + row[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
     tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=io_mask)
 
 
@@ -266,14 +364,56 @@ def paged_attention(
             HEAD=hs, HEAD_P2=hp2, NUM_SPLITS=s, num_warps=1 if INTERPRET else 4,
         )  # fmt: skip
     if max_query_len > 1:
-        pre = _prefill_config(hp2, p2(qpk), fp32)
-        bq = pre["block_m"] // p2(qpk)
-        _prefill_kernel[(t // bq + b, kvh)](
-            q, kc, vc, out, query_start_loc, seq_lens, block_table, scale_log2, b, bs, *io, *common,
-            QPK=qpk, QPK_P2=p2(qpk), HEAD=hs, HEAD_P2=hp2, BLOCK_Q=bq, BLOCK_N=pre["block_n"], PREC=prec,
-            num_warps=pre["warps"], num_stages=pre["stages"],
-        )  # fmt: skip
+        _launch_prefill(q, kv_cache, out, query_start_loc, seq_lens, block_table, scale, None)
     return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    config: dict | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The prefill kernel alone (for tuning): rows of requests with query_len > 1 of q [T, H, D]. config
+    (block_m, block_n, warps, stages, trans_k) overrides _prefill_config; rows it skips stay unwritten."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    if q.shape[0] and seq_lens.shape[0]:
+        _launch_prefill(_last_dim_contiguous(q), kv_cache, out, query_start_loc, seq_lens, block_table, scale,
+                        config)  # fmt: skip
+    return out
+
+
+def _launch_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    config: dict | None,
+) -> object:
+    """Launch the prefill kernel; returns what the launch returns (the compiled kernel, on a GPU)."""
+    t, h, hs = q.shape
+    kc, vc = kv_cache[0], kv_cache[1]
+    _, bs, kvh, _ = kc.shape
+    b = seq_lens.shape[0]
+    qpk, hp2 = h // kvh, _head_p2(hs)
+    qpk_p2 = triton.next_power_of_2(qpk)
+    prec = "ieee" if q.dtype == torch.float32 else "upcast" if INTERPRET else "tf32"  # tf32: moot for 16-bit
+    cfg = _fit_config(config or _prefill_config(hp2, qpk_p2, q.dtype == torch.float32), qpk_p2)
+    bq = cfg["block_m"] // qpk_p2
+    return _prefill_kernel[(t // bq + b, kvh)](
+        q, kc, vc, out, query_start_loc, seq_lens, block_table, scale * LOG2E, b,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        block_table.stride(0), QPK=qpk, QPK_P2=qpk_p2, HEAD=hs, HEAD_P2=hp2, BLOCK_Q=bq,
+        BLOCK_N=cfg["block_n"], BLOCK_SIZE=bs, K_T=cfg["trans_k"], PREC=prec, num_warps=cfg["warps"],
+        num_stages=cfg["stages"],
+    )  # fmt: skip
 
 
 def num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device) -> int:
@@ -295,7 +435,8 @@ def _sm_count(index: int) -> int:
 
 
 # Tile choices, tuned on an H200 (bf16, 32 query / 8 KV heads, head 128; see benchmarks/bench_attention.py):
-# decode 64-key tiles on 2 warps read ~3.2 TB/s at 32 x 4k; prefill 128 x 128 tiles ~350 TFLOP/s at 16k.
+# decode 64-key tiles on 2 warps read ~3.2 TB/s at 32 x 4k. Prefill 128 x 128 tiles on 8 warps reached
+# 360 TFLOP/s at 16k before the mask-free hot loop; benchmarks/tune_triton.py sweeps the prefill tiles.
 def _decode_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
     if INTERPRET:
         return dict(rows=qpk_p2, block_n=32, warps=1, stages=1)
@@ -305,12 +446,46 @@ def _decode_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
     return dict(rows=rows, block_n=32, warps=4, stages=2)
 
 
+# Prefill tiles can be overridden without editing this file, for a tuner (benchmarks/tune_triton.py):
+# PREFILL_CONFIG = dict(block_m=..., block_n=..., warps=..., stages=..., trans_k=...) set on this module,
+# or TURNOUT_TRITON_PREFILL="block_m,block_n,warps,stages[,trans_k]" in the environment, read at each call.
+# Either applies to every shape and dtype; block_m is raised to the query heads per KV head if below.
+PREFILL_CONFIG: dict | None = None
+PREFILL_KEYS = ("block_m", "block_n", "warps", "stages", "trans_k")
+
+
 def _prefill_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
+    if PREFILL_CONFIG is not None:
+        return PREFILL_CONFIG
+    if env := os.environ.get("TURNOUT_TRITON_PREFILL"):
+        return _parse_config(env)
     if INTERPRET:
         return dict(block_m=max(64, qpk_p2), block_n=32, warps=1, stages=1)  # few, large programs
     if head_p2 <= 128 and not fp32:
         return dict(block_m=max(128, qpk_p2), block_n=128, warps=8, stages=2)
     return dict(block_m=max(64, qpk_p2), block_n=32, warps=4, stages=2)
+
+
+@functools.cache
+def _parse_config(text: str) -> dict:
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        vals = []
+    if not 4 <= len(vals) <= 5:
+        raise ValueError(f"TURNOUT_TRITON_PREFILL={text!r}: want block_m,block_n,warps,stages[,trans_k]")
+    return dict(zip(PREFILL_KEYS, vals))
+
+
+def _fit_config(cfg: dict, qpk_p2: int) -> dict:
+    """cfg with defaults filled in, checked: tile sides powers of two >= 16 (tl.dot), block_m >= qpk_p2."""
+    out = dict(warps=4, stages=2, trans_k=False) | cfg
+    out["block_m"] = max(out["block_m"], qpk_p2)
+    out["trans_k"] = bool(out["trans_k"])
+    for key in ("block_m", "block_n"):
+        if out[key] < 16 or out[key] & (out[key] - 1):
+            raise ValueError(f"prefill {key}={out[key]}: must be a power of two >= 16")
+    return out
 
 
 def _head_p2(head_size: int) -> int:
