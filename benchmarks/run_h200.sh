@@ -21,7 +21,7 @@ fi
 tail -2 "$W/fused.log"
 echo "== conformance + GPU tests, in parallel ($SECONDS s)"
 export TURNOUT_CONFORMANCE_ERRORS="$W/conformance_errors.tsv"
-conf() { timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_attention_conformance.py -k "$2" \
+conf() { timeout 270 python3 -m pytest -q -p no:cacheprovider tests/test_attention_conformance.py -k "$2" \
   --junitxml="$W/conf_$1.xml" > "$W/conf_$1.log" 2>&1; echo "conf $1: $(tail -1 "$W/conf_$1.log")"; }
 conf fi_bf16_64 "flashinfer and bfloat16 and 64" &
 conf fi_bf16_128 "flashinfer and bfloat16 and not 64" &
@@ -29,7 +29,7 @@ conf fi_fp16_64 "flashinfer and not bfloat16 and 64" &
 conf fi_fp16_128 "flashinfer and not bfloat16 and not 64" &
 conf fa "flash_attn" &
 conf triton_cpu "triton or cpu" &
-(TURNOUT_CONFORMANCE_ERRORS= timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+(TURNOUT_CONFORMANCE_ERRORS= timeout 270 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
   --junitxml="$W/gpu_tests.xml" > "$W/gpu_tests.log" 2>&1; echo "gpu tests: $(tail -1 "$W/gpu_tests.log")") &
 wait
 unset TURNOUT_CONFORMANCE_ERRORS
