@@ -13,6 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from turnout.errors import ConfigError
 
 ENV_PREFIX = "TURNOUT_"
+# TURNOUT_* variables that are not EngineConfig fields: switches of the core, the bundled plugins and tests.
+# Any other TURNOUT_* name is taken for a config key, so a typo fails loudly.
+ENV_SWITCHES = frozenset({
+    "PLUGINS", "CACHE_DIR", "DEVICE", "LOG_LEVEL",  # core
+    "FUSED_KERNELS",  # layers/fused.py
+    "FLASH_ATTN", "FLASHINFER_CUDAGRAPH", "FLASHINFER_PREFILL_BACKEND", "TRITON_PREFILL",  # attention plugins
+    "CONFORMANCE_ERRORS",  # tests/test_attention_conformance.py
+})  # fmt: skip
 
 
 class EngineConfig(BaseModel):
@@ -106,10 +114,9 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 def _read_env() -> dict[str, Any]:
     """TURNOUT_<FIELD>=value; values are parsed as YAML scalars/lists (so 'true', '2', '[1, 2]' work)."""
-    skip = {"TURNOUT_PLUGINS", "TURNOUT_CACHE_DIR", "TURNOUT_DEVICE", "TURNOUT_LOG_LEVEL"}
     out = {}
     for key, raw in os.environ.items():
-        if key.startswith(ENV_PREFIX) and key not in skip:
+        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX) :] not in ENV_SWITCHES:
             field = key[len(ENV_PREFIX) :].lower()
             out[field] = yaml.safe_load(raw) if raw else None
     return out

@@ -15,7 +15,7 @@ indices (kv_indptr, kv_indices, kv_last_page_len: vectorised, fixed shapes) and 
     TURNOUT_FLASHINFER_PREFILL_BACKEND=auto picks FA3 on SM90 instead (faster prefill, a second JIT module).
 plan needs the layer's head counts, head size, dtype and scale and the cache's block size, which the metadata
 does not carry: the backend learns them from its first forward and plans in build_metadata from then on; a
-forward whose layer differs from the plan re-plans (eagerly). All wrappers share one 128 MiB float workspace.
+forward whose layer differs from the plan re-plans (eagerly). All wrappers share one 512 MiB float workspace.
 
 CUDA graphs (UNIFORM_DECODE). Capturing a uniform-decode batch needs:
   1. static metadata tensors (slot_mapping, query_start_loc, seq_lens, block_table of a fixed width) that are
@@ -42,7 +42,7 @@ import torch
 from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata, CudagraphSupport
 from turnout.attention.kv_store import store_kv
 
-WORKSPACE_BYTES = 128 << 20  # float workspace, shared by every wrapper (FlashInfer's recommended size)
+WORKSPACE_BYTES = 512 << 20  # float workspace, shared by every wrapper; 128 MiB overflowed (H200, 2026-11-30)
 MIN_VERSION = (0, 6)
 
 

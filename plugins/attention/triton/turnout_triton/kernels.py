@@ -462,8 +462,15 @@ def _prefill_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
     if INTERPRET:
         return dict(block_m=max(64, qpk_p2), block_n=32, warps=1, stages=1)  # few, large programs
     if head_p2 <= 128 and not fp32:
-        return dict(block_m=max(128, qpk_p2), block_n=128, warps=8, stages=2)
+        # 3 stages need ~224 KB of shared memory: Hopper has 228 KB (tune_triton.py on the H200, 2026-11-30:
+        # 463 TFLOP/s at 16k against 415 with 2 stages); Ampere has 164 KB
+        return dict(block_m=max(128, qpk_p2), block_n=128, warps=8, stages=3 if _sm90_or_newer() else 2)
     return dict(block_m=max(64, qpk_p2), block_n=32, warps=4, stages=2)
+
+
+@functools.cache
+def _sm90_or_newer() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 @functools.cache
