@@ -68,7 +68,7 @@ def tpot(llm, batch: int, steps: int = 64) -> float:
 def forward_ms(llm, batch: int, steps: int = 64) -> float:
     """Median GPU-synchronised time (ms) of ModelRunner.execute_model (inputs, forward, logits) over the
     decode steps at this batch: TPOT minus this is the host's share (scheduler, sampler, detokenizer)."""
-    mr = llm.engine.executor.worker.model_runner
+    mr = llm.engine.executor.worker.runner
     orig, times = mr.execute_model, []
 
     def timed(out) -> None:
