@@ -90,9 +90,12 @@ def test_qk_norm_rope_from_packed_qkv(dtype: torch.dtype, qk_norm: bool, head: i
     assert _rel(k, _ref_rope(k_ref, pos, rot)) < _tol(dtype)
     if not qk_norm and (DEV == "cuda" or dtype != torch.bfloat16):  # the eager path, to an ulp or so
         q_eager, k_eager = rot(pos, q_in, k_in)
-        ulp = {torch.float32: 2e-7, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
-        for a, b in ((q, q_eager), (k, k_eager)):
-            assert ((a.float() - b.float()).abs() <= ulp * b.float().abs() + 1e-6).float().mean() > 0.999
+        # where x1 cos and x2 sin nearly cancel, an ulp of the products is a large part of the result:
+        # measure the difference in ulps of the inputs' scale (the GPU compiler may fuse a multiply-add)
+        ulp = {torch.float32: 2**-23, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
+        for a, b, x in ((q, q_eager, q_in), (k, k_eager, k_in)):
+            scale = x.float().abs().amax(-1, keepdim=True)  # [T, H, 1]
+            assert ((a.float() - b.float()).abs() <= 2 * ulp * scale).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
