@@ -220,3 +220,33 @@ def test_cudagraph_replay(be: AttentionBackend) -> None:
     err = ((out[:n].double() - c.expected).norm() / c.expected.norm()).item()
     assert err <= TOL[torch.bfloat16], f"{be.name} replay of {batch} ({t} tokens): relative error {err:.2e}"
     assert torch.equal(c.kv_cache.view(torch.uint8), c.expected_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+def test_triton_decode_split_count_does_not_change_bits(dtype: torch.dtype) -> None:
+    """CUDA graphs launch Triton's decode with MAX_SPLITS, eager steps with as few as cover max_seq_len:
+    both must give the same bits, or graphs would change greedy outputs (issue #5)."""
+    be = next(
+        (p.values[0] for p in BACKENDS if p.values[0] is not None and p.values[0].name == "triton"), None
+    )
+    if be is None:
+        pytest.skip("triton backend not installed")
+    from turnout_triton import kernels as kn
+
+    shape = dict(num_reqs=4, num_kv_heads=2, max_ctx=3 * kn.SPLIT_KEYS, max_query=16)
+    kinds = ("decode", "prefix")
+    c = make_case(random.Random(9), gqa=4, head_size=64, dtype=dtype, block_size=16, kinds=kinds,
+                  device=DEVICE, **shape)  # fmt: skip
+    m, n = c.meta, c.meta.num_actual_tokens
+    kv = (m.query_start_loc, m.seq_lens, m.block_table)
+    base = kn.num_splits(m.max_seq_len)
+    outs = {}
+    for s in sorted({base, min(2 * base, kn.MAX_SPLITS), kn.MAX_SPLITS}):
+        cache = c.kv_cache.clone()
+        kn.store_kv(c.k, c.v, cache, m.slot_mapping)
+        outs[s] = kn.paged_attention(c.q, cache, *kv, c.scale, m.max_query_len, s)[:n]
+    assert base < kn.MAX_SPLITS and int(m.seq_lens.max()) > kn.SPLIT_KEYS  # several splits really ran
+    err = ((outs[base].double() - c.expected).norm() / c.expected.norm()).item()
+    assert err <= TOL[dtype]
+    for s, out in outs.items():
+        assert torch.equal(out, outs[base]), f"{s} splits differ from {base}"

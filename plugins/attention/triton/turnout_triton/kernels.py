@@ -30,6 +30,10 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SPLITS = 16
+# Keys per decode split, at least: a request's split boundaries depend on its own seq_len alone, so every
+# split count that covers them gives bit-identical output, and eager steps and CUDA graphs (captured with
+# MAX_SPLITS) agree token for token. The interpreter uses small splits so that CPU tests exercise them.
+SPLIT_KEYS = 64 if INTERPRET else 512
 
 
 @triton.jit
@@ -242,17 +246,20 @@ def _decode_kernel(
     q, k_cache, v_cache, out, part_o, part_lse, cu, seq_lens, block_table, scale_log2, block_size,
     s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
     QPK: tl.constexpr, ROWS: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B, num_kv_heads, NUM_SPLITS); only requests with query_len 1. Split s covers one
-    BLOCK_N-aligned chunk of [0, seq_len); with one split it writes out, else part_o/part_lse."""
+    """Grid (B, num_kv_heads, NUM_SPLITS); only requests with query_len 1. Split s covers chunk s of
+    [0, seq_len), chunks of max(SPLIT_KEYS, seq_len / MAX_SPLITS) keys: NUM_SPLITS only has to cover them,
+    and splits past seq_len are empty (weight 0 in the reduction). With one split it writes out, else
+    part_o/part_lse."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     q0 = tl.load(cu + b)
     is_dec = tl.load(cu + b + 1) - q0 == 1
     seq_len = tl.where(is_dec, tl.load(seq_lens + b), 0)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(SPLIT_KEYS, tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N)  # from seq_len
     start = sp * chunk
     end = tl.minimum(start + chunk, seq_len)
     r = tl.arange(0, ROWS)
@@ -356,7 +363,8 @@ def paged_attention(
     _decode_kernel[(b, kvh, s)](
         q, kc, vc, out, part_o, part_lse, query_start_loc, seq_lens, block_table, scale_log2, bs,
         *io, *common, QPK=qpk, ROWS=dec["rows"], HEAD=hs, HEAD_P2=hp2, BLOCK_N=dec["block_n"], NUM_SPLITS=s,
-        PREC=prec, num_warps=dec["warps"], num_stages=dec["stages"],
+        PREC=prec, SPLIT_KEYS=SPLIT_KEYS, MAX_SPLITS=MAX_SPLITS, num_warps=dec["warps"],
+        num_stages=dec["stages"],
     )  # fmt: skip
     if s > 1:
         _reduce_kernel[(b, h)](
@@ -416,22 +424,13 @@ def _launch_prefill(
     )  # fmt: skip
 
 
-def num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int | None, device: torch.device) -> int:
-    """KV splits per decode request, a power of two <= MAX_SPLITS: enough programs to fill the GPU, and
-    no split under 256 keys. max_seq_len None (graph capture) sizes by occupancy alone. Any value is
-    correct; only speed depends on it."""
-    if device.type != "cuda" or INTERPRET:  # exercise the split path cheaply under the interpreter
-        want = 1 if max_seq_len is None else math.ceil(max_seq_len / 64)
-        return min(triton.next_power_of_2(want), 4)
-    want = math.ceil(2 * _sm_count(device.index or 0) / max(num_reqs * num_kv_heads, 1))
-    if max_seq_len is not None:
-        want = min(want, math.ceil(max_seq_len / 256))
-    return min(triton.next_power_of_2(max(want, 1)), MAX_SPLITS)
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def num_splits(max_seq_len: int | None) -> int:
+    """Decode splits to launch, a power of two <= MAX_SPLITS that covers every request's chunks (see
+    _decode_kernel); None (a CUDA graph, any later length) launches MAX_SPLITS. The output does not depend
+    on it, only the number of idle programs does."""
+    if max_seq_len is None:
+        return MAX_SPLITS
+    return min(triton.next_power_of_2(max(1, math.ceil(max_seq_len / SPLIT_KEYS))), MAX_SPLITS)
 
 
 # Tile choices, tuned on an H200 (bf16, 32 query / 8 KV heads, head 128; see benchmarks/bench_attention.py):
