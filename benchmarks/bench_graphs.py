@@ -130,7 +130,7 @@ def main() -> None:
             _, toks = run(llm, check, seed=7)
             if mode == "NONE":
                 ref[backend] = toks
-            tok_agree, seq_same = agreement(toks, ref[backend])
+            tok_agree, seq_same = agreement(toks, ref.get(backend, toks))  # without a NONE run: itself
             row = {"backend": backend, "mode": mode, "effective": eff, "startup_s": startup,
                    "tok_agree_vs_none": tok_agree, "seqs_identical": f"{seq_same}/64"}  # fmt: skip
             for b in args.tpot_batches:
