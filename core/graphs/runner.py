@@ -86,7 +86,9 @@ class GraphRunner:
     def capture(self) -> None:
         dev = self.input_ids.device
         torch.cuda.synchronize(dev)
-        free0, t0 = torch.cuda.mem_get_info(dev)[0], time.perf_counter()
+        # graphs allocate from the caching allocator's pool: its growth is their memory (free device
+        # memory is no measure: the allocator may return cached blocks meanwhile)
+        reserved0, t0 = torch.cuda.memory_reserved(dev), time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
         try:
             for n in reversed(self.dispatcher.capture_sizes):
@@ -103,7 +105,7 @@ class GraphRunner:
                 "lower gpu_memory_utilization, or use cudagraph_mode NONE"
             ) from None
         torch.cuda.synchronize(dev)
-        used = free0 - torch.cuda.mem_get_info(dev)[0]
+        used = torch.cuda.memory_reserved(dev) - reserved0
         logger.info(
             "captured %d FULL and %d PIECEWISE graph sets (%d sizes) in %.1fs, graph memory %.2f GiB",
             len(self.full), len(self.piecewise), len(self.dispatcher.capture_sizes),
