@@ -203,7 +203,7 @@ def test_cudagraph_replay(be: AttentionBackend) -> None:
     m.block_table.zero_()
     m.slot_mapping.fill_(-1)
     host = (m.max_query_len, m.max_seq_len)
-    m.max_query_len, m.max_seq_len = int(m.seq_lens.max()), int(m.seq_lens.max())
+    m.max_query_len = int(m.seq_lens.max())  # max_seq_len stays the real one: an upper bound, as in capture
     m.backend_data = be.build_metadata(m)
     cache0 = c.kv_cache.clone()
     be.forward(layer, c.q, c.k, c.v, c.kv_cache, m)  # warm-up: compile outside the capture

@@ -37,9 +37,9 @@ class TritonAttentionBackend(AttentionBackend):
     block_size_multiple = 1  # keys are found one by one through block_table: any block size works
     min_capability = (8, 0)
     # Kernels read lengths, offsets and block ids on the device; no host planning. Grids come from tensor
-    # shapes (T, B, num_kv_heads) and, while a graph is captured, the largest split count, which gives the
-    # same bits as the eager one. So a graph captured on static metadata buffers replays any batch of those
-    # shapes exactly as an eager step computes it, with one
+    # shapes (T, B, num_kv_heads) and a split count from max_seq_len, which the model runner sets to
+    # max_model_len while capturing; any covering split count gives the same bits. So a graph captured on
+    # static metadata buffers replays any batch of those shapes exactly as an eager step computes it, with one
     # rule, as in vLLM: max_query_len at capture picks the kernels. Captured with max_query_len == 1, the
     # graph serves decode-only batches; captured with max_query_len > 1, it serves any batch.
     cudagraph_support = CudagraphSupport.ALWAYS
@@ -76,9 +76,8 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         kn = _kernels()
         kn.store_kv(k, v, kv_cache, meta.slot_mapping)
-        # A graph replays with other sequence lengths: while capturing, launch every split.
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        max_seq_len = None if capturing else meta.max_seq_len
-        splits = kn.num_splits(max_seq_len)
+        # A captured graph replays with other lengths: the model runner captures with max_seq_len at its
+        # largest (max_model_len), and any split count that covers the lengths gives the same bits.
+        splits = kn.num_splits(meta.max_seq_len)
         lens = (meta.query_start_loc, meta.seq_lens, meta.block_table)
         return kn.paged_attention(q, kv_cache, *lens, layer.scale, meta.max_query_len, splits)

@@ -265,7 +265,8 @@ def _decode_kernel(
     r = tl.arange(0, ROWS)
     head = kvh * QPK + r
     d = tl.arange(0, HEAD_P2)
-    row_ok = r < tl.where(is_dec, QPK, 0)
+    row_dec = r < tl.where(is_dec, QPK, 0)
+    row_ok = r < tl.where(is_dec & (start < seq_len), QPK, 0)  # an empty split reads and writes no rows
     io_mask = row_ok[:, None] & (d[None, :] < HEAD)
     qt = tl.load(q + q0 * s_qt + head[:, None] * s_qh + d[None, :], mask=io_mask, other=0.0)  # [ROWS, HD_P2]
     qpos = tl.full([ROWS], 0, tl.int32) + seq_len - 1
@@ -286,7 +287,7 @@ def _decode_kernel(
         row = (b * (QPK * tl.num_programs(1)) + head) * NUM_SPLITS + sp  # [ROWS] into [B, H, NUM_SPLITS]
         tl.store(part_o + row[:, None] * HEAD + d[None, :], acc, mask=io_mask)
         lse = tl.where(den == 0.0, float("-inf"), m + tl.log2(tl.where(den == 0.0, 1.0, den)))
-        tl.store(part_lse + row, lse, mask=row_ok)
+        tl.store(part_lse + row, lse, mask=row_dec)  # -inf for an empty split: the reduction skips it
 
 
 @triton.jit
@@ -306,7 +307,8 @@ def _reduce_kernel(
     mx = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # [S]
     io_mask = d < tl.where(is_dec, HEAD, 0)
-    o = tl.load(part_o + row[:, None] * HEAD + d[None, :], mask=io_mask[None, :], other=0.0)  # [S, HEAD_P2]
+    o_mask = io_mask[None, :] & (lse > float("-inf"))[:, None]  # empty splits left part_o unwritten
+    o = tl.load(part_o + row[:, None] * HEAD + d[None, :], mask=o_mask, other=0.0)  # [S, HEAD_P2]
     res = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(out + q0 * s_ot + h * s_oh + d, res.to(out.dtype.element_ty), mask=io_mask)
 
