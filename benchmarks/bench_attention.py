@@ -17,11 +17,11 @@ import datetime
 import importlib.metadata as md
 import json
 import shlex
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -33,6 +33,9 @@ from turnout.attention import (
     CudagraphSupport,
 )
 from turnout.platform import current_platform
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cuda_time_ms  # noqa: E402
 
 PEAK_BW = 4.3e12  # bytes/s, H200 device copy
 PEAK_FLOPS = 790e12  # bf16 dense matmul
@@ -85,19 +88,7 @@ def make_step(
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
     """Median milliseconds of fn on the current stream, each run after a 256 MB write evicts L2."""
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_time_ms(fn, iters, warmup)
 
 
 def graph_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:

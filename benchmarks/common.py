@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime as dt
 import json
 import platform
+import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +54,23 @@ def write_json(path: str | None, rows: list[dict[str, Any]], **extra: Any) -> No
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps({**provenance(), **extra, "results": rows}, indent=2) + "\n")
         print(f"wrote {path}")
+
+
+def cuda_time_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    """Median milliseconds of fn on the current CUDA stream, by events, each run after a 256 MB write
+    evicts L2."""
+    import torch
+
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

@@ -34,7 +34,7 @@ from types import ModuleType
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_json  # noqa: E402
+from common import cuda_time_ms, print_table, write_json  # noqa: E402
 
 KERNELS = Path(__file__).resolve().parents[1] / "plugins/attention/triton/turnout_triton/kernels.py"
 SMEM_BYTES = 227 * 1024  # per block on an H100/H200
@@ -111,7 +111,6 @@ def time_ms(fn: Callable[[], object], rep_ms: float, cuda: bool) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    flush = _flush_buffer()
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -119,21 +118,7 @@ def time_ms(fn: Callable[[], object], rep_ms: float, cuda: bool) -> float:
     fn()
     torch.cuda.synchronize()
     n = min(100, max(3, int(rep_ms / max((time.perf_counter() - t0) * 1e3, 1e-3))))
-    times = []
-    for _ in range(n):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-@functools.cache
-def _flush_buffer() -> torch.Tensor:
-    return torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    return cuda_time_ms(fn, n, warmup=0)
 
 
 def key(cfg: dict) -> str:
