@@ -111,3 +111,18 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
         assert torch.allclose(out.float(), eager.float(), rtol=1e-6, atol=0)
     if DEV == "cuda":
         assert torch.equal(SiluAndMul()(x), out)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_cpu_packed_bf16_linear_gives_the_same_bits(rows: int) -> None:
+    """CPU bf16 layers use oneDNN's packed weight layout; it must be F.linear to the bit."""
+    from turnout.layers.linear import ColumnParallelLinear, pack_linears_for_cpu
+
+    g = torch.Generator().manual_seed(rows)
+    layer = ColumnParallelLinear(576, 960, bias=True)
+    layer.weight.data = torch.randn(960, 576, generator=g).bfloat16()
+    layer.bias.data = torch.randn(960, generator=g).bfloat16()
+    if pack_linears_for_cpu(layer) == 0:
+        pytest.skip("no oneDNN bf16 matmul on this CPU")
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from turnout.distributed import get_parallel_state, tp_all_gather, tp_all_reduce
+from turnout.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -34,6 +35,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__(vocab_size, hidden)
+        self.packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout, CPU bf16 only
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] logits
-        logits = tp_all_gather(F.linear(hidden, self.weight), dim=-1)
+        logits = tp_all_gather(linear(hidden, self.weight, None, self.packed_weight), dim=-1)
         return logits[:, : self.vocab_size]

