@@ -19,9 +19,12 @@ def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     if not torch.backends.mkldnn.is_available():
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, 16)  # laid out for 16-row inputs; any works
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)  # laid out for 16-row inputs; any work
+        probe = torch.ones(1, weight.shape[1], dtype=weight.dtype)
+        same = torch.equal(linear(probe, weight, None, packed), F.linear(probe, weight))
     except (RuntimeError, AttributeError):  # a CPU without bf16 support, a torch without the op
         return None
+    return packed if same else None
 
 
 def linear(
