@@ -5,12 +5,9 @@
 # .device-wheels/a stashed just before, for FlashAttention-4). Everything lands in $OUT: a few JSON files
 # and logs.tar.gz.
 set -u
-OUT=${OUT:-/tmp/out}
 W=/tmp/work
-mkdir -p "$OUT" "$W"
-export PYTHONUNBUFFERED=1
-source .device-wheels/b/install.sh > "$W/install.log" 2>&1
-bash scripts/device-setup.sh 2>&1 | tail -1
+CONF_S=270
+source benchmarks/device_prologue.sh
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
 python3 -c "import flash_attn.cute; print('flash-attn-4 ok')" 2>&1 | tail -1
 echo "== fused kernels ($SECONDS s)"
@@ -21,8 +18,6 @@ fi
 tail -2 "$W/fused.log"
 echo "== conformance + GPU tests, in parallel ($SECONDS s)"
 export TURNOUT_CONFORMANCE_ERRORS="$W/conformance_errors.tsv"
-conf() { timeout 270 python3 -m pytest -q -p no:cacheprovider tests/test_attention_conformance.py -k "$2" \
-  --junitxml="$W/conf_$1.xml" > "$W/conf_$1.log" 2>&1; echo "conf $1: $(tail -1 "$W/conf_$1.log")"; }
 conf fi_bf16_64 "flashinfer and bfloat16 and 64" &
 conf fi_bf16_128 "flashinfer and bfloat16 and not 64" &
 conf fi_fp16_64 "flashinfer and not bfloat16 and 64" &

@@ -4,13 +4,8 @@
 # FlashInfer and FlashAttention-4. Carry .device-wheels/b and .device-deps (FA4: stash .device-wheels/a
 # just before).
 set -u
-OUT=${OUT:-/tmp/out}
 W=/tmp/work2
-mkdir -p "$OUT" "$W"
-export PYTHONUNBUFFERED=1
-source .device-wheels/b/install.sh > "$W/install.log" 2>&1
-bash scripts/device-setup.sh 2>&1 | tail -1
-quiet() { grep -v -E "^INFO|Loading|Writing|Warning|warn|it/s\]" "$@"; }
+source benchmarks/device_prologue.sh
 echo "== fused kernels ($SECONDS s)"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py --junitxml="$W/fused.xml" > "$W/fused.log" 2>&1 \
   || { export TURNOUT_FUSED_KERNELS=0; echo "fused kernels FAILED: the rest runs unfused"; }

@@ -3,12 +3,8 @@
 # workloads) with the fused layer kernels, FULL without them for comparison, the Llama-shaped e2e row for
 # Triton that call 2 ran out of time for, and tests/test_gpu.py for Triton.
 set -u
-OUT=${OUT:-/tmp/out}
 W=/tmp/work3
-mkdir -p "$OUT" "$W"
-export PYTHONUNBUFFERED=1
-bash scripts/device-setup.sh 2>&1 | tail -1
-quiet() { grep -v -E "^INFO|Loading|Writing|Warning|warn|it/s\]" "$@"; }
+source benchmarks/device_prologue.sh
 echo "== fused kernels ($SECONDS s)"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py --junitxml="$W/fused.xml" > "$W/fused.log" 2>&1
 tail -1 "$W/fused.log"

@@ -2,12 +2,8 @@
 # H200 call 4 (2026-11-30): after the Triton decode split fix: Triton conformance and tests/test_gpu.py on
 # the GPU, the decode/prefill micro-benchmark, graph modes vs NONE with TPOT, and FULL without fused kernels.
 set -u
-OUT=${OUT:-/tmp/out}
 W=/tmp/work4
-mkdir -p "$OUT" "$W"
-export PYTHONUNBUFFERED=1
-bash scripts/device-setup.sh 2>&1 | tail -1
-quiet() { grep -v -E "^INFO|Loading|Writing|Warning|warn|it/s\]" "$@"; }
+source benchmarks/device_prologue.sh
 echo "== Triton conformance (background) and tests/test_gpu.py ($SECONDS s)"
 TURNOUT_CONFORMANCE_ERRORS="$W/conformance_errors.tsv" timeout 110 python3 -m pytest -q -p no:cacheprovider \
   tests/test_attention_conformance.py -k triton --junitxml="$W/conf_triton.xml" > "$W/conf_triton.log" 2>&1 &

@@ -4,17 +4,10 @@
 # the end (parallel processes: FlashInfer JIT modules compile side by side), the Triton micro-benchmark after
 # the empty-split change, and the CUDA-graph table at full size for the two fastest modes.
 set -u
-OUT=${OUT:-/tmp/out}
 W=/tmp/worknext
-mkdir -p "$OUT" "$W"
-export PYTHONUNBUFFERED=1
-source .device-wheels/b/install.sh > "$W/install.log" 2>&1
-bash scripts/device-setup.sh 2>&1 | tail -1
-quiet() { grep -v -E "^INFO|Loading|Writing|Warning|warn|it/s\]" "$@"; }
+source benchmarks/device_prologue.sh
 echo "== conformance, FlashInfer and FA4 ($SECONDS s)"
 export TURNOUT_CONFORMANCE_ERRORS="$W/conformance_errors.tsv"
-conf() { timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_attention_conformance.py -k "$2" \
-  --junitxml="$W/conf_$1.xml" > "$W/conf_$1.log" 2>&1; echo "conf $1: $(tail -1 "$W/conf_$1.log")"; }
 conf fi_bf16_64 "flashinfer and bfloat16 and 64" &
 conf fi_bf16_128 "flashinfer and bfloat16 and not 64" &
 conf fi_fp16_64 "flashinfer and not bfloat16 and 64" &

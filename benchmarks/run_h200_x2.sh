@@ -1,15 +1,11 @@
 #!/usr/bin/env bash
-# 2x H200 (NCCL), 2026-11-30, the session's last device call: the CUDA-graph table (Triton, all five modes,
+# 2x H200 (NCCL); written 2026-11-30, when the 2-GPU kind was not lent, for the next session: the CUDA-graph table (Triton, all five modes,
 # 1/8-size workloads) on GPU 0 with the fused layer kernels; then TP=2 against TP=1 (bf16 and float32) and
 # the mixed workload of #5 (1/8 size) at TP=1, TP=2 and DP=2.
 set -u
-OUT=${OUT:-/tmp/out}
 W=/tmp/workx2
-mkdir -p "$OUT" "$W"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-bash scripts/device-setup.sh 2>&1 | tail -1
+source benchmarks/device_prologue.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-quiet() { grep -v -E "^INFO|Loading|Writing|Warning|warn|it/s\]" "$@"; }
 echo "== fused kernels ($SECONDS s)"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py > "$W/fused.log" 2>&1; tail -1 "$W/fused.log"
 echo "== graphs, Triton, five modes, 1/8 workloads ($SECONDS s)"
