@@ -426,12 +426,10 @@ def _launch_prefill(
     )  # fmt: skip
 
 
-def num_splits(max_seq_len: int | None) -> int:
+def num_splits(max_seq_len: int) -> int:
     """Decode splits to launch, a power of two <= MAX_SPLITS that covers every request's chunks (see
-    _decode_kernel); None (a CUDA graph, any later length) launches MAX_SPLITS. The output does not depend
-    on it, only the number of idle programs does."""
-    if max_seq_len is None:
-        return MAX_SPLITS
+    _decode_kernel). The output does not depend on it, only the number of idle programs does; a CUDA graph
+    is captured with max_seq_len = max_model_len, so it covers any later batch."""
     return min(triton.next_power_of_2(max(1, math.ceil(max_seq_len / SPLIT_KEYS))), MAX_SPLITS)
 
 
