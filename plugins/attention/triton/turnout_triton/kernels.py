@@ -32,7 +32,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_SPLITS = 16
 # Keys per decode split, at least: a request's split boundaries depend on its own seq_len alone, so every
 # split count that covers them gives bit-identical output, and eager steps and CUDA graphs (captured with
-# MAX_SPLITS) agree token for token. The interpreter uses small splits so that CPU tests exercise them.
+# the split count of max_model_len) agree token for token. The interpreter uses small splits so that CPU
+# tests exercise them.
 SPLIT_KEYS = 64 if INTERPRET else 512
 
 
