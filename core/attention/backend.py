@@ -73,6 +73,11 @@ class AttentionMetadata:
     def query_lens(self) -> torch.Tensor:
         return self.query_start_loc[1:] - self.query_start_loc[:-1]
 
+    @property
+    def uniform_decode(self) -> bool:
+        """Every request runs exactly one token (and there is no graph padding)."""
+        return self.max_query_len == 1 and self.num_actual_tokens == self.num_reqs
+
 
 class AttentionBackend:
     """Base class. Subclasses set the class attributes and implement kv_cache_shape and forward."""

@@ -6,6 +6,12 @@ from __future__ import annotations
 import torch
 
 
+def valid_rows(slots: torch.Tensor) -> torch.Tensor | None:
+    """[n] the rows of slot_mapping with a slot (>= 0), or None when every row has one (syncs once)."""
+    valid = slots >= 0
+    return None if bool(valid.all()) else valid.nonzero().squeeze(1)
+
+
 def store_kv(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     k: torch.Tensor,  # [T, Hkv, D]

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata, CudagraphSupport
+from turnout.attention.kv_store import valid_rows
 
 
 @dataclass
@@ -31,7 +32,7 @@ class CPUMetadata:
     decode_blocks: torch.Tensor  # [Bd, max_blocks] block ids
     decode_lens: torch.Tensor  # [Bd] seq_len of each decode row
     prefills: list[_Prefill]
-    slots_valid: torch.Tensor | None  # [T] bool when some slots are -1 (padding), else None
+    store_rows: torch.Tensor | None  # [n] rows with a slot when some slots are -1 (padding), else None
     decode_slots: torch.Tensor | None = (
         None  # [Bd * L] cache slots, made by the first layer (needs block size)
     )
@@ -59,13 +60,12 @@ class CPUAttentionBackend(AttentionBackend):
                 mask = torch.arange(seq_len)[None, :] <= torch.arange(ctx, seq_len)[:, None]
             prefills.append(_Prefill(row, qs, qe, meta.block_table[row].long(), seq_len, mask))
         rows = torch.tensor(decode_rows, dtype=torch.long)
-        slot_ok = meta.slot_mapping[: meta.num_actual_tokens] >= 0
         return CPUMetadata(
             decode_tokens=meta.query_start_loc[rows].long(),
             decode_blocks=meta.block_table[rows].long(),
             decode_lens=meta.seq_lens[rows].long(),
             prefills=prefills,
-            slots_valid=None if bool(slot_ok.all()) else slot_ok,
+            store_rows=valid_rows(meta.slot_mapping[: meta.num_actual_tokens]),
         )
 
     def forward(
@@ -105,8 +105,8 @@ class CPUAttentionBackend(AttentionBackend):
     ) -> None:
         t = meta.num_actual_tokens
         slots, k, v = meta.slot_mapping[:t], k[:t], v[:t]
-        if md.slots_valid is not None:
-            slots, k, v = slots[md.slots_valid], k[md.slots_valid], v[md.slots_valid]
+        if md.store_rows is not None:
+            slots, k, v = slots[md.store_rows], k[md.store_rows], v[md.store_rows]
         hkv, d = kv_cache.shape[-2:]
         kv_cache[0].view(-1, hkv, d).index_copy_(0, slots, k)
         kv_cache[1].view(-1, hkv, d).index_copy_(0, slots, v)

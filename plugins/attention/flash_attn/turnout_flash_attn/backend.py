@@ -41,7 +41,7 @@ from turnout.attention import (
     AttentionMetadata,
     CudagraphSupport,
 )
-from turnout.attention.kv_store import store_kv
+from turnout.attention.kv_store import store_kv, valid_rows
 from turnout.platform import Platform
 
 NOT_INSTALLED = "flash_attn is not installed (pip install turnout-flash-attn[fa2] or flash-attn-4 on SM90+)"
@@ -204,10 +204,8 @@ class FlashAttnBackend(AttentionBackend):
         return reasons + (path_reasons(self.probe.path, ctx) if cuda and self.probe else [])
 
     def build_metadata(self, meta: AttentionMetadata) -> FlashAttnMetadata:
-        valid = meta.slot_mapping >= 0
-        decode = meta.max_query_len == 1 and meta.num_actual_tokens == meta.num_reqs
-        rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
-        return FlashAttnMetadata(rows, decode, _cu_seqlens(meta.seq_lens))
+        rows = valid_rows(meta.slot_mapping)
+        return FlashAttnMetadata(rows, meta.uniform_decode, _cu_seqlens(meta.seq_lens))
 
     def forward(
         self,

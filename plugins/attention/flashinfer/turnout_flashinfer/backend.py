@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 
 from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata, CudagraphSupport
-from turnout.attention.kv_store import store_kv
+from turnout.attention.kv_store import store_kv, valid_rows
 
 WORKSPACE_BYTES = 512 << 20  # float workspace, shared by every wrapper; 128 MiB overflowed (H200, 2026-11-30)
 MIN_VERSION = (0, 6)
@@ -160,10 +160,9 @@ class FlashInferBackend(AttentionBackend):
                 del self._decode[b]
 
     def build_metadata(self, meta: AttentionMetadata) -> FlashInferMetadata:
-        valid = meta.slot_mapping >= 0
-        decode = meta.max_query_len == 1 and meta.num_actual_tokens == meta.num_reqs
+        decode = meta.uniform_decode
         rows = meta.num_reqs if decode else meta.num_actual_tokens
-        md = FlashInferMetadata(decode, rows, None if bool(valid.all()) else valid.nonzero().squeeze(1))
+        md = FlashInferMetadata(decode, rows, valid_rows(meta.slot_mapping))
         if self._spec is not None:
             self._plan(md, meta, self._spec)
         return md
