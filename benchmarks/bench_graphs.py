@@ -130,9 +130,11 @@ def main() -> None:
             _, toks = run(llm, check, seed=7)
             if mode == "NONE":
                 ref[backend] = toks
-            tok_agree, seq_same = agreement(toks, ref.get(backend, toks))  # without a NONE run: itself
             row = {"backend": backend, "mode": mode, "effective": eff, "startup_s": startup,
-                   "tok_agree_vs_none": tok_agree, "seqs_identical": f"{seq_same}/64"}  # fmt: skip
+                   "tok_agree_vs_none": "no NONE run", "seqs_identical": "-"}  # fmt: skip
+            if backend in ref:
+                tok_agree, seq_same = agreement(toks, ref[backend])
+                row.update(tok_agree_vs_none=tok_agree, seqs_identical=f"{seq_same}/64")
             for b in args.tpot_batches:
                 row[f"tpot_ms_b{b}"] = tpot(llm, b)
             for b in args.forward_batches:
