@@ -2,6 +2,11 @@
 installed GPU attention backend against each other and against HF transformers (bf16, same GPU).
 
   python benchmarks/gpu_e2e.py --json benchmarks/results/gpu_e2e.json
+  python benchmarks/gpu_e2e.py --shapes smollm2-135m --gguf SmolLM2-135M-Instruct.Q4_1.gguf  # real weights
+
+The shapes in random_models.py carry random weights (no downloads on the GPU machine). `smollm2-135m` is
+the embedded default model's real weights, converted from its GGUF by turnout's loader, with 32 English
+prompts: trained logits have clear winners, so free-running agreement measures the backends, not ties.
 """
 
 from __future__ import annotations
@@ -19,21 +24,46 @@ from common import print_table, write_json  # noqa: E402
 from random_models import make_random_model  # noqa: E402
 
 NEW = 64
+REAL_PROMPTS = [
+    "The capital of France is", "Water boils at a temperature of", "The largest planet in the solar system",
+    "Photosynthesis is the process by which", "In 1969, the first humans", "A healthy breakfast includes",
+    "The main causes of the French Revolution were", "To bake bread, you first", "Python is a programming",
+    "The theory of relativity states that", "Once upon a time, in a small village,", "The heart pumps blood",
+    "Machine learning models learn from", "The Great Wall of China was built", "Rain forms when water vapour",
+    "The three primary colours are", "A good night's sleep helps", "Shakespeare wrote plays such as",
+    "The speed of light in a vacuum is", "To stay safe while cycling, always",
+    "The Amazon river flows through",
+    "An atom consists of", "The stock market is a place where", "Volcanoes erupt because",
+    "My favourite season is autumn because", "The recipe for pancakes calls for",
+    "Bees are important because",
+    "The internet was invented to", "Mount Everest is located in", "Exercise improves health by",
+    "The moon orbits the Earth every", "Vaccines protect people by",
+]  # fmt: skip
 
 
-def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """HF transformers' greedy continuations, all prompts in one left-padded batch."""
+def hf_greedy(path: Path, prompts: list[list[int]], device: str = "cuda") -> list[list[int]]:
+    """HF transformers' greedy continuations, all prompts in one left-padded batch. A plain argmax loop
+    over the model's forward and its KV cache, not generate(): generate's min_new_tokens would mask EOS,
+    while the engine's ignore_eos only keeps going, so the two would choose differently where EOS wins."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)  # [B, width]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, width]: each prompt starts at position 0
+    new: list[torch.Tensor] = []
     with torch.no_grad():
-        gen = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
-                             do_sample=False, pad_token_id=0)  # fmt: skip
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        for _ in range(NEW):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+            new.append(token)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = model(input_ids=token, attention_mask=mask, position_ids=positions,
+                        past_key_values=out.past_key_values, use_cache=True)  # fmt: skip
     del model
-    return gen[:, width:].tolist()
+    return torch.cat(new, dim=1).tolist()
 
 
 def agree(a: list[list[int]], b: list[list[int]]) -> float:
@@ -53,21 +83,45 @@ def teacher_forced(llm, prompts: list[list[int]], ref: list[list[int]]) -> list[
     return [flat[i * NEW : (i + 1) * NEW] for i in range(len(prompts))]
 
 
+def model_and_prompts(
+    shape: str, gguf: Path | None, random_prompts: list[list[int]]
+) -> tuple[Path, list[list[int]]]:
+    if shape != "smollm2-135m":
+        return make_random_model(Path(f"/tmp/turnout-{shape}"), shape), random_prompts
+    from transformers import AutoTokenizer
+
+    from turnout.loader.gguf import convert_gguf
+
+    if gguf is None:
+        sys.exit("smollm2-135m needs --gguf PATH (the embedded model's SmolLM2-135M-Instruct.Q4_1.gguf)")
+    path = Path("/tmp/turnout-smollm2-135m")
+    if not (path / "config.json").exists():
+        convert_gguf(gguf, path)
+    tok = AutoTokenizer.from_pretrained(path)
+    return path, [tok(p)["input_ids"] for p in REAL_PROMPTS]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama-360m"])
+    ap.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "llama-360m"], help="or smollm2-135m")
+    ap.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct.Q4_1.gguf, for the smollm2-135m shape")
     ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer", "triton"])
+    ap.add_argument("--hf-self", action="store_true", help="HF unbatched vs batched: bf16's noise floor")
     ap.add_argument("--json")
     args = ap.parse_args()
     from turnout import LLM, SamplingParams
     from turnout.errors import SelectionError
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(16, 256))] for _ in range(32)]
+    random_prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(16, 256))] for _ in range(32)]
     rows = []
     for shape in args.shapes:
-        path = make_random_model(Path(f"/tmp/turnout-{shape}"), shape)
+        path, prompts = model_and_prompts(shape, args.gguf, random_prompts)
         ref = hf_greedy(path, prompts)
+        if args.hf_self:
+            alone = [hf_greedy(path, [p])[0] for p in prompts]
+            rows.append({"model": shape, "backend": "hf, one at a time", "vs_hf": agree(alone, ref)})
+            print(rows[-1], flush=True)
         outs: dict[str, list[list[int]]] = {}
         for b in args.backends:
             try:
@@ -93,7 +147,7 @@ def main() -> None:
             print(row, flush=True)
     keys = sorted({k for r in rows for k in r}, key=str)
     print_table([{k: r.get(k, "") for k in keys} for r in rows])
-    write_json(args.json, rows, prompts=32, new_tokens=NEW, dtype="bfloat16")
+    write_json(args.json, rows, prompts=32, new_tokens=NEW, dtype="bfloat16", shapes=args.shapes)
 
 
 if __name__ == "__main__":
