@@ -41,13 +41,19 @@ REAL_PROMPTS = [
 ]  # fmt: skip
 
 
-def hf_greedy(path: Path, prompts: list[list[int]], device: str = "cuda") -> list[list[int]]:
-    """HF transformers' greedy continuations, all prompts in one left-padded batch. A plain argmax loop
+def hf_greedy(path: Path, batches: list[list[list[int]]], device: str = "cuda") -> list[list[int]]:
+    """HF transformers' greedy continuations, each batch of prompts left-padded. A plain argmax loop
     over the model's forward and its KV cache, not generate(): generate's min_new_tokens would mask EOS,
     while the engine's ignore_eos only keeps going, so the two would choose differently where EOS wins."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    outs = [seq for prompts in batches for seq in _greedy(model, prompts, device)]
+    del model
+    return outs
+
+
+def _greedy(model, prompts: list[list[int]], device: str) -> list[list[int]]:
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)  # [B, width]
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -62,7 +68,6 @@ def hf_greedy(path: Path, prompts: list[list[int]], device: str = "cuda") -> lis
             positions = positions[:, -1:] + 1
             out = model(input_ids=token, attention_mask=mask, position_ids=positions,
                         past_key_values=out.past_key_values, use_cache=True)  # fmt: skip
-    del model
     return torch.cat(new, dim=1).tolist()
 
 
@@ -117,9 +122,9 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         path, prompts = model_and_prompts(shape, args.gguf, random_prompts)
-        ref = hf_greedy(path, prompts)
+        ref = hf_greedy(path, [prompts])
         if args.hf_self:
-            alone = [hf_greedy(path, [p])[0] for p in prompts]
+            alone = hf_greedy(path, [[p] for p in prompts])
             rows.append({"model": shape, "backend": "hf, one at a time", "vs_hf": agree(alone, ref)})
             print(rows[-1], flush=True)
         outs: dict[str, list[list[int]]] = {}
