@@ -112,6 +112,7 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text as it is generated, for one prompt."""
         req = self.engine.add_request(prompt, dataclasses.replace(sampling_params or SamplingParams(), n=1))
+        req.stream = True
         try:
             while True:
                 for s in self.engine.step():

@@ -82,3 +82,24 @@ def test_bad_request_fails_alone(llm):
         0
     ].outputs[0]
     assert len(lp.logprobs) == 3 and all(len(t) == 2 and t[0][1] >= t[1][1] for t in lp.top_logprobs)
+
+
+@pytest.mark.slow
+def test_text_is_the_same_streamed_batched_and_decoded(llm):
+    """Batched requests get their text once at the end; LLM.stream gets it token by token (incremental
+    detokenizer): both must equal the tokenizer's decode of the same tokens."""
+    prompt = llm.apply_chat_template([{"role": "user", "content": "Write a haiku about trains."}])
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    out = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    streamed = "".join(llm.stream(prompt, sp))
+    assert out.text == streamed == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert len(out.text) > 20
+
+
+def test_token_slice_is_a_slice_of_all_token_ids():
+    from turnout.engine.request import Request
+
+    req = Request("r", list(range(10, 17)), SamplingParams(), output_token_ids=list(range(50, 55)))
+    for start in range(req.num_tokens + 1):
+        for n in range(req.num_tokens - start + 2):
+            assert req.token_slice(start, n) == req.all_token_ids[start : start + n]

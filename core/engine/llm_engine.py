@@ -130,8 +130,8 @@ class LLMEngine:
             self.scheduler.finish(req, "abort")
 
     def pop_finished(self, req_id: str) -> tuple[Request, str]:
-        req = self.requests.pop(req_id)
-        return req, self.detok.pop(req_id).text
+        self._detokenize(self.requests[req_id])  # catch up: an aborted request's text was never read
+        return self.requests.pop(req_id), self.detok.pop(req_id).text
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -151,8 +151,10 @@ class LLMEngine:
         outputs = []
         for req_id in res.sampled:
             req = self.requests[req_id]
-            delta, done = self._detokenize(req), req_id in finished or req.is_finished
-            outputs.append(StepOutput(req, delta, done))
+            # Text is made when someone reads it: each step for streams and stop strings, else once at the end.
+            wanted = req.stream or req.params.stop or req.is_finished
+            delta = self._detokenize(req) if wanted else ""
+            outputs.append(StepOutput(req, delta, req_id in finished or req.is_finished))
         return outputs
 
     def _detokenize(self, req: Request) -> str:

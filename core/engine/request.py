@@ -14,7 +14,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is an entity: `in` and remove() compare identity, not 15 fields
 class Request:
     req_id: str
     prompt_token_ids: list[int]
@@ -29,6 +29,7 @@ class Request:
     num_preemptions: int = 0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    stream: bool = False  # its text is wanted token by token (LLM.stream), not only at the end
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +38,13 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """all_token_ids[start:start + n] without copying the whole history (a decode step wants 1 token)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : start - p + n]
+        return self.prompt_token_ids[start : start + n] + self.output_token_ids[: max(0, start + n - p)]
 
     @property
     def is_finished(self) -> bool:

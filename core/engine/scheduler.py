@@ -64,7 +64,7 @@ class Scheduler:
         chunks: list[tuple[Request, int]] = []
         preempted = False
         for req in list(self.running):
-            if req not in self.running:  # preempted earlier in this loop
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
@@ -101,14 +101,13 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        tokens = req.all_token_ids
         pen = req.params.needs_penalties
         return ScheduledRequest(
             req.req_id,
-            tokens[start : start + n],
+            req.token_slice(start, n),
             start,
             list(req.block_ids),
-            start + n == len(tokens),
+            start + n == req.num_tokens,
             req.params,
             req.prompt_token_ids if pen else [],
             req.output_token_ids if pen else [],
