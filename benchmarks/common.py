@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -30,8 +31,9 @@ def provenance() -> dict[str, Any]:
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device,
-        "commit": git("rev-parse", "--short", "HEAD")
-        + ("-dirty" if git("status", "--porcelain", "-uno") else ""),
+        # The GPU machine's copy of the tree has no true git state: its run scripts pass BENCH_COMMIT.
+        "commit": os.environ.get("BENCH_COMMIT")
+        or git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "-uno") else ""),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -8,5 +8,5 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 if [ -f .device-wheels/b/install.sh ]; then source .device-wheels/b/install.sh > "$W/install.log" 2>&1; fi
 bash scripts/device-setup.sh 2>&1 | tail -1
 quiet() { grep -v -E "^INFO|Loading|Writing|Warning|warn|it/s\]" "$@"; }
-conf() { timeout "${CONF_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_attention_conformance.py \
+conf() { timeout "${CONF_S:-300}" ${CONF_PREFIX:-} python3 -m pytest -q -p no:cacheprovider tests/test_attention_conformance.py \
   -k "$2" --junitxml="$W/conf_$1.xml" > "$W/conf_$1.log" 2>&1; echo "conf $1: $(tail -1 "$W/conf_$1.log")"; }
