@@ -4,6 +4,7 @@ GPU conformance suite (test_attention_conformance.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
 import subprocess
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from turnout.attention import AttentionContext, AttentionMetadata, CudagraphSupport
 from turnout.platform import Platform
@@ -190,8 +192,34 @@ def test_store_kv_writes_exactly_the_valid_slots(store_kv, capturing, slots):
             expected[0].view(-1, hkv, d)[s], expected[1].view(-1, hkv, d)[s] = k[i], v[i]
     valid = slot_t >= 0
     rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
-    store_kv(cache, k, v, slot_t, rows, capturing)
+    with NoHostSync() if capturing else contextlib.nullcontext():
+        store_kv(cache, k, v, slot_t, rows, capturing)
     assert torch.equal(cache, expected)
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on any op that reads a tensor's value on the host (.item(), bool(t), t[0-dim index]): on CUDA
+    each is a device sync, which a graph capture forbids. Lets the CPU suite check the graph-safe paths."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+            raise AssertionError(f"host sync in a capturable path: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_sync_catches_a_zero_dim_index():
+    t = torch.arange(4)
+    with pytest.raises(AssertionError, match="host sync"), NoHostSync():
+        t[t.argmax()]
+
+
+def test_paged_indices_and_static_refresh_do_not_sync():
+    """What the first attention layer in a captured FlashInfer decode graph runs."""
+    seq_lens, block = torch.tensor([5, 17, 0, 33], dtype=torch.int32), 16
+    table = _table(random.Random(1), [5, 17, 1, 33], block)
+    with NoHostSync():
+        indptr, indices, last = fi_backend.paged_indices(seq_lens, table, block)
+    assert indptr.tolist() == [0, 1, 3, 3, 6]
 
 
 def _meta(qlens: list[int], ctxs: list[int], pad: int = 0, block: int = 16) -> AttentionMetadata:

@@ -31,10 +31,12 @@ def store_kv(
         for c, x in zip(caches, (k, v)):
             c.index_copy_(0, slots, x)
         return
-    valid = slots >= 0
-    j = valid.to(torch.int32).argmax()  # a valid row if there is one
-    has = valid[j]
-    dst = torch.where(valid, slots, torch.where(has, slots[j], 0))
+    # index_select with a [1] index, never t[j] with a 0-dim j: that is .item(), a host sync, which a
+    # capture forbids.
+    valid = slots >= 0  # [T]
+    j = valid.to(torch.int32).argmax().view(1)  # [1]: a valid row if there is one
+    has = valid.index_select(0, j)  # [1]
+    dst = torch.where(valid, slots, torch.where(has, slots.index_select(0, j), 0))  # [T]
     for c, x in zip(caches, (k, v)):
-        fill = torch.where(has, x[j], c[0])  # [Hkv, D]
+        fill = torch.where(has[:, None, None], x.index_select(0, j), c[:1])  # [1, Hkv, D]
         c.index_copy_(0, dst, torch.where(valid[:, None, None], x, fill))
