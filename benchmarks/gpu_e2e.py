@@ -41,15 +41,27 @@ REAL_PROMPTS = [
 ]  # fmt: skip
 
 
-def hf_greedy(path: Path, batches: list[list[list[int]]], device: str = "cuda") -> list[list[int]]:
+def hf_model(path: Path, device: str = "cuda"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+
+
+def hf_greedy(model, batches: list[list[list[int]]], device: str = "cuda") -> list[list[int]]:
     """HF transformers' greedy continuations, each batch of prompts left-padded. A plain argmax loop
     over the model's forward and its KV cache, not generate(): generate's min_new_tokens would mask EOS,
     while the engine's ignore_eos only keeps going, so the two would choose differently where EOS wins."""
-    from transformers import AutoModelForCausalLM
+    return [seq for prompts in batches for seq in _greedy(model, prompts, device)]
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-    outs = [seq for prompts in batches for seq in _greedy(model, prompts, device)]
-    del model
+
+def hf_teacher_forced(model, prompts: list[list[int]], ref: list[list[int]], device: str = "cuda"):
+    """HF alone (no padding) on each reference history: one causal forward over prompt + ref gives the
+    greedy choice after every prefix. Against a batched HF reference, this is bf16's own noise floor."""
+    outs = []
+    with torch.no_grad():
+        for p, r in zip(prompts, ref):
+            logits = model(input_ids=torch.tensor([p + r[:-1]], device=device)).logits[0]  # [len, V]
+            outs.append(logits[len(p) - 1 :].argmax(-1).tolist())
     return outs
 
 
@@ -71,9 +83,17 @@ def _greedy(model, prompts: list[list[int]], device: str) -> list[list[int]]:
     return torch.cat(new, dim=1).tolist()
 
 
-def agree(a: list[list[int]], b: list[list[int]]) -> float:
-    """Free-running agreement: position by position, so one early flip costs the rest of the sequence."""
-    return sum(x == y for sa, sb in zip(a, b) for x, y in zip(sa, sb)) / sum(len(s) for s in a)
+def agree(a: list[list[int]], b: list[list[int]], upto: list[int] | None = None) -> float:
+    """Free-running agreement: position by position, so one early flip costs the rest of the sequence.
+    upto[i]: compare only sequence i's first upto[i] positions."""
+    upto = upto or [len(s) for s in a]
+    same = sum(x == y for sa, sb, n in zip(a, b, upto) for x, y in zip(sa[:n], sb[:n]))
+    return same / max(1, sum(upto))
+
+
+def first_eos(ref: list[list[int]], eos: set[int]) -> list[int]:
+    """Positions before the reference's first EOS: past it, ignore_eos text has no trained winner."""
+    return [next((i for i, t in enumerate(r) if t in eos), len(r)) for r in ref]
 
 
 def teacher_forced(llm, prompts: list[list[int]], ref: list[list[int]]) -> list[list[int]]:
@@ -119,14 +139,25 @@ def main() -> None:
 
     rng = random.Random(0)
     random_prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(16, 256))] for _ in range(32)]
-    rows = []
+    rows, sequences = [], {}
     for shape in args.shapes:
         path, prompts = model_and_prompts(shape, args.gguf, random_prompts)
-        ref = hf_greedy(path, [prompts])
+        model = hf_model(path)
+        ref = hf_greedy(model, [prompts])
+        eos = {model.config.eos_token_id} if isinstance(model.config.eos_token_id, int) else set()
+        upto = first_eos(ref, eos)
         if args.hf_self:
-            alone = hf_greedy(path, [[p] for p in prompts])
-            rows.append({"model": shape, "backend": "hf, one at a time", "vs_hf": agree(alone, ref)})
-            print(rows[-1], flush=True)
+            alone = hf_greedy(model, [[p] for p in prompts])
+            row = {"model": shape, "backend": "hf, one at a time", "vs_hf": agree(alone, ref),
+                   "vs_hf_before_eos": agree(alone, ref, upto),
+                   "vs_hf_teacher_forced": agree(hf_teacher_forced(model, prompts, ref), ref),
+                   # HF's one forward over its own greedy text against its cached decode of that text
+                   "own_history_teacher_forced": agree(hf_teacher_forced(model, prompts, alone), alone),
+                   }  # fmt: skip
+            rows.append(row)
+            print(row, flush=True)
+        del model
+        sequences[shape] = {"hf": ref}
         outs: dict[str, list[list[int]]] = {}
         for b in args.backends:
             try:
@@ -144,15 +175,20 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
             row = {"model": shape, "backend": b, "graph_mode": mode, "vs_hf": agree(outs[b], ref),
+                   "vs_hf_before_eos": agree(outs[b], ref, upto),
                    "vs_hf_teacher_forced": agree(forced, ref)}  # fmt: skip
+            sequences[shape][b] = outs[b]
             for other in outs:
                 if other != b:
                     row[f"vs_{other}"] = agree(outs[b], outs[other])
             rows.append(row)
             print(row, flush=True)
+            write_json(args.json, rows, prompts=32, new_tokens=NEW, dtype="bfloat16", shapes=args.shapes,
+                       sequences=sequences)  # fmt: skip
     keys = sorted({k for r in rows for k in r}, key=str)
     print_table([{k: r.get(k, "") for k in keys} for r in rows])
-    write_json(args.json, rows, prompts=32, new_tokens=NEW, dtype="bfloat16", shapes=args.shapes)
+    write_json(args.json, rows, prompts=32, new_tokens=NEW, dtype="bfloat16", shapes=args.shapes,
+               sequences=sequences)  # fmt: skip
 
 
 if __name__ == "__main__":

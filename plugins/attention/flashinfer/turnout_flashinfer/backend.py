@@ -122,11 +122,11 @@ class FlashInferBackend(AttentionBackend):
     head_sizes = (64, 128, 256)  # FA3's static_assert (hopper/prefill_sm90.cuh); FA2 builds these too
     block_size_multiple = 1  # a block is a page; FlashInfer takes any page size
     min_capability = (8, 0)
-    # Designed for UNIFORM_DECODE (static decode buffers, see the module docstring), but on the H200
-    # (flashinfer 0.6.0, 2026-11-29) a FULL capture invalidated the stream capture. NEVER until a capture
-    # is shown to work; graphs then run PIECEWISE with FlashInfer eager in the holes.
-    # TURNOUT_FLASHINFER_CUDAGRAPH=UNIFORM_DECODE overrides this, to try a capture on new versions.
-    cudagraph_support = CudagraphSupport.NEVER
+    # Static decode buffers (module docstring). On the H200 (flashinfer 0.6.0, 2026-11-30) FULL captures
+    # uniform decode and gives outputs identical to NONE (benchmarks/results/...-graphs-flashinfer-full.json);
+    # the earlier failure was a host sync in store_kv's capture path. TURNOUT_FLASHINFER_CUDAGRAPH=NEVER
+    # turns graphs around FlashInfer off (PIECEWISE then runs it eagerly in the holes).
+    cudagraph_support = CudagraphSupport.UNIFORM_DECODE
 
     def __init__(self) -> None:
         if level := os.environ.get("TURNOUT_FLASHINFER_CUDAGRAPH"):
