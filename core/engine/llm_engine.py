@@ -151,7 +151,7 @@ class LLMEngine:
         outputs = []
         for req_id in res.sampled:
             req = self.requests[req_id]
-            # Text is made when someone reads it: each step for streams and stop strings, else once at the end.
+            # Text is made when read: each step for streams and stop strings, else once at the end.
             wanted = req.stream or req.params.stop or req.is_finished
             delta = self._detokenize(req) if wanted else ""
             outputs.append(StepOutput(req, delta, req_id in finished or req.is_finished))
