@@ -44,6 +44,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
         self.hashes: dict[str, list[int]] = {}  # req id -> hashes of its full blocks, in order
+        self.registered: dict[str, int] = {}  # req id -> how many of its first blocks cache_full_blocks saw
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,10 +56,10 @@ class BlockManager:
     def _block_hashes(self, req: Request, upto: int) -> list[int]:
         """Chained hashes of the request's full blocks among its first `upto` tokens (memoised)."""
         hashes = self.hashes.setdefault(req.req_id, [])
-        tokens = req.all_token_ids
-        for i in range(len(hashes), upto // self.block_size):
+        bs = self.block_size
+        for i in range(len(hashes), upto // bs):  # each step adds at most one block: no copy of the history
             parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(tokens[i * self.block_size : (i + 1) * self.block_size]))))
+            hashes.append(hash((parent, tuple(req.token_slice(i * bs, bs)))))
         return hashes
 
     def find_cached(self, req: Request) -> list[int]:
@@ -113,11 +114,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._block_hashes(req, req.num_computed_tokens)
-        for block_id, h in zip(req.block_ids, hashes):
+        start = self.registered.get(req.req_id, 0)
+        for block_id, h in zip(req.block_ids[start:], hashes[start:]):
             block = self.blocks[block_id]
             if block.hash is None:
                 block.hash = h
                 self.cached.setdefault(h, block_id)
+        self.registered[req.req_id] = min(len(hashes), len(req.block_ids))
 
     def free_request(self, req: Request) -> None:
         # tail blocks first, so a prefix's first blocks are the last to be evicted
@@ -128,3 +131,4 @@ class BlockManager:
                 self.free[block_id] = None
         req.block_ids = []
         self.hashes.pop(req.req_id, None)
+        self.registered.pop(req.req_id, None)

@@ -168,7 +168,7 @@ class ModelRunner:
         cu = np.zeros(len(reqs) + 1, dtype=np.int64)
         np.cumsum(qlens, out=cu[1:])
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=int(cu[-1]))
-        positions = np.concatenate([np.arange(s, s + q) for s, q in zip(starts, qlens)])
+        positions = np.repeat(starts - cu[:-1], qlens) + np.arange(cu[-1])  # request i, token j: start_i + j
         max_blocks = max(len(r.block_ids) for r in reqs)
         block_table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
         for i, r in enumerate(reqs):
