@@ -86,8 +86,10 @@ class GraphRunner:
     def capture(self) -> None:
         dev = self.input_ids.device
         torch.cuda.synchronize(dev)
-        # graphs allocate from the caching allocator's pool: its growth is their memory (free device
-        # memory is no measure: the allocator may return cached blocks meanwhile)
+        # graphs allocate from the caching allocator's pool: its growth is their memory. Each capture starts
+        # with empty_cache(), so release the cached free blocks first, or the baseline counts them and a
+        # capture can "use" negative memory (-0.37 GiB on the H200, 2026-11-30).
+        torch.cuda.empty_cache()
         reserved0, t0 = torch.cuda.memory_reserved(dev), time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
         try:
