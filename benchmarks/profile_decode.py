@@ -1,15 +1,16 @@
-"""Where the time of one batch-1 decode step goes, kernel by kernel, under torch.profiler (issue #5).
+"""Where the time of one decode step goes, kernel by kernel, under torch.profiler (issue #5).
 
 Per-kernel and per-category GPU time per decode step, against the step's wall time, the engine's TPOT and
 the weight-read floor (parameter bytes / --bandwidth).
 
   python benchmarks/profile_decode.py --modes FULL NONE --json benchmarks/results/profile_decode.json
 
-One request (a 32-token prompt, ignore_eos) on a Qwen3-0.6B-shaped random bf16 model. A wrapper around the
-ModelRunner's execute_model and sample_tokens synchronises before and after each pure-decode step and marks
-it with a record_function range (FORWARD, SAMPLE); a kernel counts for the step whose range its start lies
-in, so prefill and everything between steps (scheduler, detokenizer) stay out, and the sums are per step
-rather than whole-run totals divided by a step count. The first --warmup decode steps are dropped.
+--batch requests (a 32-token prompt each, ignore_eos; default 1) on a Qwen3-0.6B-shaped random bf16 model. A
+wrapper around the ModelRunner's execute_model and sample_tokens synchronises before and after each pure-
+decode step and marks it with a record_function range (FORWARD, SAMPLE); a kernel counts for the step whose
+range its start lies in, so prefill and everything between steps (scheduler, detokenizer) stay out, and the
+sums are per step rather than whole-run totals divided by a step count. The first --warmup decode steps are
+dropped.
 
 Wall times come from a first, unprofiled pass (the profiler's CUPTI tracing slows the host and can stretch
 graph replays); kernel times, counts and gaps come from the second, profiled pass. Categories go by kernel
@@ -232,9 +233,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
 
 
-def profile_decode(llm, steps: int, warmup: int, bandwidth: float, trace: Path | None) -> dict[str, Any]:
+def profile_decode(
+    llm, batch: int, steps: int, warmup: int, bandwidth: float, trace: Path | None
+) -> dict[str, Any]:
     runner = llm.engine.executor.worker.runner
-    reqs = [(PROMPT_LEN, warmup + steps + 1)]
+    reqs = [(PROMPT_LEN, warmup + steps + 1)] * batch
     with DecodeTimer(runner) as timer:  # unprofiled: the wall times, and a warm-up for the profiled pass
         run(llm, reqs)
     with DecodeTimer(runner), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -247,10 +250,12 @@ def profile_decode(llm, steps: int, warmup: int, bandwidth: float, trace: Path |
     res["totals"].update(
         wall_us_forward=statistics.median(timer.forward_us[warmup:]),
         wall_us_sample=statistics.median(timer.sample_us[warmup:]),
-        tpot_us=tpot(llm, 1) * 1e3,
+        tpot_us=tpot(llm, batch) * 1e3,
         weight_bytes=nbytes,
         weight_floor_us=nbytes / bandwidth * 1e6,
     )
+    t = res["totals"]  # the rest of a step: scheduler, detokenizer, the executor's calls
+    t["host_outside_runner_us"] = t["tpot_us"] - t["wall_us_forward"] - t["wall_us_sample"]
     return res
 
 
@@ -274,6 +279,7 @@ def main() -> None:
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--modes", nargs="+", default=["FULL"])
     ap.add_argument("--model-dir", default="/tmp/turnout-qwen3-0.6b")
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     ap.add_argument("--steps", type=int, default=20, help="decode steps counted")
     ap.add_argument("--warmup", type=int, default=5, help="decode steps dropped first")
     ap.add_argument("--top", type=int, default=20, help="kernel rows printed")
@@ -290,23 +296,26 @@ def main() -> None:
     from turnout import LLM
 
     path = make_random_model(Path(args.model_dir), "qwen3-0.6b")
-    meta = dict(model="Qwen3-0.6B-shaped, random bf16 weights", backend=args.backend, steps=args.steps,
+    meta = dict(model="Qwen3-0.6B-shaped, random bf16 weights", backend=args.backend, batch=args.batch,
+                steps=args.steps,
                 warmup=args.warmup, bandwidth=args.bandwidth, fused_kernels=not args.unfused)  # fmt: skip
     results, summary = [], []
     for mode in args.modes:
         llm = LLM(str(path), attention_backend=args.backend, cudagraph_mode=mode, max_num_batched_tokens=2048,
                   max_num_seqs=256, gpu_memory_utilization=0.85)  # fmt: skip
         eff = llm.selection.effective_graph.name
-        trace = Path(args.trace_dir) / f"decode_{args.backend}_{mode}.json" if args.trace_dir else None
+        name = f"decode_{args.backend}_{mode}_b{args.batch}.json"
+        trace = Path(args.trace_dir) / name if args.trace_dir else None
         res = {"backend": args.backend, "mode": mode, "effective": eff}
-        res.update(profile_decode(llm, args.steps, args.warmup, args.bandwidth, trace))
-        print(f"\n== {args.backend} {mode} (effective {eff}), batch 1, per decode step")
+        res.update(profile_decode(llm, args.batch, args.steps, args.warmup, args.bandwidth, trace))
+        print(f"\n== {args.backend} {mode} (effective {eff}), batch {args.batch}, per decode step")
         report(res, args.top)
         t = res["totals"]
         summary.append({"mode": mode, "kernels/step": t.get("kernels_per_step_forward", 0.0),
                         "kernel_us": t.get("kernel_us_per_step_forward", 0.0),
                         "gpu_idle_us": t.get("gpu_idle_in_span_us", 0.0), "wall_fwd_us": t["wall_us_forward"],
-                        "wall_sample_us": t["wall_us_sample"], "tpot_us": t["tpot_us"],
+                        "wall_sample_us": t["wall_us_sample"], "host_other_us": t["host_outside_runner_us"],
+                        "tpot_us": t["tpot_us"],
                         "floor_us": t["weight_floor_us"]})  # fmt: skip
         results.append(res)
         write_json(args.json, results, **meta)

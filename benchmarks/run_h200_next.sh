@@ -1,29 +1,26 @@
 #!/usr/bin/env bash
-# For the next session's first H200 call (FlashInfer + FA4 carried, FA4 part a stashed just before):
-# what 2026-11-30 left unverified. FlashInfer conformance with the 512 MiB workspace and FA4 conformance to
-# the end (parallel processes: FlashInfer JIT modules compile side by side), the Triton micro-benchmark after
-# the empty-split change, and the CUDA-graph table at full size for the two fastest modes.
+# For the next session's first H200 call (FlashInfer carried in .device-wheels/b; FA4 only if part a was
+# stashed just before): what session 3 (2026-11-30) left unmeasured.
+#   1. where a decode step's time goes at batch 1 and 256 (FULL_AND_PIECEWISE), host vs kernels;
+#   2. the graph table at full size, all five modes, with nothing else on the machine (session 3's FULL row
+#      ran beside JIT builds), after the graph-memory baseline fix;
+#   3. FlashInfer's conformance replay test, which runs since FlashInfer declares UNIFORM_DECODE.
+# Pass BENCH_COMMIT=<this commit> in the command: the device copy has no true git state.
 set -u
 W=/tmp/worknext
 source benchmarks/device_prologue.sh
-echo "== conformance, FlashInfer and FA4 ($SECONDS s)"
-export TURNOUT_CONFORMANCE_ERRORS="$W/conformance_errors.tsv"
-conf fi_bf16_64 "flashinfer and bfloat16 and 64" &
-conf fi_bf16_128 "flashinfer and bfloat16 and not 64" &
-conf fi_fp16_64 "flashinfer and not bfloat16 and 64" &
-conf fi_fp16_128 "flashinfer and not bfloat16 and not 64" &
-conf fa_bf16 "flash_attn and bfloat16" &
-conf fa_fp16 "flash_attn and not bfloat16" &
-wait
-unset TURNOUT_CONFORMANCE_ERRORS
-python3 benchmarks/summarize_conformance.py --errors "$W/conformance_errors.tsv" --junit "$W"/conf_*.xml \
-  --json "$OUT/conformance.json"
-echo "== Triton micro-benchmark ($SECONDS s)"
-timeout 40 python3 benchmarks/bench_attention.py --backends triton --json "$OUT/attention_triton.json" \
-  > "$W/attention.log" 2>&1
-quiet "$W/attention.log" | tail -9
-echo "== graphs at full size: FULL and FULL_AND_PIECEWISE ($SECONDS s)"
-timeout $((570 - SECONDS)) python3 benchmarks/bench_graphs.py --backends triton --modes FULL FULL_AND_PIECEWISE \
-  --forward-batches 1 8 --json "$OUT/graphs_triton_full.json" > "$W/graphs.log" 2>&1
-quiet "$W/graphs.log" | tail -3
+echo "== profile, batch 1 and 256 ($SECONDS s)"
+for b in 1 256; do
+  timeout 120 python3 benchmarks/profile_decode.py --modes FULL_AND_PIECEWISE --batch "$b" \
+    --json "$OUT/profile_b$b.json" > "$W/profile_b$b.log" 2>&1
+  quiet "$W/profile_b$b.log" | tail -3
+done
+echo "== FlashInfer conformance replay ($SECONDS s)"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention_conformance.py \
+  -k "cudagraph_replay" > "$W/replay.log" 2>&1; tail -1 "$W/replay.log"
+echo "== graphs at full size, five modes ($SECONDS s)"
+timeout $((580 - SECONDS)) python3 benchmarks/bench_graphs.py --backends triton --forward-batches 1 8 256 \
+  --modes FULL_AND_PIECEWISE FULL FULL_DECODE_ONLY PIECEWISE NONE \
+  --json "$OUT/graphs_triton_full.json" > "$W/graphs.log" 2>&1
+quiet "$W/graphs.log" | tail -7
 tar czf "$OUT/logs_next.tar.gz" -C "$W" .
