@@ -103,3 +103,28 @@ def test_token_slice_is_a_slice_of_all_token_ids():
     for start in range(req.num_tokens + 1):
         for n in range(req.num_tokens - start + 2):
             assert req.token_slice(start, n) == req.all_token_ids[start : start + n]
+
+
+def test_detokenizer_holds_back_a_split_char_until_the_last_step():
+    """The train emoji spans three byte-level tokens: mid-stream its first bytes are held back; a request
+    that ends inside it (max_tokens) still gets decode()'s text, U+FFFD included, not nothing."""
+    from transformers import AutoTokenizer
+
+    from turnout.engine.detokenizer import Detokenizer
+    from turnout.loader.default_model import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    ids = tok.encode("Trains \U0001f682 run")
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    streamed = Detokenizer(tok)
+    for k in range(1, cut + 1):
+        streamed.step(ids[:k])
+    assert streamed.text == tok.decode(ids[: cut - 1]) and not streamed.text.endswith("\ufffd")
+    for final in (False, True):  # lazily: one step at the end, as for a batched request
+        d = Detokenizer(tok)
+        d.step(ids[:cut], final=final)
+        assert d.text == ("Trains \ufffd" if final else "")
+    whole = Detokenizer(tok)
+    for k in range(1, len(ids) + 1):
+        whole.step(ids[:k], final=k == len(ids))
+    assert whole.text == tok.decode(ids) == "Trains \U0001f682 run"

@@ -14,13 +14,14 @@ class Detokenizer:
     prefix_offset: int = 0
     read_offset: int = 0
 
-    def step(self, token_ids: list[int]) -> str:
-        """Append the text of newly added tokens; returns the new text (empty while a char is incomplete)."""
+    def step(self, token_ids: list[int], final: bool = False) -> str:
+        """Append the text of newly added tokens; returns the new text (empty while a char is incomplete,
+        unless this is the request's last step: then an unfinished char stays as U+FFFD, as decode gives)."""
         prefix = self.tokenizer.decode(
             token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True
         )
         full = self.tokenizer.decode(token_ids[self.prefix_offset :], skip_special_tokens=True)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)

@@ -163,7 +163,7 @@ class LLMEngine:
         if req.is_finished and out_ids and out_ids[-1] in req.eos_token_ids + req.params.stop_token_ids:
             out_ids = out_ids[:-1]  # vLLM keeps the stop token in token_ids, not in text
         before = len(d.text)
-        delta = d.step(out_ids)
+        delta = d.step(out_ids, final=req.is_finished)
         if req.params.stop and delta and (i := d.find_stop(req.params.stop, len(delta))) is not None:
             d.text = d.text[:i]
             delta = d.text[before:]
