@@ -17,7 +17,7 @@ ENV_PREFIX = "TURNOUT_"
 # Any other TURNOUT_* name is taken for a config key, so a typo fails loudly.
 ENV_SWITCHES = frozenset({
     "PLUGINS", "CACHE_DIR", "DEVICE", "LOG_LEVEL",  # core
-    "FUSED_KERNELS",  # layers/fused.py
+    "FUSED_KERNELS", "TRITON_GEMV",  # layers/fused.py, layers/gemv.py
     "FLASH_ATTN", "FLASHINFER_CUDAGRAPH", "FLASHINFER_PREFILL_BACKEND", "TRITON_PREFILL",  # attention plugins
     "CONFORMANCE_ERRORS",  # tests/test_attention_conformance.py
 })  # fmt: skip

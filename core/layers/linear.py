@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from turnout.distributed import get_parallel_state, tp_all_reduce
+from turnout.layers import gemv
 
 
 def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
@@ -32,6 +33,8 @@ def linear(
 ) -> torch.Tensor:  # [N, in] -> [N, out]
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    if gemv.enabled(x, weight):  # decode-sized batches on CUDA, behind TURNOUT_TRITON_GEMV=1 (untimed)
+        return gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

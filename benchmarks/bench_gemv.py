@@ -1,0 +1,104 @@
+"""Decode-sized matmuls: cuBLAS (F.linear) against turnout's Triton GEMV (core/layers/gemv.py) at the
+Qwen3-0.6B shapes, with a sweep of the GEMV's tiles (issue #5: the matmuls are 907 of a batch-1 step's
+1306 us of kernel time on the H200).
+
+  python benchmarks/bench_gemv.py --json benchmarks/results/$(date +%F)-h200-gemv.json
+  TRITON_INTERPRET=1 python benchmarks/bench_gemv.py --smoke   # CPU: small shapes, checks the script
+
+Each case is timed with CUDA events after an L2 flush (median of --iters) and reported as achieved
+bandwidth, counting the weight, x and y bytes, against 4.3 TB/s. Every tile's output is checked against
+F.linear first (max abs difference within two bf16 ulps of the output). The last line projects one
+decode step's matmul time (28 layers of the four projections, plus the LM head) for each M: cuBLAS,
+and the best tile per shape. Use a tile with gemv(..., tile=) or make it the default in gemv.tiles().
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cuda_time_ms, print_table, write_json  # noqa: E402
+
+# (name, N, K, times per step): Qwen3-0.6B at TP=1, 28 layers, tied 151936-token LM head
+SHAPES = [("qkv", 4096, 1024, 28), ("o", 1024, 2048, 28), ("gate_up", 6144, 1024, 28),
+          ("down", 1024, 3072, 28), ("lm_head", 151936, 1024, 1)]  # fmt: skip
+SMOKE_SHAPES = [("small", 96, 160, 1)]
+BANDWIDTH = 4.3e12
+
+
+def tile_grid(m: int, smoke: bool) -> list[tuple[int, int, int]]:
+    if smoke:
+        return [(4, 64, 4), (8, 128, 2)]
+    ks = [k for k in (128, 256, 512, 1024) if k * m <= 2048]  # [M_P2, BN, BK] floats in registers
+    return list(itertools.product((2, 4, 8), ks, (4, 8)))  # ~18 compiles per M: a minute or two in all
+
+
+def time_ms(fn, smoke: bool, iters: int) -> float:
+    if smoke:
+        fn()
+        return float("nan")
+    return cuda_time_ms(fn, iters=iters, warmup=3)
+
+
+def bench_case(name: str, n: int, k: int, m: int, smoke: bool, iters: int) -> dict:
+    from turnout.layers.gemv import gemv, tiles
+
+    g = torch.Generator().manual_seed(n + k + m)
+    x = torch.randn(m, k, generator=g).to("cpu" if smoke else "cuda", torch.bfloat16)  # [M, K]
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(x.device, torch.bfloat16)  # [N, K]
+    ref = F.linear(x, w)
+    ulp2 = 2 * 2**-8 * ref.float().abs().max().item() + 1e-3
+    nbytes = 2 * (n * k + m * k + m * n)
+    cublas = time_ms(lambda: F.linear(x, w), smoke, iters)
+    timed = {}
+    for tile in [tiles(m, n), *tile_grid(m, smoke)]:
+        try:
+            y = gemv(x, w, tile=tile)
+        except Exception as e:  # a tile that does not compile (registers, shared memory)
+            print(f"{name} m={m} tile {tile}: {type(e).__name__}", flush=True)
+            continue
+        if (y.float() - ref.float()).abs().max().item() > ulp2:
+            raise SystemExit(f"{name} m={m} tile {tile}: output differs from F.linear")
+        timed[tile] = time_ms(lambda t=tile: gemv(x, w, tile=t), smoke, iters)
+    best = min(timed, key=lambda t: timed[t] if timed[t] == timed[t] else 0.0)  # nan (smoke): any
+    return {"shape": name, "N": n, "K": k, "M": m, "cublas_us": cublas * 1e3,
+            "cublas_pct_bw": nbytes / (cublas * 1e-3) / BANDWIDTH * 100,
+            "triton_default_us": timed.get(tiles(m, n), float("nan")) * 1e3,
+            "best_tile": ",".join(map(str, best)),
+            "best_us": timed[best] * 1e3, "best_pct_bw": nbytes / (timed[best] * 1e-3) / BANDWIDTH * 100,
+            "speedup_best": cublas / timed[best]}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: small shapes")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("needs CUDA (or --smoke with TRITON_INTERPRET=1)")
+    rows, step = [], {}
+    for (name, n, k, per_step), m in itertools.product(SMOKE_SHAPES if args.smoke else SHAPES, args.m):
+        row = bench_case(name, n, k, m, args.smoke, args.iters)
+        rows.append(row)
+        print(row, flush=True)
+        acc = step.setdefault(m, {"M": m, "cublas_step_us": 0.0, "best_step_us": 0.0})
+        acc["cublas_step_us"] += per_step * row["cublas_us"]
+        acc["best_step_us"] += per_step * row["best_us"]
+    print_table(rows)
+    print()
+    print_table(list(step.values()))
+    write_json(args.json, rows, step=list(step.values()), bandwidth=BANDWIDTH,
+               triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
