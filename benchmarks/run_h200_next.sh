@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # For the next session's first H200 call (FlashInfer carried in .device-wheels/b; FA4 only if part a was
 # stashed just before): what session 3 (2026-11-30) left unmeasured.
+#   0. the Triton GEMV against cuBLAS at the Qwen3-0.6B shapes (tile sweep), then FULL TPOT with it on;
 #   1. where a decode step's time goes at batch 1 and 256 (FULL_AND_PIECEWISE), host vs kernels;
 #   2. the graph table at full size, all five modes, with nothing else on the machine (session 3's FULL row
 #      ran beside JIT builds), after the graph-memory baseline fix;
@@ -9,6 +10,14 @@
 set -u
 W=/tmp/worknext
 source benchmarks/device_prologue.sh
+echo "== GEMV vs cuBLAS ($SECONDS s)"
+timeout 200 python3 benchmarks/bench_gemv.py --json "$OUT/gemv.json" > "$W/gemv.log" 2>&1
+quiet "$W/gemv.log" | tail -6
+for g in 0 1; do
+  TURNOUT_TRITON_GEMV=$g timeout 90 python3 benchmarks/bench_graphs.py --modes NONE FULL --quick \
+    --skip-throughput --tpot-batches 1 8 --json "$OUT/graphs_gemv$g.json" > "$W/graphs_gemv$g.log" 2>&1
+  echo "TURNOUT_TRITON_GEMV=$g"; quiet "$W/graphs_gemv$g.log" | tail -3
+done
 echo "== profile, batch 1 and 256 ($SECONDS s)"
 for b in 1 256; do
   timeout 120 python3 benchmarks/profile_decode.py --modes FULL_AND_PIECEWISE --batch "$b" \
