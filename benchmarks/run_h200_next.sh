@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # For the next session's first H200 call (FlashInfer carried in .device-wheels/b; FA4 only if part a was
-# stashed just before): what session 3 (2026-11-30) left unmeasured.
+# stashed just before): what session 3 (2026-11-30) left unmeasured. More than one 10-minute call holds:
+# the graph table (step 2) gets what time is left, or run it alone.
 #   0. the Triton GEMV against cuBLAS at the Qwen3-0.6B shapes (tile sweep), then FULL TPOT with it on;
 #   1. where a decode step's time goes at batch 1 and 256 (FULL_AND_PIECEWISE), host vs kernels;
 #   2. the graph table at full size, all five modes, with nothing else on the machine (session 3's FULL row
@@ -28,7 +29,7 @@ echo "== FlashInfer conformance replay ($SECONDS s)"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention_conformance.py \
   -k "cudagraph_replay" > "$W/replay.log" 2>&1; tail -1 "$W/replay.log"
 echo "== graphs at full size, five modes ($SECONDS s)"
-timeout $((580 - SECONDS)) python3 benchmarks/bench_graphs.py --backends triton --forward-batches 1 8 256 \
+timeout $((SECONDS < 520 ? 580 - SECONDS : 60)) python3 benchmarks/bench_graphs.py --backends triton --forward-batches 1 8 256 \
   --modes FULL_AND_PIECEWISE FULL FULL_DECODE_ONLY PIECEWISE NONE \
   --json "$OUT/graphs_triton_full.json" > "$W/graphs.log" 2>&1
 quiet "$W/graphs.log" | tail -7
