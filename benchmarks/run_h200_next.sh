@@ -6,7 +6,8 @@
 #   1. where a decode step's time goes at batch 1 and 256 (FULL_AND_PIECEWISE), host vs kernels;
 #   2. the graph table at full size, all five modes, with nothing else on the machine (session 3's FULL row
 #      ran beside JIT builds), after the graph-memory baseline fix;
-#   3. FlashInfer's conformance replay test, which runs since FlashInfer declares UNIFORM_DECODE.
+#   3. FlashInfer's conformance replay test, which runs since FlashInfer declares UNIFORM_DECODE;
+#   4. FA4 (needs part a stashed): a FULL capture with TURNOUT_FLASH_ATTN_CUDAGRAPH=ALWAYS, against NONE.
 # Pass BENCH_COMMIT=<this commit> in the command: the device copy has no true git state.
 set -u
 W=/tmp/worknext
@@ -28,6 +29,11 @@ done
 echo "== FlashInfer conformance replay ($SECONDS s)"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention_conformance.py \
   -k "cudagraph_replay" > "$W/replay.log" 2>&1; tail -1 "$W/replay.log"
+echo "== FA4 FULL capture ($SECONDS s)"
+TURNOUT_FLASH_ATTN_CUDAGRAPH=ALWAYS timeout 150 python3 benchmarks/bench_graphs.py --backends flash_attn \
+  --modes NONE FULL --quick --skip-throughput --tpot-batches 1 64 --json "$OUT/graphs_fa4_full.json" \
+  > "$W/fa4.log" 2>&1
+quiet "$W/fa4.log" | grep -E "^\{|Error" | cut -c1-300 | tail -3
 echo "== graphs at full size, five modes ($SECONDS s)"
 timeout $((SECONDS < 520 ? 580 - SECONDS : 60)) python3 benchmarks/bench_graphs.py --backends triton --forward-batches 1 8 256 \
   --modes FULL_AND_PIECEWISE FULL FULL_DECODE_ONLY PIECEWISE NONE \

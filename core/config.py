@@ -18,7 +18,8 @@ ENV_PREFIX = "TURNOUT_"
 ENV_SWITCHES = frozenset({
     "PLUGINS", "CACHE_DIR", "DEVICE", "LOG_LEVEL",  # core
     "FUSED_KERNELS", "TRITON_GEMV",  # layers/fused.py, layers/gemv.py
-    "FLASH_ATTN", "FLASHINFER_CUDAGRAPH", "FLASHINFER_PREFILL_BACKEND", "TRITON_PREFILL",  # attention plugins
+    "FLASH_ATTN", "FLASH_ATTN_CUDAGRAPH", "FLASHINFER_CUDAGRAPH", "FLASHINFER_PREFILL_BACKEND",
+    "TRITON_PREFILL",  # attention plugins
     "CONFORMANCE_ERRORS",  # tests/test_attention_conformance.py
 })  # fmt: skip
 

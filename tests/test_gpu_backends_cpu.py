@@ -244,3 +244,21 @@ def test_metadata_routes_uniform_decode_and_everything_else(flashinfer, flash_at
         assert md[0].store_rows is None and md[2].store_rows.tolist() == [0, 1, 2, 3]
     assert [flashinfer.build_metadata(m).rows for m in (decode, mixed, padded)] == [3, 9, 4]
     assert flash_attn.build_metadata(mixed).cu_seqlens_k.tolist() == [0, 6, 13, 44]
+
+
+def test_cudagraph_level_from_the_environment(monkeypatch: pytest.MonkeyPatch, flash_attn) -> None:
+    """TURNOUT_FLASHINFER_CUDAGRAPH / TURNOUT_FLASH_ATTN_CUDAGRAPH replace a declared level (to try a capture
+    on a new library version, or to turn graphs off); a bad value is one line naming the variable."""
+    from turnout.errors import ConfigError
+
+    monkeypatch.setenv("TURNOUT_FLASHINFER_CUDAGRAPH", "never")
+    assert fi_backend.FlashInferBackend().cudagraph_support == CudagraphSupport.NEVER
+    monkeypatch.setenv("TURNOUT_FLASH_ATTN_CUDAGRAPH", "ALWAYS")
+    flash_attn.use(fa_backend.Probe("fa4"))
+    assert flash_attn.cudagraph_support == CudagraphSupport.ALWAYS
+    monkeypatch.delenv("TURNOUT_FLASH_ATTN_CUDAGRAPH")
+    flash_attn.use(fa_backend.Probe("fa4"))
+    assert flash_attn.cudagraph_support == CudagraphSupport.NEVER
+    monkeypatch.setenv("TURNOUT_FLASHINFER_CUDAGRAPH", "sometimes")
+    with pytest.raises(ConfigError, match=r"_CUDAGRAPH='SOMETIMES' is not .* NEVER, UNIFORM_DECODE"):
+        fi_backend.FlashInferBackend()

@@ -13,11 +13,13 @@ every cached token up to and including that position.
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from turnout.errors import ConfigError
 from turnout.platform import Platform
 
 
@@ -28,6 +30,19 @@ class CudagraphSupport(enum.IntEnum):
     UNIFORM_DECODE = 1  # every request runs exactly one token
     UNIFORM_BATCH = 2  # every request runs the same number of tokens
     ALWAYS = 3  # any batch
+
+    @classmethod
+    def from_env(cls, name: str, default: CudagraphSupport) -> CudagraphSupport:
+        """A backend's declared level, or the one the environment variable `name` sets (to try a capture on
+        a new library version, or to turn graphs off around a backend)."""
+        value = os.environ.get(name, "").strip().upper()
+        if not value:
+            return default
+        if value not in cls.__members__:
+            raise ConfigError(
+                f"{name}={value!r} is not a CUDA-graph support level; use one of {', '.join(cls.__members__)}"
+            )
+        return cls[value]
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,11 @@ the backend is checked (TURNOUT_FLASH_ATTN=2 or 4 forces one):
     through cp.async. Head sizes: multiples of 16 (the paged loaders refuse padded head dims), up to 256 on
     SM90, up to 128 or exactly 256 on SM100/110. No host lengths are passed (max_seqlen_q/k default to shape
     bounds), so a launch depends on shapes alone and reads lengths and page ids on the device. Even so,
-    on the H200 (flash-attn-4 4.0.0b36, 2026-11-29) capturing it invalidated the stream capture
+    on the H200 (flash-attn-4 4.0.0b36, 2026-11-29) capturing this forward invalidated the stream capture
     (cudaErrorStreamCaptureInvalidated) after an eager warm-up: so NEVER, and graphs run PIECEWISE with
-    FA4 eager in the holes, until a capture-safe launch is shown.
+    FA4 eager in the holes, until a capture-safe launch is shown. The cause may have been the shared KV
+    write, whose capture path synchronised with the host until 86da22d (FlashInfer's captures work since);
+    TURNOUT_FLASH_ATTN_CUDAGRAPH=ALWAYS tries a capture.
   - FlashAttention 2 (`flash-attn` 2.x) on SM80+: flash_attn_with_kvcache for uniform-decode batches,
     flash_attn_varlen_func(block_table=...) for the others. Its paged KV needs block_size % 256 == 0; head
     sizes are multiples of 8 up to 256. UNIFORM_BATCH, as vLLM declares FA2: which call (and, for decode,
@@ -181,7 +183,8 @@ class FlashAttnBackend(AttentionBackend):
         self.probe = p
         self.block_size_multiple = FA2_BLOCK if p.path == "fa2" else 1
         self.min_capability = (9, 0) if p.path == "fa4" else (8, 0)
-        self.cudagraph_support = SUPPORT.get(p.path, CudagraphSupport.NEVER)
+        level = SUPPORT.get(p.path, CudagraphSupport.NEVER)
+        self.cudagraph_support = CudagraphSupport.from_env("TURNOUT_FLASH_ATTN_CUDAGRAPH", level)
 
     def _select(self, capability: tuple[int, int] | None) -> Probe:
         key = (capability, os.environ.get("TURNOUT_FLASH_ATTN", "").strip())

@@ -129,8 +129,9 @@ class FlashInferBackend(AttentionBackend):
     cudagraph_support = CudagraphSupport.UNIFORM_DECODE
 
     def __init__(self) -> None:
-        if level := os.environ.get("TURNOUT_FLASHINFER_CUDAGRAPH"):
-            self.cudagraph_support = CudagraphSupport[level]
+        self.cudagraph_support = CudagraphSupport.from_env(
+            "TURNOUT_FLASHINFER_CUDAGRAPH", self.cudagraph_support
+        )
         self._spec: _Spec | None = None  # learned from the first forward
         self._workspace: torch.Tensor | None = None
         self._prefill: Any = None
