@@ -6,9 +6,9 @@ Qwen3-0.6B-shaped step took 907 us for 1.19 GB, about 30% of copy bandwidth
 owns BLOCK_N output features and walks K in BLOCK_K chunks, all M rows against each loaded w tile, in
 float32, rounded once at the end as cuBLAS does.
 
-Off by default: it has passed the float64 tests under TRITON_INTERPRET=1 but has not been timed on a GPU.
-TURNOUT_TRITON_GEMV=1 turns it on for linear layers; `benchmarks/bench_gemv.py` compares it with F.linear
-at the model's shapes and sweeps its tile sizes.
+Off by default: it passes the float64 tests (tests/test_fused.py) under TRITON_INTERPRET=1 but has not
+been timed on a GPU. TURNOUT_TRITON_GEMV=1 turns it on for linear layers; `benchmarks/bench_gemv.py`
+compares it with F.linear at the model's shapes and sweeps its tile sizes.
 """
 
 from __future__ import annotations
