@@ -158,10 +158,14 @@ def test_gemv_matches_float64(dtype: torch.dtype, m: int, n: int, k: int, bias: 
 def test_linear_routes_small_cuda_batches_only_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
     x, w, _, _ = _gemv_case(2, 16, 32, torch.bfloat16, False)
     monkeypatch.delenv("TURNOUT_TRITON_GEMV", raising=False)
+    gemv.switched_on.cache_clear()
     assert not gemv.enabled(x, w)  # off by default: not yet timed on a GPU
     monkeypatch.setenv("TURNOUT_TRITON_GEMV", "1")
+    gemv.switched_on.cache_clear()
     assert gemv.enabled(x, w) == x.is_cuda
     assert not gemv.enabled(torch.cat([x] * 5), w)  # 10 rows > MAX_M
     assert not gemv.enabled(x.float(), w.float())
     if DEV == "cuda":
         assert torch.equal(linear(x, w, None, None), gemv.gemv(x, w))
+    monkeypatch.delenv("TURNOUT_TRITON_GEMV")
+    gemv.switched_on.cache_clear()

@@ -22,15 +22,21 @@ import torch
 MAX_M = 8
 
 
+@functools.cache
+def switched_on() -> bool:
+    """TURNOUT_TRITON_GEMV=1, read once: enabled() runs on every linear layer's call."""
+    return os.environ.get("TURNOUT_TRITON_GEMV", "0") == "1"
+
+
 def enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear() sends this matmul here: CUDA, fp16/bf16, at most MAX_M rows, TURNOUT_TRITON_GEMV=1."""
     return (
-        x.is_cuda
+        switched_on()
+        and x.is_cuda
         and x.dim() == 2
         and x.shape[0] <= MAX_M
         and x.dtype in (torch.float16, torch.bfloat16)
         and weight.dtype == x.dtype
-        and os.environ.get("TURNOUT_TRITON_GEMV", "0") == "1"
     )
 
 
