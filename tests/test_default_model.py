@@ -96,13 +96,14 @@ def test_text_is_the_same_streamed_batched_and_decoded(llm):
     assert len(out.text) > 20
 
 
-def test_token_slice_is_a_slice_of_all_token_ids():
+def test_token_slice_is_a_slice_of_the_history():
     from turnout.engine.request import Request
 
     req = Request("r", list(range(10, 17)), SamplingParams(), output_token_ids=list(range(50, 55)))
+    history = req.prompt_token_ids + req.output_token_ids
     for start in range(req.num_tokens + 1):
         for n in range(req.num_tokens - start + 2):
-            assert req.token_slice(start, n) == req.all_token_ids[start : start + n]
+            assert req.token_slice(start, n) == history[start : start + n]
 
 
 def test_detokenizer_holds_back_a_split_char_until_the_last_step():

@@ -35,12 +35,8 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_slice(self, start: int, n: int) -> list[int]:
-        """all_token_ids[start:start + n] without copying the whole history (a decode step wants 1 token)."""
+        """(prompt + output)[start:start + n] without copying the whole history (a decode step wants 1)."""
         p = len(self.prompt_token_ids)
         if start >= p:
             return self.output_token_ids[start - p : start - p + n]
