@@ -353,7 +353,7 @@ def paged_attention(
         return out
     q = _last_dim_contiguous(q)
     qpk = h // kvh
-    prec = "ieee" if q.dtype == torch.float32 else "upcast" if INTERPRET else "tf32"  # tf32: moot for 16-bit
+    prec = _precision(q.dtype)
     p2, hp2 = triton.next_power_of_2, _head_p2(hs)
     common = (kc.stride(0), kc.stride(1), kc.stride(2), block_table.stride(0))
     io = (q.stride(0), q.stride(1), out.stride(0), out.stride(1))
@@ -415,7 +415,7 @@ def _launch_prefill(
     b = seq_lens.shape[0]
     qpk, hp2 = h // kvh, _head_p2(hs)
     qpk_p2 = triton.next_power_of_2(qpk)
-    prec = "ieee" if q.dtype == torch.float32 else "upcast" if INTERPRET else "tf32"  # tf32: moot for 16-bit
+    prec = _precision(q.dtype)
     cfg = _fit_config(config or _prefill_config(hp2, qpk_p2, q.dtype == torch.float32), qpk_p2)
     bq = cfg["block_m"] // qpk_p2
     return _prefill_kernel[(t // bq + b, kvh)](
@@ -493,6 +493,11 @@ def _fit_config(cfg: dict, qpk_p2: int) -> dict:
         if out[key] < 16 or out[key] & (out[key] - 1):
             raise ValueError(f"prefill {key}={out[key]}: must be a power of two >= 16")
     return out
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: exact for float32; tf32 is moot for 16-bit inputs (interpreter: upcast)."""
+    return "ieee" if dtype == torch.float32 else "upcast" if INTERPRET else "tf32"
 
 
 def _head_p2(head_size: int) -> int:
