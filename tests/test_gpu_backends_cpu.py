@@ -214,12 +214,17 @@ def test_no_host_sync_catches_a_zero_dim_index():
 
 
 def test_paged_indices_and_static_refresh_do_not_sync():
-    """What the first attention layer in a captured FlashInfer decode graph runs."""
-    seq_lens, block = torch.tensor([5, 17, 0, 33], dtype=torch.int32), 16
-    table = _table(random.Random(1), [5, 17, 1, 33], block)
+    """What the first attention layer in a captured FlashInfer decode graph runs: the static decode
+    buffers refilled from seq_lens / block_table, with no host read (refresh never touches the wrapper)."""
+    meta = _meta([1, 1, 1, 1], [4, 16, 0, 32], block=16)  # seq_lens 5, 17, 1, 33
+    b, w = meta.block_table.shape
+    st = fi_backend._StaticDecode(None, *(torch.zeros(n, dtype=torch.int32) for n in (b + 1, b * w, b)))
     with NoHostSync():
-        indptr, indices, last = fi_backend.paged_indices(seq_lens, table, block)
-    assert indptr.tolist() == [0, 1, 3, 3, 6]
+        st.refresh(meta, 16)
+    pages = [1, 2, 1, 3]
+    assert st.indptr.tolist() == [0, 1, 3, 4, 7] and st.last_page_len.tolist() == [5, 1, 1, 1]
+    table = meta.block_table.tolist()
+    assert st.indices[:7].tolist() == [table[r][i] for r, n in enumerate(pages) for i in range(n)]
 
 
 def _meta(qlens: list[int], ctxs: list[int], pad: int = 0, block: int = 16) -> AttentionMetadata:
