@@ -93,6 +93,14 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, int]:
     return same / total, sum(sa == sb for sa, sb in zip(a, b))
 
 
+def compare_with_none(rows: list[dict], seqs: dict[tuple[str, str], list[list[int]]]) -> None:
+    """Fill each row's agreement with its backend's NONE run, whichever of the two ran first."""
+    for row in rows:
+        if (none := seqs.get((row["backend"], "NONE"))) is not None:
+            tok_agree, seq_same = agreement(seqs[row["backend"], row["mode"]], none)
+            row.update(tok_agree_vs_none=tok_agree, seqs_identical=f"{seq_same}/{len(none)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", nargs="+", default=["triton"])
@@ -115,7 +123,7 @@ def main() -> None:
     logging.getLogger("turnout").setLevel(logging.INFO)
     rng = random.Random(1)
     check = [(rng.randint(16, 700), 32) for _ in range(64)]  # mixed, chunked by the 512-token budget
-    rows, ref = [], {}
+    rows, seqs = [], {}  # seqs: (backend, mode) -> the check workload's outputs
     for backend in args.backends:
         for mode in args.modes:
             log.lines.clear()
@@ -127,14 +135,10 @@ def main() -> None:
             capture = next((line for line in log.lines if line.startswith("captured")), "")
             # correctness: the same mixed workload, chunked prefill active (budget 512 via a second engine
             # would double start-up; 64 prompts of up to 700 tokens over a 2048 budget still chunk)
-            _, toks = run(llm, check, seed=7)
-            if mode == "NONE":
-                ref[backend] = toks
+            _, seqs[backend, mode] = run(llm, check, seed=7)
             row = {"backend": backend, "mode": mode, "effective": eff, "startup_s": startup,
                    "tok_agree_vs_none": "no NONE run", "seqs_identical": "-"}  # fmt: skip
-            if backend in ref:
-                tok_agree, seq_same = agreement(toks, ref[backend])
-                row.update(tok_agree_vs_none=tok_agree, seqs_identical=f"{seq_same}/64")
+            compare_with_none(rows + [row], seqs)
             for b in args.tpot_batches:
                 row[f"tpot_ms_b{b}"] = tpot(llm, b)
             for b in args.forward_batches:

@@ -108,6 +108,28 @@ def teacher_forced(llm, prompts: list[list[int]], ref: list[list[int]]) -> list[
     return [flat[i * NEW : (i + 1) * NEW] for i in range(len(prompts))]
 
 
+def alone_vs_hf(llm, model, prompts: list[list[int]], device: str = "cuda") -> dict[str, float]:
+    """Batch-1 decode (every step a one-token batch: the GEMV path of layers/gemv.py): each prompt alone,
+    greedy with logprobs; then HF's one forward over prompt + that output scores the same history. Returns
+    how often HF's argmax is the engine's token and the largest gap between the two chosen-token logprobs."""
+    from turnout import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=0)
+    same = total = 0
+    gap = 0.0
+    for p in prompts:
+        out = llm.generate([p], sp, use_tqdm=False)[0].outputs[0]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + out.token_ids[:-1]], device=device)).logits[0]
+        hf = torch.log_softmax(logits[len(p) - 1 :].float(), -1)  # [NEW, V]
+        ids = torch.tensor(out.token_ids, device=device)
+        same += int((hf.argmax(-1) == ids).sum())
+        total += len(ids)
+        chosen = hf.gather(1, ids[:, None])[:, 0].cpu()
+        gap = max(gap, float((chosen - torch.tensor(out.logprobs)).abs().max()))
+    return {"alone_hf_agrees": same / max(1, total), "alone_logprob_max_gap": gap}
+
+
 def model_and_prompts(
     shape: str, gguf: Path | None, random_prompts: list[list[int]]
 ) -> tuple[Path, list[list[int]]]:
@@ -132,6 +154,7 @@ def main() -> None:
     ap.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct.Q4_1.gguf, for the smollm2-135m shape")
     ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer", "triton"])
     ap.add_argument("--hf-self", action="store_true", help="HF unbatched vs batched: bf16's noise floor")
+    ap.add_argument("--alone", type=int, default=0, help="also decode this many prompts one at a time")
     ap.add_argument("--json")
     args = ap.parse_args()
     from turnout import LLM, SamplingParams
@@ -156,7 +179,8 @@ def main() -> None:
                    }  # fmt: skip
             rows.append(row)
             print(row, flush=True)
-        del model
+        if not args.alone:
+            del model
         sequences[shape] = {"hf": ref}
         outs: dict[str, list[list[int]]] = {}
         for b in args.backends:
@@ -165,6 +189,7 @@ def main() -> None:
                 sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
                 outs[b] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
                 forced = teacher_forced(llm, prompts, ref)
+                solo = alone_vs_hf(llm, model, prompts[: args.alone]) if args.alone else {}
             except (SelectionError, RuntimeError) as e:
                 print(f"{shape} {b}: failed: {str(e).splitlines()[0]}")
                 rows.append({"model": shape, "backend": b, "error": str(e).splitlines()[0]})
@@ -176,7 +201,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             row = {"model": shape, "backend": b, "graph_mode": mode, "vs_hf": agree(outs[b], ref),
                    "vs_hf_before_eos": agree(outs[b], ref, upto),
-                   "vs_hf_teacher_forced": agree(forced, ref)}  # fmt: skip
+                   "vs_hf_teacher_forced": agree(forced, ref), **solo}  # fmt: skip
             sequences[shape][b] = outs[b]
             for other in outs:
                 if other != b:

@@ -155,17 +155,94 @@ def test_gemv_matches_float64(dtype: torch.dtype, m: int, n: int, k: int, bias: 
         assert ((y.double() - F.linear(x, w, b).double()).abs() <= 2 * eps * ref.abs() + 1e-3).all()
 
 
-def test_linear_routes_small_cuda_batches_only_when_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_routes_small_cuda_batches_unless_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     x, w, _, _ = _gemv_case(2, 16, 32, torch.bfloat16, False)
     monkeypatch.delenv("TURNOUT_TRITON_GEMV", raising=False)
     gemv.switched_on.cache_clear()
-    assert not gemv.enabled(x, w)  # off by default: not yet timed on a GPU
-    monkeypatch.setenv("TURNOUT_TRITON_GEMV", "1")
-    gemv.switched_on.cache_clear()
-    assert gemv.enabled(x, w) == x.is_cuda
-    assert not gemv.enabled(torch.cat([x] * 5), w)  # 10 rows > MAX_M
+    assert gemv.enabled(x, w) == x.is_cuda  # on by default, CUDA only
+    assert not gemv.enabled(torch.cat([x] * 2), w)  # 4 rows > MAX_M: cuBLAS is faster there
     assert not gemv.enabled(x.float(), w.float())
     if DEV == "cuda":
         assert torch.equal(linear(x, w, None, None), gemv.gemv(x, w))
+    monkeypatch.setenv("TURNOUT_TRITON_GEMV", "0")
+    gemv.switched_on.cache_clear()
+    assert not gemv.enabled(x, w)
     monkeypatch.delenv("TURNOUT_TRITON_GEMV")
+    gemv.switched_on.cache_clear()
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor, n: int) -> bool:
+    """a within n units in the last place of b's largest magnitude (both the same half-precision dtype)."""
+    ulp = {torch.bfloat16: 2**-8, torch.float16: 2**-11}[b.dtype]
+    return bool(((a.float() - b.float()).abs() <= n * ulp * b.float().abs().max()).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_gemv_norm_prologue(dtype: torch.dtype, m: int, with_residual: bool) -> None:
+    """y = RMSNorm(x + residual) @ w^T in one kernel: against float64 and the two kernels it replaces."""
+    k, n, eps = 96, 37, 1e-6  # K below its 128-wide tile: the masks
+    g = torch.Generator().manual_seed(m + 2 * with_residual)
+    x = torch.randn(m, k, generator=g).to(DEV, dtype)
+    res = torch.randn(m, k, generator=g).to(DEV, dtype) if with_residual else None
+    nw = (1 + 0.3 * torch.randn(k, generator=g)).to(DEV, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEV, dtype)
+    y, new_res = gemv.gemv(x, w, norm=(nw, eps), residual=res)
+    h = x.double() + res.double() if res is not None else x.double()
+    assert _rel(y, _ref_norm(h, nw, eps) @ w.double().T) < _tol(dtype)
+    if res is None:
+        assert new_res is x  # the first layer's residual is its input
+    elif DEV == "cuda" or dtype != torch.bfloat16:
+        assert torch.equal(new_res, x + res)
+    if DEV == "cuda" or dtype != torch.bfloat16:  # the interpreter's bf16 truncates
+        xn = fused.rms_norm(x, nw, eps, res)[0] if res is not None else fused.rms_norm(x, nw, eps)
+        assert _ulps_apart(y, gemv.gemv(xn, w), 2)  # the norm's float32 sum may run in another order
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tile", [None, (2, 64, 4)], ids=["default", "k-loop"])
+def test_gemv_silu_mul_prologue(dtype: torch.dtype, tile: tuple[int, int, int] | None) -> None:
+    """down_proj(silu(gate) * up) in one kernel, K = 1500 (more than one 1024-wide tile)."""
+    k, n = 1500, 24
+    g = torch.Generator().manual_seed(7)
+    gate_up = torch.randn(2, 2 * k, generator=g).to(DEV, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEV, dtype)
+    y = gemv.gemv(gate_up, w, tile=tile, silu_mul=True)
+    act = F.silu(gate_up[:, :k].double()) * gate_up[:, k:].double()
+    assert _rel(y, act @ w.double().T) < _tol(dtype)
+    if DEV == "cuda" or dtype != torch.bfloat16:
+        assert torch.equal(y, gemv.gemv(fused.silu_and_mul(gate_up), w, tile=tile))  # the same rounding
+
+
+def test_decoder_layer_gemv_path_matches_the_kernel_by_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3 decoder layer at decode size: _forward_gemv (norms and SiLU-and-mul inside the GEMVs) against
+    forward's path of a kernel per op. Each token is a one-token sequence: its attention output is its v."""
+    from turnout.layers.attention import ForwardContext, forward_context
+    from turnout.models.decoder import DecoderLayer
+
+    dtype = torch.float16  # the interpreter's bf16 truncates; CUDA checks fp16 the same way
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+           "intermediate_size": 160, "rms_norm_eps": 1e-6, "max_position_embeddings": 64}  # fmt: skip
+    torch.manual_seed(0)
+    layer = DecoderLayer(cfg, 0, qkv_bias=False, qk_norm=True).to(DEV, dtype)
+    for p in layer.parameters():
+        p.data = (torch.randn_like(p, dtype=torch.float32) / p.shape[-1] ** 0.5 + (p.dim() == 1)).to(dtype)
+    monkeypatch.setattr(fused, "enabled", lambda x: True)  # the fused kernels on CPU too (interpreter)
+    monkeypatch.setenv("TURNOUT_TRITON_GEMV", "0")  # forward: no GEMV routing, F.linear (cuBLAS)
+    gemv.switched_on.cache_clear()
+
+    def one_token_attention(spec, q, k, v):  # [T, H, D] -> [T, H D]: softmax over one key is 1
+        return v.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1).reshape(q.shape[0], -1)
+
+    ctx = ForwardContext(backend=None, meta=None, kv_caches=[], hole=one_token_attention)  # type: ignore[arg-type]
+    pos = torch.tensor([5, 9], device=DEV)
+    x = torch.randn(2, 64, device=DEV, dtype=dtype)
+    with forward_context(ctx):
+        for residual in (None, torch.randn(2, 64, device=DEV, dtype=dtype)):
+            ref_out, ref_res = layer(pos, x, residual)
+            out, res = layer._forward_gemv(pos, x, residual)
+            assert torch.equal(res, ref_res)
+            assert _ulps_apart(out, ref_out, 4)  # two norms' sums in another order, then two matmuls
+            assert not torch.equal(out, torch.zeros_like(out))
     gemv.switched_on.cache_clear()

@@ -1,14 +1,19 @@
-"""A Triton GEMV for decode-sized batches: y [M, N] = x [M, K] @ w [N, K]^T (+ bias), M <= 8.
+"""A Triton GEMV for decode batches: y [M, N] = x [M, K] @ w [N, K]^T (+ bias), the op before it fused in.
 
-At batch 1 a decode step is a stream of weight reads: on the H200 the 141 cuBLAS matmuls of a
-Qwen3-0.6B-shaped step took 907 us for 1.19 GB, about 30% of copy bandwidth
-(benchmarks/results/2026-11-30-h200-profile-decode-b1-full.json). This kernel streams w once: each program
-owns BLOCK_N output features and walks K in BLOCK_K chunks, all M rows against each loaded w tile, in
-float32, rounded once at the end as cuBLAS does.
+At batch 1 a decode step is a stream of weight reads, launched as ~320 small kernels. cuBLAS reads the
+Qwen3-0.6B matmuls at about 20-30% of bandwidth there; this kernel streams w once (each program owns
+BLOCK_N output features and walks K in BLOCK_K chunks, all M rows against each w tile, in float32, rounded
+once at the end as cuBLAS does) and was 1.3x cuBLAS over a batch-1 step's matmuls on the H200
+(benchmarks/results/2026-11-30-h200-gemv.json: 938 vs 1312 us at M=1, 1033 vs 1302 at M=2; cuBLAS wins from
+M=4, so linear() routes only M <= MAX_M here). Its prologue can also do the op before the matmul, which
+saves that op's kernel and launch gap:
 
-Off by default: it passes the float64 tests (tests/test_fused.py) under TRITON_INTERPRET=1 but has not
-been timed on a GPU. TURNOUT_TRITON_GEMV=1 turns it on for linear layers; `benchmarks/bench_gemv.py`
-compares it with F.linear at the model's shapes and sweeps its tile sizes.
+- `norm`: RMSNorm(x [+ residual]) with the rounding of layers/fused.py's rms_norm (program 0 writes
+  x + residual), when one BLOCK_K covers the row;
+- `silu_mul`: x is gate_up [M, 2K]; the GEMV reads silu(gate) * up, rounded as fused.silu_and_mul.
+
+TURNOUT_TRITON_GEMV=0 sends every matmul to F.linear. Tested against float64 under TRITON_INTERPRET=1
+(tests/test_fused.py); `benchmarks/bench_gemv.py` times it against cuBLAS and sweeps its tiles.
 """
 
 from __future__ import annotations
@@ -19,24 +24,25 @@ from types import SimpleNamespace
 
 import torch
 
-MAX_M = 8
+MAX_M = 2  # rows routed here by enabled(); the kernel itself takes any M
+NORM_MAX_K = 4096  # a norm prologue holds M_P2 x BLOCK_N x K floats in registers
 
 
 @functools.cache
 def switched_on() -> bool:
-    """TURNOUT_TRITON_GEMV=1, read once: enabled() runs on every linear layer's call."""
-    return os.environ.get("TURNOUT_TRITON_GEMV", "0") == "1"
+    """TURNOUT_TRITON_GEMV (default 1), read once: enabled() runs on every linear layer's call."""
+    return os.environ.get("TURNOUT_TRITON_GEMV", "1") != "0"
 
 
 def enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear() sends this matmul here: CUDA, fp16/bf16, at most MAX_M rows, TURNOUT_TRITON_GEMV=1."""
+    """Whether linear() sends this matmul here: CUDA, fp16/bf16, at most MAX_M rows, not switched off."""
     return (
-        switched_on()
-        and x.is_cuda
+        x.is_cuda
         and x.dim() == 2
         and x.shape[0] <= MAX_M
         and x.dtype in (torch.float16, torch.bfloat16)
         and weight.dtype == x.dtype
+        and switched_on()
     )
 
 
@@ -47,52 +53,84 @@ def _kernel():
 
     @triton.jit
     def gemv_kernel(
-        x, w, bias, y, M, N, K, s_xm, s_wn, s_ym,
-        HAS_BIAS: tl.constexpr, M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x, w, bias, y, M, N, K, s_xm, s_wn, s_ym, res, res_out, norm_w, eps, s_rm, s_rom,
+        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
+        M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Grid (cdiv(N, BLOCK_N),): output features [pid * BLOCK_N, +BLOCK_N) for all M rows."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
-        ms = tl.arange(0, M_P2)  # [MP] input rows
+        ms = tl.arange(0, M_P2)[:, None]  # [MP, 1] input rows
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros((M_P2, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            wt = tl.load(w + rows[:, None] * s_wn + kk[None, :], mask=(rows[:, None] < N) & (kk[None, :] < K),
+        if NORM:  # one tile holds the whole row (BLOCK_K >= K): norm it, then one pass over w
+            mk = (ms < M) & (ks[None, :] < K)
+            h = tl.load(x + ms * s_xm + ks[None, :], mask=mk, other=0.0)  # [MP, BK]
+            if HAS_RES:
+                r = tl.load(res + ms * s_rm + ks[None, :], mask=mk, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+                if tl.program_id(0) == 0:
+                    tl.store(res_out + ms * s_rom + ks[None, :], h, mask=mk)
+            hf = h.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 1) / K + eps)  # [MP]
+            nw = tl.load(norm_w + ks, mask=ks < K, other=0.0).to(tl.float32)
+            xt = (nw[None, :] * (hf * rstd[:, None]).to(h.dtype).to(tl.float32)).to(h.dtype)
+            wt = tl.load(w + rows[:, None] * s_wn + ks[None, :], mask=(rows[:, None] < N) & (ks[None, :] < K),
                          other=0.0)  # [BN, BK]  # fmt: skip
-            xt = tl.load(x + ms[:, None] * s_xm + kk[None, :], mask=(ms[:, None] < M) & (kk[None, :] < K),
-                         other=0.0)  # [MP, BK]  # fmt: skip
             acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + ks
+                mk = (ms < M) & (kk[None, :] < K)
+                wmask = (rows[:, None] < N) & (kk[None, :] < K)
+                wt = tl.load(w + rows[:, None] * s_wn + kk[None, :], mask=wmask, other=0.0)  # [BN, BK]
+                xt = tl.load(x + ms * s_xm + kk[None, :], mask=mk, other=0.0)  # [MP, BK]
+                if SILU_MUL:  # x is [M, 2K]: gate, then up
+                    u = tl.load(x + ms * s_xm + K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+                    gf = xt.to(tl.float32)
+                    xt = ((gf / (1.0 + tl.exp(-gf))).to(xt.dtype).to(tl.float32) * u).to(xt.dtype)
+                acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
         if HAS_BIAS:
             acc += tl.load(bias + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
-        out = y + ms[:, None] * s_ym + rows[None, :]
-        tl.store(out, acc.to(y.dtype.element_ty), mask=(ms[:, None] < M) & (rows[None, :] < N))
+        tl.store(
+            y + ms * s_ym + rows[None, :], acc.to(y.dtype.element_ty), mask=(ms < M) & (rows[None, :] < N)
+        )
 
     return SimpleNamespace(gemv=gemv_kernel, next_power_of_2=triton.next_power_of_2)
 
 
-def tiles(m: int, n: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): the broadcast product holds M_P2 * BLOCK_N * BLOCK_K floats, so BLOCK_K
-    shrinks as M grows; BLOCK_N stays small so that even N = 1024 gives every SM programs to run."""
-    block_n = 4 if n <= 8192 else 8
-    return block_n, max(64, 1024 // max(1, m)), 4
+def tiles(m: int, n: int, k: int, norm: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps), from the H200 sweep at M <= 2: two output features a program (so even
+    N = 1024 gives every SM programs) except the LM head's 8; BLOCK_K 1024 / M_P2, the whole row under a
+    norm. The broadcast product holds M_P2 * BLOCK_N * BLOCK_K floats."""
+    m_p2 = _kernel().next_power_of_2(m)
+    block_k = _kernel().next_power_of_2(k) if norm else max(64, 1024 // m_p2)
+    return (2 if n <= 8192 else 8), block_k, 4
 
 
 def gemv(
-    x: torch.Tensor,  # [M, K], M <= MAX_M
+    x: torch.Tensor,  # [M, K]; [M, 2K] (gate, up) with silu_mul
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
-    tile: tuple[int, int, int] | None = None,  # (BLOCK_N, BLOCK_K, num_warps); default tiles(M, N)
-) -> torch.Tensor:  # [M, N]
-    m, k = x.shape
-    n = weight.shape[0]
-    assert m <= MAX_M and weight.shape[1] == k, (x.shape, weight.shape)
+    tile: tuple[int, int, int] | None = None,  # (BLOCK_N, BLOCK_K, num_warps); default tiles()
+    *,
+    norm: tuple[torch.Tensor, float] | None = None,  # (weight [K], eps): y = RMSNorm(x [+ residual]) @ w^T
+    residual: torch.Tensor | None = None,  # [M, K], only with norm
+    silu_mul: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # y [M, N]; with norm (y, x + residual or x)
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    assert x.shape[1] == (2 * k if silu_mul else k) and not (norm and silu_mul), (x.shape, weight.shape)
+    assert residual is None or norm is not None
     x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else x
+    res = residual.contiguous() if residual is not None else x
     kern = _kernel()
-    block_n, block_k, warps = tile or tiles(m, n)
+    block_n, block_k, warps = tile or tiles(m, n, k, norm is not None)
+    assert norm is None or block_k >= k, "a norm needs the whole row in one tile"
     kern.gemv[(-(-n // block_n),)](
         x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, M_P2=kern.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps,
+        res, res_out, norm[0] if norm else x, norm[1] if norm else 0.0, res.stride(0), res_out.stride(0),
+        HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul,
+        M_P2=kern.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
-    return y
+    return (y, res_out) if norm is not None else y

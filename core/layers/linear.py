@@ -33,7 +33,7 @@ def linear(
 ) -> torch.Tensor:  # [N, in] -> [N, out]
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    if gemv.enabled(x, weight):  # decode-sized batches on CUDA, behind TURNOUT_TRITON_GEMV=1 (untimed)
+    if gemv.enabled(x, weight):  # decode batches of at most gemv.MAX_M rows on CUDA
         return gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -130,6 +130,12 @@ class RowParallelLinear(nn.Module):
     def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul: x is gate_up [N, 2 in]; the GEMV applies SiLU-and-mul as it reads it (gemv.enabled)."""
+        y = (
+            gemv.gemv(x, self.weight, silu_mul=True)
+            if silu_mul
+            else linear(x, self.weight, None, self.packed_weight)
+        )
+        y = tp_all_reduce(y)
         return y if self.bias is None else y + self.bias
