@@ -34,7 +34,14 @@ def provenance() -> dict[str, Any]:
         # The GPU machine's copy of the tree has no true git state: its run scripts pass BENCH_COMMIT.
         "commit": os.environ.get("BENCH_COMMIT")
         or git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "-uno") else ""),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        # the switches a run was made under (config.ENV_SWITCHES: TURNOUT_TRITON_GEMV=0 and the like)
+        "command": " ".join(
+            [
+                *(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("TURNOUT_")),
+                Path(sys.executable).name,
+                *sys.argv,
+            ]
+        ),  # fmt: skip
         "python": platform.python_version(),
         "torch": torch.__version__,
     }

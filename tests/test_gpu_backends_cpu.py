@@ -138,9 +138,7 @@ def test_flash_attn_path_constraints(flash_attn):
     assert fa_backend.path_reasons("fa2", ctx(block=512, head=96)) == []
     flash_attn.use(fa4)
     assert (flash_attn.block_size_multiple, flash_attn.min_capability) == (1, (9, 0))
-    assert (
-        flash_attn.cudagraph_support == CudagraphSupport.NEVER
-    )  # capture failed on the H200, see backend.py
+    assert flash_attn.cudagraph_support == CudagraphSupport.ALWAYS  # FULL graphs verified on the H200
     for head in (64, 96, 128, 256):
         assert fa_backend.path_reasons("fa4", ctx(head=head, block=1)) == []
     assert fa_backend.path_reasons("fa4", ctx(head=72)) == [
@@ -258,12 +256,12 @@ def test_cudagraph_level_from_the_environment(monkeypatch: pytest.MonkeyPatch, f
 
     monkeypatch.setenv("TURNOUT_FLASHINFER_CUDAGRAPH", "never")
     assert fi_backend.FlashInferBackend().cudagraph_support == CudagraphSupport.NEVER
-    monkeypatch.setenv("TURNOUT_FLASH_ATTN_CUDAGRAPH", "ALWAYS")
-    flash_attn.use(fa_backend.Probe("fa4"))
-    assert flash_attn.cudagraph_support == CudagraphSupport.ALWAYS
-    monkeypatch.delenv("TURNOUT_FLASH_ATTN_CUDAGRAPH")
+    monkeypatch.setenv("TURNOUT_FLASH_ATTN_CUDAGRAPH", "NEVER")
     flash_attn.use(fa_backend.Probe("fa4"))
     assert flash_attn.cudagraph_support == CudagraphSupport.NEVER
+    monkeypatch.delenv("TURNOUT_FLASH_ATTN_CUDAGRAPH")
+    flash_attn.use(fa_backend.Probe("fa4"))
+    assert flash_attn.cudagraph_support == CudagraphSupport.ALWAYS
     monkeypatch.setenv("TURNOUT_FLASHINFER_CUDAGRAPH", "sometimes")
     with pytest.raises(ConfigError, match=r"_CUDAGRAPH='SOMETIMES' is not .* NEVER, UNIFORM_DECODE"):
         fi_backend.FlashInferBackend()
