@@ -224,8 +224,9 @@ def test_cudagraph_replay(be: AttentionBackend) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
 def test_triton_decode_split_count_does_not_change_bits(dtype: torch.dtype) -> None:
-    """CUDA graphs launch Triton's decode with MAX_SPLITS, eager steps with as few as cover max_seq_len:
-    both must give the same bits, or graphs would change greedy outputs (issue #5)."""
+    """CUDA graphs launch Triton's decode with MAX_SPLITS, eager steps with as few as cover max_seq_len, and
+    either with 1 to all-splits programs per request: all must give the same bits, or graphs would change
+    greedy outputs (issue #5)."""
     be = next(
         (p.values[0] for p in BACKENDS if p.values[0] is not None and p.values[0].name == "triton"), None
     )
@@ -241,12 +242,14 @@ def test_triton_decode_split_count_does_not_change_bits(dtype: torch.dtype) -> N
     kv = (m.query_start_loc, m.seq_lens, m.block_table)
     base = kn.num_splits(m.max_seq_len)
     outs = {}
+    cache = c.kv_cache.clone()
+    kn.store_kv(c.k, c.v, cache, m.slot_mapping)
     for s in sorted({base, min(2 * base, kn.MAX_SPLITS), kn.MAX_SPLITS}):
-        cache = c.kv_cache.clone()
-        kn.store_kv(c.k, c.v, cache, m.slot_mapping)
-        outs[s] = kn.paged_attention(c.q, cache, *kv, c.scale, m.max_query_len, s)[:n]
+        for p in sorted({1, 2, s}):
+            outs[s, p] = kn.paged_attention(c.q, cache, *kv, c.scale, m.max_query_len, s, programs=p)[:n]
     assert base < kn.MAX_SPLITS and int(m.seq_lens.max()) > kn.SPLIT_KEYS  # several splits really ran
-    err = ((outs[base].double() - c.expected).norm() / c.expected.norm()).item()
+    first = outs[base, base]
+    err = ((first.double() - c.expected).norm() / c.expected.norm()).item()
     assert err <= TOL[dtype]
-    for s, out in outs.items():
-        assert torch.equal(out, outs[base]), f"{s} splits differ from {base}"
+    for (s, p), out in outs.items():
+        assert torch.equal(out, first), f"{s} splits on {p} programs differ from {base} on {base}"
