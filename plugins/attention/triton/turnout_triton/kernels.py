@@ -303,7 +303,9 @@ def _reduce_kernel(
     HEAD: tl.constexpr, HEAD_P2: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Grid (B, num_heads): out = sum_s 2^(lse_s - LSE) o_s over the decode requests' written splits."""
+    """Grid (B, num_heads): out = sum_s 2^(lse_s - LSE) o_s over the decode requests' written splits, summed
+    one split after another: a tree sum over a NUM_SPLITS-wide tensor would pair the splits by NUM_SPLITS
+    (float32 on the H200 differed between 4 and 8), and graphs and eager steps launch different counts."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     q0 = tl.load(cu + b)
@@ -311,15 +313,20 @@ def _reduce_kernel(
     seq_len = tl.where(is_dec, tl.load(seq_lens + b), 0)
     written = tl.cdiv(seq_len, _chunk(seq_len, SPLIT_KEYS, MAX_SPLITS, BLOCK_N))  # splits with keys
     sp = tl.arange(0, NUM_SPLITS)
-    row = (b * tl.num_programs(1) + h) * NUM_SPLITS + sp  # [S]
+    row0 = (b * tl.num_programs(1) + h) * NUM_SPLITS  # this (request, head)'s first split
     d = tl.arange(0, HEAD_P2)
-    lse = tl.load(part_lse + row, mask=sp < written, other=float("-inf"))
-    mx = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # [S]
+    mx = tl.max(
+        tl.load(part_lse + row0 + sp, mask=sp < written, other=float("-inf")), 0
+    )  # exact in any order
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
     io_mask = d < tl.where(is_dec, HEAD, 0)
-    o_mask = io_mask[None, :] & (sp < written)[:, None]
-    o = tl.load(part_o + row[:, None] * HEAD + d[None, :], mask=o_mask, other=0.0)  # [S, HEAD_P2]
-    res = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    acc = tl.zeros([HEAD_P2], tl.float32)
+    den = tl.zeros([HEAD_P2], tl.float32)  # sum of weights, the same in every lane
+    for s in range(0, written):
+        w = tl.exp2(tl.load(part_lse + row0 + s) - mx)
+        acc += w * tl.load(part_o + (row0 + s) * HEAD + d, mask=io_mask, other=0.0)
+        den += w
+    res = acc / tl.maximum(den, 1e-30)
     tl.store(out + q0 * s_ot + h * s_oh + d, res.to(out.dtype.element_ty), mask=io_mask)
 
 
