@@ -125,3 +125,19 @@ def test_preemption_takes_newest_and_it_resumes_with_its_tokens():
     s.finish(old, "abort")
     out = s.schedule()
     assert [(r.req_id, r.token_ids) for r in out.requests] == [("1", [3, 4, 6])]  # recompute prompt + output
+
+
+def test_a_chunk_ending_mid_block_registers_only_full_blocks():
+    """Chunked prefill whose chunk ends inside a block: that block holds uncomputed rows, so no other
+    request may find it by hash yet (find_cached memoises hashes for the whole prompt first)."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=10, max_model_len=64)
+    long_req = req(0, list(range(20)))
+    s.add(long_req)
+    out = s.schedule()  # 10 of 20 tokens: blocks 0 and 1 full, block 2 holds rows 8-9 of 12
+    s.update(out, {}, {"0": long_req})
+    assert sorted(bm.cached.values()) == sorted(long_req.block_ids[:2])
+    assert len(bm.find_cached(req(1, list(range(20))))) == 2
+    out = s.schedule()  # the next 10: blocks 2 to 4 full
+    s.update(out, {}, {"0": long_req})
+    assert sorted(bm.cached.values()) == sorted(long_req.block_ids[:5])

@@ -82,6 +82,8 @@ class BlockManager:
 
     def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Give req the cached blocks and enough new ones for num_new_tokens more; False if they don't fit."""
+        if not cached and req.num_computed_tokens + num_new_tokens <= len(req.block_ids) * self.block_size:
+            return True  # most decode steps: the last block has room
         if not self.can_allocate(req, num_new_tokens, cached):
             return False
         for b in cached:
@@ -111,10 +113,11 @@ class BlockManager:
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the request's blocks that are now full of computed tokens."""
-        if not self.enable_prefix_caching:
-            return
-        hashes = self._block_hashes(req, req.num_computed_tokens)
-        start = self.registered.get(req.req_id, 0)
+        full, start = req.num_computed_tokens // self.block_size, self.registered.get(req.req_id, 0)
+        if not self.enable_prefix_caching or full <= start:
+            return  # no block filled up since the last call
+        # find_cached may have hashed the whole prompt: a chunk that ends inside a block leaves it unhashed
+        hashes = self._block_hashes(req, req.num_computed_tokens)[:full]
         for block_id, h in zip(req.block_ids[start:], hashes[start:]):
             block = self.blocks[block_id]
             if block.hash is None:
