@@ -123,7 +123,7 @@ class BlockManager:
             if block.hash is None:
                 block.hash = h
                 self.cached.setdefault(h, block_id)
-        self.registered[req.req_id] = min(len(hashes), len(req.block_ids))
+        self.registered[req.req_id] = min(full, len(req.block_ids))
 
     def free_request(self, req: Request) -> None:
         # tail blocks first, so a prefix's first blocks are the last to be evicted

@@ -304,8 +304,9 @@ def _reduce_kernel(
     MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, num_heads): out = sum_s 2^(lse_s - LSE) o_s over the decode requests' written splits, summed
-    one split after another: a tree sum over a NUM_SPLITS-wide tensor would pair the splits by NUM_SPLITS
-    (float32 on the H200 differed between 4 and 8), and graphs and eager steps launch different counts."""
+    one split after another: a tree sum over a NUM_SPLITS-wide tensor may pair the splits by NUM_SPLITS,
+    and graphs and eager steps launch different counts (the likely cause of float32 differing between 4
+    and 8 splits on the H200 at a59b545; this order is not yet re-run there)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     q0 = tl.load(cu + b)
