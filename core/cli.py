@@ -29,7 +29,7 @@ def _engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> Non
         flag, ann = "--" + name.replace("_", "-"), field.annotation
         args = typing.get_args(ann)
         kw: dict[str, Any] = {"default": None, "help": field.description}
-        if ann is bool:
+        if ann is bool or ann == bool | None:
             kw["action"] = argparse.BooleanOptionalAction
         elif ann is int or (int in args and isinstance(ann, types.UnionType) and str not in args):
             kw["type"] = int

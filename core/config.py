@@ -52,6 +52,11 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     data_parallel_size: int = Field(1, ge=1)
+    async_scheduling: bool | None = Field(
+        None,
+        description="schedule step N+1 while step N runs on the device; None = on with CUDA where the "
+        "executor supports it",
+    )
     rpc_timeout: float = Field(
         300, gt=0, description="seconds to wait for a worker's answer before giving up"
     )

@@ -12,7 +12,7 @@ import torch
 
 from turnout.attention.backend import AttentionBackend, AttentionContext
 from turnout.config import EngineConfig
-from turnout.errors import SelectionError
+from turnout.errors import ConfigError, SelectionError
 from turnout.executor.base import ExecutorContext, ExecutorSpec
 from turnout.graphs.modes import GraphPolicy, downgrade
 from turnout.models.info import ModelInfo
@@ -144,6 +144,8 @@ class Selection:
     effective_graph: GraphPolicy
     graph_note: str | None = None
     notes: list[str] = field(default_factory=list)
+    async_scheduling: bool = False  # as it runs: step N+1 is scheduled while step N is on the device
+    async_scheduling_note: str = ""  # why it is on or off
 
     @property
     def backend(self) -> AttentionBackend:
@@ -183,7 +185,33 @@ def select_all(
     if note:  # expected on CPU; worth a warning only where graphs could have run
         level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
         logger.log(level, "cudagraph_mode %s -> %s: %s", graph.chosen.name, effective.name, note)
-    return Selection(platform, info, dtype, attention, model, executor, graph, effective, note)
+    sel = Selection(platform, info, dtype, attention, model, executor, graph, effective, note)
+    sel.async_scheduling, sel.async_scheduling_note = resolve_async_scheduling(
+        config.async_scheduling, platform, executor.obj
+    )
+    return sel
+
+
+def resolve_async_scheduling(
+    requested: bool | None, platform: Platform, spec: ExecutorSpec
+) -> tuple[bool, str]:
+    """async_scheduling as it will run, and why. Auto turns it on with CUDA where the executor supports
+    it; on the CPU nothing runs beside the host, so it would only hold one more step in flight."""
+    if not spec.supports_async_scheduling:
+        if requested:
+            raise ConfigError(
+                f"async_scheduling is on, but executor {spec.name} does not support it; "
+                "use executor=uniproc (one rank) or set async_scheduling false"
+            )
+        why = f"off: executor {spec.name} does not support it"
+        if requested is None and platform.is_cuda:
+            logger.info("async scheduling %s", why)
+        return False, why
+    if requested is not None:
+        return requested, "on: set by the user" if requested else "off: set by the user"
+    if platform.is_cuda:
+        return True, f"on: auto, CUDA and executor {spec.name}"
+    return False, "off: auto, no device runs beside the host on the CPU"
 
 
 def worker_handoff(

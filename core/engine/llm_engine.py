@@ -1,4 +1,9 @@
-"""The engine loop: schedule -> execute -> sample -> update, with detokenization and stop strings."""
+"""The engine loop: schedule -> execute -> sample -> update, with detokenization and stop strings.
+
+With async scheduling one step stays in flight between calls: `step` schedules and launches step N+1, then
+reads step N's tokens (copied to the host while N+1 runs) and updates from them, so the host's work for
+N+1 overlaps N's forward on the device.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
@@ -15,11 +22,14 @@ from turnout.config import EngineConfig
 from turnout.engine.block_manager import BlockManager
 from turnout.engine.detokenizer import Detokenizer
 from turnout.engine.request import Request
-from turnout.engine.scheduler import Scheduler
+from turnout.engine.scheduler import Scheduler, SchedulerOutput
 from turnout.errors import ConfigError, RequestError, TurnoutError
 from turnout.models.info import ModelInfo
 from turnout.sampling_params import SamplingParams
 from turnout.selection import Selection, select_all
+
+if TYPE_CHECKING:
+    from turnout.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger("turnout")
 
@@ -37,6 +47,14 @@ class StepOutput:
     req: Request
     delta: str  # text added this step
     finished: bool
+
+
+@dataclass
+class LaunchedStep:
+    out: SchedulerOutput
+    requests: dict[str, Request]  # held: the engine may pop an id, or reuse it, before the step is read
+    read: Callable[[], ModelRunnerOutput]  # waits for the sampled tokens
+    feeds_next: bool  # a penalty of a request here needs this step's tokens in the next step's inputs
 
 
 class LLMEngine:
@@ -57,6 +75,8 @@ class LLMEngine:
             os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
         self.executor = self.selection.executor_spec.load()(config, self.selection)
+        self.async_scheduling = self.selection.async_scheduling
+        self._in_flight: LaunchedStep | None = None
         self.eos_token_ids = self._eos_ids(model_dir)
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
@@ -175,27 +195,49 @@ class LLMEngine:
         return self.requests.pop(req_id), self.detok.pop(req_id).text
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the loop ----
     def step(self) -> list[StepOutput]:
-        out = self.scheduler.schedule()
+        """Sync: schedule, launch and read one step. Async: schedule and launch step N+1, then read step N
+        and return its outputs."""
+        if not self.async_scheduling:
+            return self._read(self._launch(self.scheduler.schedule()))
+        prev = self._in_flight
+        if prev is not None and prev.feeds_next:  # read it first; the next call launches the step after
+            self._in_flight = None
+            return self._read(prev)
+        self._in_flight = self._launch(self.scheduler.schedule())
+        return self._read(prev)
+
+    def _launch(self, out: SchedulerOutput) -> LaunchedStep | None:
         if not out.requests:
             if out.finished_req_ids:  # let workers drop state of aborted requests
                 self.executor.execute_model(out)
+            return None
+        reqs = {s.req_id: self.requests[s.req_id] for s in out.requests}
+        if not self.async_scheduling:
+            res = self.executor.step(out)
+            return LaunchedStep(out, reqs, lambda: res, False)
+        feeds_next = any(s.sample and s.params.needs_penalties for s in out.requests)
+        return LaunchedStep(out, reqs, self.executor.step_async(out).get, feeds_next)
+
+    def _read(self, step: LaunchedStep | None) -> list[StepOutput]:
+        """Wait for a launched step's tokens, update the scheduler; one output per request that got one."""
+        if step is None:
             return []
-        res = self.executor.step(out)
-        for req_id, (lp, top) in res.logprobs.items():
-            self.requests[req_id].logprobs.append(lp)
-            self.requests[req_id].top_logprobs.append(top)
-        finished = {r.req_id for r in self.scheduler.update(out, res.sampled, self.requests)}
+        res = step.read()
         outputs = []
-        for req_id in res.sampled:
-            req = self.requests[req_id]
+        for req in self.scheduler.update(step.out, res.sampled, step.requests):
+            if res.logprobs:
+                lp, top = res.logprobs.get(req.req_id, (None, None))
+                if lp is not None:
+                    req.logprobs.append(lp)
+                    req.top_logprobs.append(top)
             # Text is made when read: each step for streams and stop strings, else once at the end.
             wanted = req.stream or req.params.stop or req.is_finished
             delta = self._detokenize(req) if wanted else ""
-            outputs.append(StepOutput(req, delta, req_id in finished or req.is_finished))
+            outputs.append(StepOutput(req, delta, req.is_finished))
         return outputs
 
     def _detokenize(self, req: Request) -> str:

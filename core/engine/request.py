@@ -21,7 +21,8 @@ class Request:
     params: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache, or is computed by a step already launched
+    num_output_placeholders: int = 0  # tokens sampled by launched steps, not yet appended to output_token_ids
     num_cached_tokens: int = 0  # of those, prefix-cache hits at (re)admission
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -4,6 +4,12 @@ Each step has a token budget. Running requests go first (decodes take 1 token, u
 take their next chunk), then waiting requests are admitted while budget, seats and blocks last. When
 blocks run out, the newest running request is preempted: its blocks are freed and it goes back to the
 front of the queue, to be recomputed later from its prompt and the tokens it already generated.
+
+Under async scheduling step N+1 is scheduled before step N's sampled tokens reach the host. A request that
+samples in step N carries a placeholder for that token (`num_output_placeholders`); if step N+1 runs it,
+its input is PLACEHOLDER_TOKEN_ID, which the model runner replaces on the device with step N's sample. A
+request whose in-flight token must end it by length is not scheduled again; one that stops on that token
+(EOS, a stop token or string) may be in step N+1 already, and `update` drops the token it gets there.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from dataclasses import dataclass, field
 from turnout.engine.block_manager import BlockManager
 from turnout.engine.request import Request, RequestStatus
 from turnout.sampling_params import SamplingParams
+
+PLACEHOLDER_TOKEN_ID = -1  # an input token that the step before samples; filled in on the device
 
 
 @dataclass
@@ -66,7 +74,10 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            ph = req.num_output_placeholders
+            if ph and self._ends_by_length(req, ph):
+                continue
+            n = min(req.num_tokens + ph - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
             while not self.bm.allocate(req, n):
@@ -95,23 +106,33 @@ class Scheduler:
             budget -= n
         out = SchedulerOutput([self._scheduled(r, n) for r, n in chunks], self.finished_ids)
         self.finished_ids = []
-        for req, n in chunks:
-            req.num_computed_tokens += n
         return out
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        """The next n tokens of req, which now count as computed; one that samples adds a placeholder."""
         start = req.num_computed_tokens
+        tokens = req.token_slice(start, n)
+        if len(tokens) < n:  # the one unknown token: sampled by the step in flight
+            tokens.append(PLACEHOLDER_TOKEN_ID)
+        sample = start + n == req.num_tokens + req.num_output_placeholders
+        req.num_computed_tokens += n
+        req.num_output_placeholders += sample
         pen = req.params.needs_penalties
         return ScheduledRequest(
             req.req_id,
-            req.token_slice(start, n),
+            tokens,
             start,
             list(req.block_ids),
-            start + n == req.num_tokens,
+            sample,
             req.params,
             req.prompt_token_ids if pen else [],
             req.output_token_ids if pen else [],
         )
+
+    def _ends_by_length(self, req: Request, in_flight: int) -> bool:
+        """The tokens in flight bring req to max_tokens or max_model_len: no further step may run it."""
+        total = len(req.output_token_ids) + in_flight
+        return total >= req.params.max_tokens or req.num_tokens + in_flight >= self.max_model_len
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -125,19 +146,23 @@ class Scheduler:
     def update(
         self, out: SchedulerOutput, sampled: dict[str, int], requests: dict[str, Request]
     ) -> list[Request]:
-        """Append sampled tokens, cache newly full blocks, finish requests that hit a stop."""
-        done = []
+        """Append sampled tokens, cache blocks now full of known tokens, finish requests that hit a stop.
+        A request finished meanwhile (a stop string, an abort, a stop on the token of the step before) drops
+        its token. Returns the requests that got one."""
+        got = []
         for s in out.requests:
             req = requests[s.req_id]
             if req.is_finished:
                 continue
-            self.bm.cache_full_blocks(req)
-            if s.req_id in sampled:
-                req.output_token_ids.append(sampled[s.req_id])
-                if reason := self._stop_reason(req):
-                    self.finish(req, reason)
-                    done.append(req)
-        return done
+            tok = sampled.get(s.req_id)
+            if tok is not None:
+                req.output_token_ids.append(tok)
+                req.num_output_placeholders -= 1
+                got.append(req)
+            self.bm.cache_full_blocks(req)  # after the append: a launched step may already compute its KV
+            if tok is not None and (reason := self._stop_reason(req)):
+                self.finish(req, reason)
+        return got
 
     def _stop_reason(self, req: Request) -> str | None:
         tok, p = req.output_token_ids[-1], req.params

@@ -11,7 +11,7 @@ from turnout.platform import Platform
 
 if TYPE_CHECKING:
     from turnout.engine.scheduler import SchedulerOutput
-    from turnout.worker.model_runner import ModelRunnerOutput
+    from turnout.worker.model_runner import AsyncModelRunnerOutput, ModelRunnerOutput
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class ExecutorSpec:
     target: str  # "package.module:ExecutorClass", imported only when chosen
     priority: int = 0
     check: Callable[[ExecutorContext], list[str]] = field(default=lambda ctx: [])
+    supports_async_scheduling: bool = False  # the executor implements step_async
 
     def load(self) -> type[Executor]:
         module, _, attr = self.target.partition(":")
@@ -74,3 +75,8 @@ class Executor:
     def step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.execute_model(scheduler_output)
         return self.sample_tokens()
+
+    def step_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """Launch the forward and the sampling and return at once; the result's get() waits for the sampled
+        tokens alone. Executors whose spec sets supports_async_scheduling implement it."""
+        raise NotImplementedError

@@ -26,7 +26,7 @@ from torch import nn
 from turnout.attention.backend import AttentionBackend, AttentionMetadata
 from turnout.config import EngineConfig
 from turnout.distributed import get_parallel_state, pp_recv, pp_send
-from turnout.engine.scheduler import ScheduledRequest, SchedulerOutput
+from turnout.engine.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
 from turnout.errors import WeightLoadError
 from turnout.graphs.dispatcher import GraphDispatcher, default_capture_sizes
 from turnout.graphs.modes import RuntimeMode
@@ -36,7 +36,7 @@ from turnout.layers.linear import pack_linears_for_cpu
 from turnout.loader.weights import iter_safetensors
 from turnout.sampling_params import SamplingParams
 from turnout.selection import Selection
-from turnout.worker.sampler import Sampler
+from turnout.worker.sampler import SampledTensors, Sampler
 
 logger = logging.getLogger("turnout")
 _GREEDY = SamplingParams(temperature=0.0)
@@ -46,6 +46,32 @@ _GREEDY = SamplingParams(temperature=0.0)
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # req id -> new token
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+
+
+class AsyncModelRunnerOutput:
+    """A step's sampled tokens on their way to the host: the copy is queued behind the step's kernels, and
+    get() waits for that copy alone, so the engine prepares the next step meanwhile."""
+
+    def __init__(self, sampled: SampledTensors | None = None, reqs: list[ScheduledRequest] = ()) -> None:
+        self.reqs = reqs
+        self.sampled = sampled.to_cpu() if sampled is not None else None
+        self.copied: torch.cuda.Event | None = None
+        if sampled is not None and sampled.token_ids.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def get(self) -> ModelRunnerOutput:
+        if self.sampled is None:
+            return ModelRunnerOutput()
+        if self.copied is not None:
+            self.copied.synchronize()
+        res = self.sampled.host()
+        out = ModelRunnerOutput(dict(zip([r.req_id for r in self.reqs], res.token_ids)))
+        if res.logprobs is not None and res.top_logprobs is not None:
+            for r, lp, top in zip(self.reqs, res.logprobs, res.top_logprobs):
+                if r.params.logprobs is not None:
+                    out.logprobs[r.req_id] = (lp, top)
+        return out
 
 
 @dataclass
@@ -72,6 +98,10 @@ class ModelRunner:
         self._pending: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
         self._staging64 = HostStaging(device, torch.int64)
         self._staging32 = HostStaging(device, torch.int32)
+        self._last_sampled: tuple[torch.Tensor, list[ScheduledRequest]] | None = (
+            None  # by sample_tokens_async
+        )
+        self._staging_fill = HostStaging(device, torch.int64)
 
     def _load_model(self) -> nn.Module:
         t0 = time.perf_counter()
@@ -203,6 +233,8 @@ class ModelRunner:
         if get_parallel_state().pp_size > 1:
             return self._execute_pipeline(out)
         inp = self.prepare(out)
+        if self._last_sampled is not None:
+            self._fill_placeholders(out.requests, inp.input_ids)
         d = self.graphs.dispatcher.dispatch([len(r.token_ids) for r in out.requests]) if self.graphs else None
         if d is not None and d.mode is not RuntimeMode.NONE:
             if d.mode is RuntimeMode.PIECEWISE:  # attention runs eagerly in the holes
@@ -239,25 +271,51 @@ class ModelRunner:
         if logits:
             self._pending = (torch.cat(logits), sample_reqs)
 
+    def _fill_placeholders(self, reqs: list[ScheduledRequest], input_ids: torch.Tensor) -> None:
+        """Input tokens that the previous step sampled (PLACEHOLDER_TOKEN_ID, always a row's last) are
+        taken from its sampled tensor on the device: the host never waits for them."""
+        tokens, prev = self._last_sampled
+        row = {r.req_id: i for i, r in enumerate(prev)}
+        dst, src, end = [], [], 0
+        for r in reqs:
+            end += len(r.token_ids)
+            if r.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                dst.append(end - 1)
+                src.append(row[r.req_id])
+        if dst:
+            d, s = self._staging_fill([np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64)])
+            input_ids[d] = tokens[s]
+
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
+        self._last_sampled = None
         if self._pending is None:
             return ModelRunnerOutput()
         logits, reqs = self._pending
         self._pending = None
-        res = self.sampler(
+        return AsyncModelRunnerOutput(self._sample(logits, reqs), reqs).get()
+
+    @torch.inference_mode()
+    def sample_tokens_async(self) -> AsyncModelRunnerOutput:
+        """sample_tokens without waiting: the tokens also stay on the device, where the next step's
+        placeholder inputs take them from."""
+        self._last_sampled = None
+        if self._pending is None:
+            return AsyncModelRunnerOutput()
+        logits, reqs = self._pending
+        self._pending = None
+        sampled = self._sample(logits, reqs)
+        self._last_sampled = (sampled.token_ids, reqs)
+        return AsyncModelRunnerOutput(sampled, reqs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SampledTensors:
+        return self.sampler.forward(
             logits,
             [r.params for r in reqs],
             [self._generator(r) for r in reqs],
             [r.prompt_token_ids for r in reqs],
             [r.output_token_ids for r in reqs],
         )
-        out = ModelRunnerOutput({r.req_id: t for r, t in zip(reqs, res.token_ids)})
-        if res.logprobs is not None and res.top_logprobs is not None:
-            for r, lp, top in zip(reqs, res.logprobs, res.top_logprobs):
-                if r.params.logprobs is not None:
-                    out.logprobs[r.req_id] = (lp, top)
-        return out
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
         if r.params.seed is None or r.params.greedy:

@@ -3,7 +3,7 @@ logprobs of the raw model distribution."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -19,17 +19,56 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None  # per row top-N (token, logprob); [] if not asked
 
 
+@dataclass
+class SampledTensors:
+    """The sampler's results, still where they were computed; `host` makes a SamplerOutput of them."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32, the chosen token's; None if no row asked
+    top_rows: list[int]  # the rows that asked for top logprobs, and how many each
+    top_ks: list[int]
+    top_logprobs: torch.Tensor | None  # [len(top_rows), max(top_ks)] float32, best first
+    top_ids: torch.Tensor | None  # [len(top_rows), max(top_ks)] int64
+
+    def to_cpu(self) -> SampledTensors:
+        """A copy queued on the device's stream, into pinned memory; valid once the stream reaches it."""
+        move = lambda t: None if t is None else t.to("cpu", non_blocking=True)
+        return replace(self, token_ids=move(self.token_ids), logprobs=move(self.logprobs),
+                       top_logprobs=move(self.top_logprobs), top_ids=move(self.top_ids))  # fmt: skip
+
+    def host(self) -> SamplerOutput:
+        token_ids = self.token_ids.tolist()
+        if self.logprobs is None:
+            return SamplerOutput(token_ids, None, None)
+        top: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+        if self.top_rows:
+            vals, ids = self.top_logprobs.tolist(), self.top_ids.tolist()
+            for j, (i, k) in enumerate(zip(self.top_rows, self.top_ks)):
+                top[i] = list(zip(ids[j][:k], vals[j][:k], strict=True))
+        return SamplerOutput(token_ids, self.logprobs.tolist(), top)
+
+
+def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device without a host sync: a pinned copy queued in stream order."""
+    t = torch.from_numpy(a)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def _flat(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Row index and token id of every token in `rows`: two [N] int64 tensors."""
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     toks = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lens.sum()))
     row_ids = np.repeat(np.arange(len(rows), dtype=np.int64), lens)
-    return torch.from_numpy(row_ids).to(device), torch.from_numpy(toks).to(device)
+    return upload(row_ids, device), upload(toks, device)
 
 
 def _cols(rows: list[tuple[float, ...]], device: torch.device) -> torch.Tensor:
     """Per-row parameters as a [fields, n] float32 tensor (numpy: torch.tensor on lists is ~3x slower)."""
-    return torch.from_numpy(np.array(rows, dtype=np.float32).reshape(len(rows), -1).T.copy()).to(device)
+    return upload(np.array(rows, dtype=np.float32).reshape(len(rows), -1).T.copy(), device)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return upload(np.array(rows, dtype=np.int64), device)
 
 
 def apply_penalties(
@@ -103,14 +142,19 @@ def sample(
 
 
 class Sampler:
-    def __call__(
+    def __call__(self, logits, params, generators, prompt_token_ids, output_token_ids) -> SamplerOutput:
+        """forward, then its results as Python lists (a host sync)."""
+        return self.forward(logits, params, generators, prompt_token_ids, output_token_ids).host()
+
+    def forward(
         self,
         logits: torch.Tensor,  # [B, V] any float dtype
         params: list[SamplingParams],  # per row
         generators: list[torch.Generator | None],  # per row; seeded rows draw only from theirs
         prompt_token_ids: list[list[int]],  # per row, for the repetition penalty
         output_token_ids: list[list[int]],  # per row, generated so far
-    ) -> SamplerOutput:
+    ) -> SampledTensors:
+        """Everything on the logits' device, with no host sync."""
         B, V = logits.shape
         dev = logits.device
         raw = logits.float()  # [B, V]; never written to (may alias the caller's tensor)
@@ -119,7 +163,7 @@ class Sampler:
         if len(pen) == B:
             logits = apply_penalties(raw, params, prompt_token_ids, output_token_ids)
         elif pen:
-            idx = torch.tensor(pen, device=dev)
+            idx = _index(pen, dev)
             logits = raw.clone()
             sub = (
                 [params[i] for i in pen],
@@ -135,22 +179,17 @@ class Sampler:
             tokens = sample(logits, params, generators)
         else:
             tokens = logits.argmax(-1)
-            idx = torch.tensor(samp, device=dev)
+            idx = _index(samp, dev)
             tokens[idx] = sample(logits[idx], [params[i] for i in samp], [generators[i] for i in samp])
 
-        token_ids = tokens.tolist()
         if all(p.logprobs is None for p in params):
-            return SamplerOutput(token_ids, None, None)
+            return SampledTensors(tokens, None, [], [], None, None)
         lse = raw.logsumexp(-1)  # [B]
-        chosen = (raw.gather(1, tokens[:, None])[:, 0] - lse).tolist()
-        top: list[list[tuple[int, float]]] = [[] for _ in range(B)]
+        chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
         want = [i for i, p in enumerate(params) if p.logprobs]
-        if want:
-            nmax = min(max(params[i].logprobs for i in want), V)
-            idx = torch.tensor(want, device=dev)
-            vals, ids = raw[idx].topk(nmax, dim=-1)  # [len(want), nmax]
-            vals, ids = (vals - lse[idx, None]).tolist(), ids.tolist()
-            for j, i in enumerate(want):
-                k = params[i].logprobs
-                top[i] = list(zip(ids[j][:k], vals[j][:k], strict=True))
-        return SamplerOutput(token_ids, chosen, top)
+        if not want:
+            return SampledTensors(tokens, chosen, [], [], None, None)
+        ks = [params[i].logprobs for i in want]
+        idx = _index(want, dev)
+        vals, ids = raw[idx].topk(min(max(ks), V), dim=-1)  # [len(want), nmax]
+        return SampledTensors(tokens, chosen, want, ks, vals - lse[idx, None], ids)

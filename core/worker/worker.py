@@ -9,7 +9,7 @@ import torch
 from turnout.config import EngineConfig
 from turnout.engine.scheduler import SchedulerOutput
 from turnout.selection import Selection
-from turnout.worker.model_runner import ModelRunner, ModelRunnerOutput
+from turnout.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, ModelRunnerOutput
 
 
 class Worker:
@@ -37,6 +37,9 @@ class Worker:
 
     def sample_tokens(self) -> ModelRunnerOutput:
         return self.runner.sample_tokens()
+
+    def sample_tokens_async(self) -> AsyncModelRunnerOutput:
+        return self.runner.sample_tokens_async()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self, method)(*args, **kwargs)

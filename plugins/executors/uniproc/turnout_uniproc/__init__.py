@@ -10,4 +10,9 @@ def _check(ctx: ExecutorContext) -> list[str]:
 
 @hookimpl
 def turnout_executors() -> list[ExecutorSpec]:
-    return [ExecutorSpec("uniproc", "turnout_uniproc.executor:UniprocExecutor", priority=10, check=_check)]
+    return [
+        ExecutorSpec(
+            "uniproc", "turnout_uniproc.executor:UniprocExecutor", priority=10, check=_check,
+            supports_async_scheduling=True,
+        )
+    ]  # fmt: skip
