@@ -129,16 +129,31 @@ def test_seeded_sampling_is_the_same_with_and_without(tiny_llama):
 
 
 def test_penalties_read_the_previous_step(tiny_llama):
-    """Penalties need each step's tokens in the next step's inputs; such steps run in series."""
-    prompts = _prompts(6)
+    """Penalties need each step's tokens in the next step's inputs; such steps run in series. (Several of
+    these prompts' greedy runs repeat their last token at once, which the penalties forbid.)"""
+    prompts = _prompts()
     sp = [
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.8),
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, frequency_penalty=1.5),
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-    ] * 2
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=2.0),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=2.0),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    ] * 6
     ref, _ = _run(tiny_llama, prompts, sp, async_scheduling=False)
     got, _ = _run(tiny_llama, prompts, sp, async_scheduling=True)
     assert [g[0] for g in got] == [r[0] for r in ref]
+
+
+def test_prefix_cache_holds_generated_tokens(tiny_llama):
+    """A next turn, prompt + output + more, finds every full block of the finished history in the cache:
+    blocks are hashed once their tokens are known, though a launched step may already compute them."""
+    prompt = _prompts(1)[0][:10]
+    sp = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
+    cached = {}
+    for on in (False, True):
+        llm = LLM(str(tiny_llama), **SMALL, async_scheduling=on)
+        first = llm.generate([prompt], sp, use_tqdm=False)[0]
+        cached[on] = llm.generate([prompt + first.token_ids + [7]], sp, use_tqdm=False)[0].num_cached_tokens
+        llm.shutdown()
+    assert cached == {False: 24, True: 24}  # 25 tokens of history, the last never computed: 6 blocks of 4
 
 
 def test_stream_is_the_same(tiny_llama):
@@ -228,19 +243,19 @@ def test_env_switch(monkeypatch):
 
 @pytest.mark.slow
 def test_embedded_model_chat_with_eos_and_stop_strings():
-    chats = ["What is the capital of France?", "Name three colours.", "Say hello.", "Count to five."]
-    texts, outs = None, {}
+    chats = ["What is the capital of France?", "Say hello.", "What is 2+2?", "Count from 1 to 20."]
+    chats.append("Name three colours.")
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    sps = [greedy] * 3 + [SamplingParams(temperature=0, max_tokens=40, stop=["5"]), greedy]
+    outs = {}
     for on in (False, True):
         llm = LLM(max_model_len=256, dtype="float32", async_scheduling=on, max_num_batched_tokens=64)
-        texts = texts or [llm.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
-        sps = [SamplingParams(temperature=0, max_tokens=48)] * 3 + [
-            SamplingParams(temperature=0, max_tokens=48, stop=["4"])
-        ]
+        texts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
         outs[on] = [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(texts, sps, use_tqdm=False)]
         llm.shutdown()
     assert outs[True] == outs[False]
-    assert {r for _, r, _ in outs[False]} == {"stop"}  # EOS and the stop string, none ran out
-    assert outs[False][3][2] and "4" not in outs[False][3][2]
+    assert [r for _, r, _ in outs[False]] == ["stop"] * 4 + ["length"]  # EOS three times, a stop string
+    assert "4" in outs[False][3][2] and "5" not in outs[False][3][2]
 
 
 # ---- CUDA ----
