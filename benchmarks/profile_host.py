@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import gc
 import importlib
 import pstats
 import sys
@@ -26,14 +27,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from tiny_models import make_tiny_model  # noqa: E402
 
-HOT = {  # label -> (module, class, method)
+HOT = {  # label -> (module, class, method or methods: the first one the class defines)
     "step": ("turnout.engine.llm_engine", "LLMEngine", "step"),
     "schedule": ("turnout.engine.scheduler", "Scheduler", "schedule"),
     "prepare": ("turnout.worker.model_runner", "ModelRunner", "prepare"),
     "forward": ("turnout.worker.model_runner", "ModelRunner", "_forward"),
-    "sampler": ("turnout.worker.sampler", "Sampler", "__call__"),
+    "sampler": ("turnout.worker.sampler", "Sampler", ("forward", "__call__")),
     "update": ("turnout.engine.scheduler", "Scheduler", "update"),
     "detokenize": ("turnout.engine.llm_engine", "LLMEngine", "_detokenize"),
+    "launch": ("turnout.engine.llm_engine", "LLMEngine", "_launch"),
+    "read": ("turnout.engine.llm_engine", "LLMEngine", "_read"),
+    "execute": ("turnout.worker.model_runner", "ModelRunner", "execute_model"),
+    "fill": ("turnout.worker.model_runner", "ModelRunner", "_fill_placeholders"),
+    "get": ("turnout.worker.model_runner", "AsyncModelRunnerOutput", "get"),
 }
 spent: dict[str, float] = defaultdict(float)
 
@@ -50,11 +56,20 @@ def timed(label: str, fn):
     return wrapper
 
 
+def time_gc(phase: str, info: dict, started: list[float] = []) -> None:  # noqa: B006 (the timer's state)
+    if phase == "start":
+        started.append(time.thread_time())
+    elif started:
+        spent["gc"] += time.thread_time() - started.pop()
+
+
 def instrument(model_cls: type) -> None:
-    for label, (module, cls, name) in HOT.items():
-        owner = getattr(importlib.import_module(module), cls)
-        if name in vars(owner):
-            setattr(owner, name, timed(label, vars(owner)[name]))
+    for label, (module, cls, names) in HOT.items():
+        owner = getattr(importlib.import_module(module), cls, None)
+        for name in [names] if isinstance(names, str) else names:
+            if owner is not None and name in vars(owner):
+                setattr(owner, name, timed(label, vars(owner)[name]))
+                break
     model_cls.compute_logits = timed("logits", model_cls.compute_logits)
 
 
@@ -75,14 +90,14 @@ def main() -> None:
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
-        path = make_tiny_model(Path(d), "llama")
+        path = make_tiny_model(Path(d), "llama", max_position_embeddings=4096)
+        max_tokens = (args.repeats + 1) * args.steps + 8
         llm = LLM(
-            str(path), attention_backend="cpu", max_num_seqs=args.batch, max_model_len=512,
+            str(path), attention_backend="cpu", max_num_seqs=args.batch, max_model_len=4096,
             max_num_batched_tokens=args.batch * args.prompt_len,
             **({"async_scheduling": True} if args.async_scheduling else {}),
         )  # fmt: skip
         engine = llm.engine
-        max_tokens = (args.repeats + 1) * args.steps + 8
         sp = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
         for i in range(args.batch):
             engine.add_request([(i * 31 + j * 7) % 500 + 3 for j in range(args.prompt_len)], sp)
@@ -94,6 +109,7 @@ def main() -> None:
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             return
         instrument(type(engine.executor.worker.runner.model))
+        gc.callbacks.append(time_gc)
         best: dict[str, float] = {}
         for _ in range(args.repeats):
             spent.clear()
@@ -104,7 +120,7 @@ def main() -> None:
         llm.shutdown()
     mode = "async" if args.async_scheduling else "sync"
     print(f"batch {args.batch}, temperature {args.temperature}, {mode} (ms/step, thread CPU time):")
-    print("  " + ", ".join(f"{k} {best.get(k, 0):.3f}" for k in [*HOT, "logits"]))
+    print("  " + ", ".join(f"{k} {best.get(k, 0):.3f}" for k in [*HOT, "logits", "gc"]))
     outside = best["step"] - best.get("forward", 0) - best.get("logits", 0)
     print(f"  outside forward {outside:.3f}")
 

@@ -16,7 +16,7 @@ from turnout import LLM, SamplingParams
 from turnout.config import EngineConfig
 from turnout.engine.block_manager import BlockManager
 from turnout.engine.request import Request
-from turnout.engine.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler
+from turnout.engine.scheduler import Scheduler, placeholder
 from turnout.errors import ConfigError
 
 # Chunked prefill (16-token budget over 4-token blocks), preemption (26 blocks for 6 requests of up to 64
@@ -208,8 +208,8 @@ def test_scheduler_runs_in_flight_tokens_as_placeholders_and_drops_late_ones():
     n0 = s.schedule()
     n1 = s.schedule()  # before n0's tokens are known: b's in-flight token is its last (max_tokens=1)
     assert [(r.req_id, r.token_ids, r.start_pos, r.sample) for r in n1.requests] == [
-        ("0", [PLACEHOLDER_TOKEN_ID], 3, True),
-        ("2", [PLACEHOLDER_TOKEN_ID], 2, True),
+        ("0", [placeholder(0)], 3, True),
+        ("2", [placeholder(2)], 2, True),  # the rows of n0's sampled tokens
     ]
     s.update(n0, {"0": 11, "1": 12, "2": 42}, reqs)  # c stops on its n0 token while in n1 already
     assert b.finish_reason == "length" and c.finish_reason == "stop" and c.block_ids == []
@@ -286,3 +286,36 @@ def test_cuda_async_equals_sync_and_a_decode_step_never_syncs(tiny_llama):
                 torch.cuda.set_sync_debug_mode(0)
         llm.shutdown()
     assert outs[True] == outs[False]
+
+
+def test_block_tables_written_incrementally_match_the_lists():
+    """Against a table built from scratch each step: appends, a preemption's new list, a list that is new
+    every step (as through a pipe), released rows taken again, and growth in rows and width."""
+    from turnout.engine.scheduler import ScheduledRequest
+    from turnout.worker.model_runner import BlockTables
+
+    rng = random.Random(0)
+    tables = BlockTables()
+    lists: dict[str, list[int]] = {}
+    for step in range(60):
+        for req_id in rng.sample(sorted(lists), k=min(len(lists), rng.randint(0, 3))):
+            del lists[req_id]
+            tables.release([req_id])
+        for _ in range(rng.randint(0, 12)):
+            lists[f"r{step}-{rng.random()}"] = [rng.randrange(1000) for _ in range(rng.randint(1, 3))]
+        for req_id, ids in list(lists.items()):
+            kind = rng.random()
+            if kind < 0.6:
+                ids.extend(rng.randrange(1000) for _ in range(rng.randint(0, 4)))
+            elif kind < 0.7:
+                lists[req_id] = [rng.randrange(1000) for _ in range(rng.randint(1, 5))]  # preempted
+            elif kind < 0.8:
+                lists[req_id] = list(ids)  # unpickled: the same ids in a new list
+        reqs = [ScheduledRequest(k, [0], 0, ids, True, SamplingParams(), [], []) for k, ids in lists.items()]
+        if not reqs:
+            continue
+        got = tables(reqs)
+        width = max(len(ids) for ids in lists.values())
+        want = [ids + [0] * (width - len(ids)) for ids in lists.values()]
+        assert got.tolist() == want, step
+    assert len(tables.table) > 64 and tables.table.shape[1] > 16

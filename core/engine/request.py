@@ -23,6 +23,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache, or is computed by a step already launched
     num_output_placeholders: int = 0  # tokens sampled by launched steps, not yet appended to output_token_ids
+    sample_row: int = 0  # its row among the sampling rows of the last step that sampled for it
     num_cached_tokens: int = 0  # of those, prefix-cache hits at (re)admission
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

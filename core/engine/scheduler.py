@@ -7,7 +7,8 @@ front of the queue, to be recomputed later from its prompt and the tokens it alr
 
 Under async scheduling step N+1 is scheduled before step N's sampled tokens reach the host. A request that
 samples in step N carries a placeholder for that token (`num_output_placeholders`); if step N+1 runs it,
-its input is PLACEHOLDER_TOKEN_ID, which the model runner replaces on the device with step N's sample. A
+its input is `placeholder(k)`, k its row among step N's sampling rows, which the model runner replaces on
+the device with that row of step N's sampled tokens. A
 request whose in-flight token must end it by length is not scheduled again; one that stops on that token
 (EOS, a stop token or string) may be in step N+1 already, and `update` drops the token it gets there.
 """
@@ -21,7 +22,11 @@ from turnout.engine.block_manager import BlockManager
 from turnout.engine.request import Request, RequestStatus
 from turnout.sampling_params import SamplingParams
 
-PLACEHOLDER_TOKEN_ID = -1  # an input token that the step before samples; filled in on the device
+
+def placeholder(row: int) -> int:
+    """The input token that stands for the previous step's row-th sampled token (sampling rows in request
+    order); token ids are never negative."""
+    return -1 - row
 
 
 @dataclass
@@ -31,7 +36,7 @@ class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # the tokens to run now
     start_pos: int  # position of token_ids[0] == tokens already in the KV cache
-    block_ids: list[int]
+    block_ids: list[int]  # the request's own list: the scheduler only appends to it or replaces it
     sample: bool  # this step reaches the end of the known tokens, so a new token is sampled
     params: SamplingParams
     prompt_token_ids: list[int]  # filled only when penalties need them
@@ -60,6 +65,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_ids: list[str] = []
         self.num_preemptions = 0
+        self._num_sample_rows = 0  # sampling rows of the step being scheduled so far
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -68,6 +74,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self._num_sample_rows = 0
         budget = self.max_num_batched_tokens
         chunks: list[tuple[Request, int]] = []
         preempted = False
@@ -113,16 +120,18 @@ class Scheduler:
         start = req.num_computed_tokens
         tokens = req.token_slice(start, n)
         if len(tokens) < n:  # the one unknown token: sampled by the step in flight
-            tokens.append(PLACEHOLDER_TOKEN_ID)
+            tokens.append(placeholder(req.sample_row))
         sample = start + n == req.num_tokens + req.num_output_placeholders
         req.num_computed_tokens += n
-        req.num_output_placeholders += sample
+        if sample:
+            req.num_output_placeholders += 1
+            req.sample_row, self._num_sample_rows = self._num_sample_rows, self._num_sample_rows + 1
         pen = req.params.needs_penalties
         return ScheduledRequest(
             req.req_id,
             tokens,
             start,
-            list(req.block_ids),
+            req.block_ids,
             sample,
             req.params,
             req.prompt_token_ids if pen else [],

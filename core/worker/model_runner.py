@@ -26,7 +26,7 @@ from torch import nn
 from turnout.attention.backend import AttentionBackend, AttentionMetadata
 from turnout.config import EngineConfig
 from turnout.distributed import get_parallel_state, pp_recv, pp_send
-from turnout.engine.scheduler import PLACEHOLDER_TOKEN_ID, ScheduledRequest, SchedulerOutput
+from turnout.engine.scheduler import ScheduledRequest, SchedulerOutput
 from turnout.errors import WeightLoadError
 from turnout.graphs.dispatcher import GraphDispatcher, default_capture_sizes
 from turnout.graphs.modes import RuntimeMode
@@ -98,10 +98,9 @@ class ModelRunner:
         self._pending: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
         self._staging64 = HostStaging(device, torch.int64)
         self._staging32 = HostStaging(device, torch.int32)
-        self._last_sampled: tuple[torch.Tensor, list[ScheduledRequest]] | None = (
-            None  # by sample_tokens_async
-        )
+        self._last_sampled: torch.Tensor | None = None  # by sample_tokens_async, for placeholder inputs
         self._staging_fill = HostStaging(device, torch.int64)
+        self.block_tables = BlockTables()
 
     def _load_model(self) -> nn.Module:
         t0 = time.perf_counter()
@@ -167,6 +166,7 @@ class ModelRunner:
         ]
         self.execute_model(SchedulerOutput(reqs))
         self.sample_tokens()
+        self.block_tables.release([r.req_id for r in reqs])
         self.kv_caches = []
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -199,10 +199,7 @@ class ModelRunner:
         np.cumsum(qlens, out=cu[1:])
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=int(cu[-1]))
         positions = np.repeat(starts - cu[:-1], qlens) + np.arange(cu[-1])  # request i, token j: start_i + j
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        block_table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
-        for i, r in enumerate(reqs):
-            block_table[i, : len(r.block_ids)] = r.block_ids
+        block_table = self.block_tables(reqs)
         row = np.repeat(np.arange(len(reqs)), qlens)
         slot_mapping = block_table[row, positions // self.block_size].astype(np.int64) * self.block_size
         slot_mapping += positions % self.block_size
@@ -210,6 +207,7 @@ class ModelRunner:
         sample_reqs = [r for r in reqs if r.sample]
         logits_idx = (cu[1:] - 1)[np.array([r.sample for r in reqs], dtype=bool)]
         ids, pos, slots, lidx = self._staging64([input_ids, positions, slot_mapping, logits_idx])
+        self._fill_placeholders(input_ids, ids)
         cu_d, lens_d, bt = self._staging32([cu.astype(np.int32), seq_lens.astype(np.int32), block_table])
         meta = AttentionMetadata(
             slot_mapping=slots,
@@ -227,14 +225,13 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
             self.generators.pop(req_id, None)
+        self.block_tables.release(out.finished_req_ids)
         self._pending = None
         if not out.requests:
             return
         if get_parallel_state().pp_size > 1:
             return self._execute_pipeline(out)
         inp = self.prepare(out)
-        if self._last_sampled is not None:
-            self._fill_placeholders(out.requests, inp.input_ids)
         d = self.graphs.dispatcher.dispatch([len(r.token_ids) for r in out.requests]) if self.graphs else None
         if d is not None and d.mode is not RuntimeMode.NONE:
             if d.mode is RuntimeMode.PIECEWISE:  # attention runs eagerly in the holes
@@ -271,20 +268,13 @@ class ModelRunner:
         if logits:
             self._pending = (torch.cat(logits), sample_reqs)
 
-    def _fill_placeholders(self, reqs: list[ScheduledRequest], input_ids: torch.Tensor) -> None:
-        """Input tokens that the previous step sampled (PLACEHOLDER_TOKEN_ID, always a row's last) are
-        taken from its sampled tensor on the device: the host never waits for them."""
-        tokens, prev = self._last_sampled
-        row = {r.req_id: i for i, r in enumerate(prev)}
-        dst, src, end = [], [], 0
-        for r in reqs:
-            end += len(r.token_ids)
-            if r.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                dst.append(end - 1)
-                src.append(row[r.req_id])
-        if dst:
-            d, s = self._staging_fill([np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64)])
-            input_ids[d] = tokens[s]
+    def _fill_placeholders(self, host_ids: np.ndarray, input_ids: torch.Tensor) -> None:
+        """A negative input token, placeholder(k), is row k of the previous step's sampled tokens: it is
+        taken from their tensor on the device, so the host never waits for them."""
+        dst = np.flatnonzero(host_ids < 0)
+        if dst.size:
+            d, s = self._staging_fill([dst, -1 - host_ids[dst]])
+            input_ids[d] = self._last_sampled[s]
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
@@ -305,7 +295,7 @@ class ModelRunner:
         logits, reqs = self._pending
         self._pending = None
         sampled = self._sample(logits, reqs)
-        self._last_sampled = (sampled.token_ids, reqs)
+        self._last_sampled = sampled.token_ids
         return AsyncModelRunnerOutput(sampled, reqs)
 
     def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SampledTensors:
@@ -356,6 +346,52 @@ class HostStaging:
         self.copied = torch.cuda.Event()
         self.copied.record()
         return [dev[off : off + a.size] for a, off in zip(arrays, starts.tolist())]
+
+
+class BlockTables:
+    """The block ids of each request a worker runs, one persistent row each, written incrementally: a step
+    copies only the ids a request gained since its last step. ScheduledRequest.block_ids is the scheduler's
+    own list, which it only appends to (a preemption replaces it), so the list last seen and the count
+    written tell what is new; a list that came through a pipe is new each step and rewrites its row."""
+
+    def __init__(self) -> None:
+        self.table = np.zeros((64, 16), dtype=np.int32)
+        self.rows: dict[str, tuple[int, list[int], int]] = {}  # req id -> (row, list seen, ids written)
+        self.free = list(range(63, -1, -1))
+
+    def __call__(self, reqs: list[ScheduledRequest]) -> np.ndarray:  # [len(reqs), most blocks] int32
+        rows, width = [], 0
+        for r in reqs:
+            ids, n = r.block_ids, len(r.block_ids)
+            row, seen, done = self.rows.get(r.req_id) or (self._take(), None, 0)
+            if seen is not ids or done != n:
+                self._write(row, ids, done if seen is ids else 0)
+                self.rows[r.req_id] = (row, ids, n)
+            rows.append(row)
+            width = max(width, n)
+        return self.table[rows, :width]
+
+    def release(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            if (entry := self.rows.pop(req_id, None)) is not None:
+                self.table[entry[0]] = 0
+                self.free.append(entry[0])
+
+    def _take(self) -> int:
+        if not self.free:
+            n = len(self.table)
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        return self.free.pop()
+
+    def _write(self, row: int, ids: list[int], start: int) -> None:
+        if len(ids) > self.table.shape[1]:
+            wider = np.zeros((len(self.table), max(len(ids), 2 * self.table.shape[1])), dtype=np.int32)
+            wider[:, : self.table.shape[1]] = self.table
+            self.table = wider
+        if start == 0:
+            self.table[row] = 0
+        self.table[row, start : len(ids)] = ids[start:]
 
 
 def micro_batches(reqs: list[ScheduledRequest], n: int) -> list[list[ScheduledRequest]]:
