@@ -261,16 +261,18 @@ def test_embedded_model_chat_with_eos_and_stop_strings():
 # ---- CUDA ----
 @pytest.mark.gpu
 def test_cuda_async_equals_sync_and_a_decode_step_never_syncs(tiny_llama):
-    """On the device, with graphs: the same tokens, and a steady decode step (schedule, launch step N+1,
-    read step N) makes no stream or device sync; waiting on the sampled tokens' event is the only wait."""
+    """On the device, with graphs: auto turns async scheduling on; the same tokens as sync; and a steady
+    decode step (schedule and launch step N+1, read step N) makes no stream or device sync: waiting on the
+    sampled tokens' event is its only wait."""
     prompts = _prompts(32)
     sp = [SamplingParams(temperature=0.7, seed=i, max_tokens=24, ignore_eos=True) for i in range(16)] + [
         SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[7, 11]) for _ in range(16)
     ]
-    cfg = dict(gpu_memory_utilization=0.2, max_num_batched_tokens=128)
+    cfg = dict(dtype="float32", gpu_memory_utilization=0.2, max_num_batched_tokens=128)
     outs = {}
     for on in (False, True):
-        llm = LLM(str(tiny_llama), async_scheduling=on, **cfg)
+        llm = LLM(str(tiny_llama), async_scheduling=None if on else False, **cfg)
+        assert llm.engine.async_scheduling is on
         outs[on] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         if on:
             engine = llm.engine
