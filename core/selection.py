@@ -200,8 +200,8 @@ def resolve_async_scheduling(
     if not spec.supports_async_scheduling:
         if requested:
             raise ConfigError(
-                f"async_scheduling is on, but executor {spec.name} does not support it; "
-                "use executor=uniproc (one rank) or set async_scheduling false"
+                f"async_scheduling is on, but executor {spec.name} does not support it (uniproc, for one "
+                "rank, does); set async_scheduling false or leave it unset"
             )
         why = f"off: executor {spec.name} does not support it"
         if requested is None and platform.is_cuda:
