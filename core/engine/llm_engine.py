@@ -51,6 +51,8 @@ class StepOutput:
 
 @dataclass
 class LaunchedStep:
+    """A step handed to the executor, whose sampled tokens are read later."""
+
     out: SchedulerOutput
     requests: dict[str, Request]  # held: the engine may pop an id, or reuse it, before the step is read
     read: Callable[[], ModelRunnerOutput]  # waits for the sampled tokens
