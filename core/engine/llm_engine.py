@@ -217,10 +217,10 @@ class LLMEngine:
             if out.finished_req_ids:  # let workers drop state of aborted requests
                 self.executor.execute_model(out)
             return None
-        reqs = {s.req_id: self.requests[s.req_id] for s in out.requests}
-        if not self.async_scheduling:
+        if not self.async_scheduling:  # read at once: no request can leave meanwhile
             res = self.executor.step(out)
-            return LaunchedStep(out, reqs, lambda: res, False)
+            return LaunchedStep(out, self.requests, lambda: res, False)
+        reqs = {s.req_id: self.requests[s.req_id] for s in out.requests}
         feeds_next = any(s.sample and s.params.needs_penalties for s in out.requests)
         return LaunchedStep(out, reqs, self.executor.step_async(out).get, feeds_next)
 

@@ -207,7 +207,8 @@ class ModelRunner:
         sample_reqs = [r for r in reqs if r.sample]
         logits_idx = (cu[1:] - 1)[np.array([r.sample for r in reqs], dtype=bool)]
         ids, pos, slots, lidx = self._staging64([input_ids, positions, slot_mapping, logits_idx])
-        self._fill_placeholders(input_ids, ids)
+        if self._last_sampled is not None:  # the previous step sampled without waiting: async scheduling
+            self._fill_placeholders(input_ids, ids)
         cu_d, lens_d, bt = self._staging32([cu.astype(np.int32), seq_lens.astype(np.int32), block_table])
         meta = AttentionMetadata(
             slot_mapping=slots,
