@@ -95,14 +95,15 @@ class Choice:
     def why_lost(self, c: Candidate) -> str:
         """loss(c) in words, e.g. "priority -5 < cpu 0"; empty where c did not lose."""
         w, loss = self.chosen, self.loss(c)
+        winner = w.name if w.name != c.name else f"plugin {w.plugin}"
         if loss is Loss.NOT_REQUESTED:
             return f"not requested ({CONFIG_KEYS[self.kind]} = {self.requested})"
         if loss is Loss.PRIORITY:
-            return f"priority {c.priority} < {w.name} {w.priority}"
+            return f"priority {c.priority} < {winner} {w.priority}"
         if loss is Loss.NAME:
-            return f"priority {c.priority} = {w.name} {w.priority}; '{w.name}' sorts first"
+            return f"priority {c.priority} = {winner} {w.priority}; '{w.name}' sorts first"
         if loss is Loss.PLUGIN:
-            return f"priority {c.priority} = {w.name} of plugin {w.plugin}; '{w.plugin}' sorts first"
+            return f"priority {c.priority} = {winner} {w.priority}; '{w.plugin}' sorts first"
         return ""
 
 

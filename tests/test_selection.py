@@ -182,7 +182,7 @@ def test_third_party_architecture_at_higher_priority_wins(register_plugin, plugi
     sel = select_all(EngineConfig(), info, plugin_manager, CPU)
     assert (sel.model.chosen.plugin, sel.model.chosen.priority) == ("zzz_models", 50)
     bundled = next(c for c in sel.model.candidates if c.plugin == "qwen3")
-    assert sel.model.why_lost(bundled) == "priority 0 < Qwen3ForCausalLM 50"
+    assert sel.model.why_lost(bundled) == "priority 0 < plugin zzz_models 50"
 
 
 def test_architecture_tie_goes_to_the_plugin_name(register_plugin, plugin_manager, tiny_qwen3):
@@ -191,7 +191,7 @@ def test_architecture_tie_goes_to_the_plugin_name(register_plugin, plugin_manage
     sel = select_all(EngineConfig(), info, plugin_manager, CPU)
     assert sel.model.chosen.plugin == "qwen3"
     late = next(c for c in sel.model.candidates if c.plugin == "zzz_models")
-    assert sel.model.why_lost(late) == "priority 0 = Qwen3ForCausalLM of plugin qwen3; 'qwen3' sorts first"
+    assert sel.model.why_lost(late) == "priority 0 = plugin qwen3 0; 'qwen3' sorts first"
     register_plugin(_Qwen3Elsewhere(0), "aaa_models")
     assert select_all(EngineConfig(), info, plugin_manager, CPU).model.chosen.plugin == "aaa_models"
 
