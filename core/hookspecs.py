@@ -91,8 +91,8 @@ def turnout_executors() -> list[ExecutorSpec]:
     and a `check(ctx)` that returns every reason it cannot run `ctx` (world size, platform, whether the user
     named it), empty if it can. An executor whose ranks run in processes of their own declares
     `in_process=False`: only those serve data parallelism on CUDA. Such executors build their ranks with
-    `turnout.executor`'s rank bootstrap (`plan_ranks`, `RankWorker`) and add only their transport. An empty
-    list offers nothing.
+    `turnout.executor`'s rank bootstrap (`plan_ranks`, `RankWorker`) and add only their transport.
+    An empty list offers nothing.
 
     Combine: concatenated; an executor named by `executor` must be valid, otherwise the valid one with the
     highest priority wins, ties by name, then by plugin name.
