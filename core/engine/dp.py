@@ -4,17 +4,18 @@ Each replica has its own scheduler, KV cache and executor; a new request goes to
 fewest unfinished requests. The front speaks LLMEngine's request API (add_request, step, abort,
 pop_finished), so `LLM` drives it unchanged.
 
-On CUDA replica i owns GPUs [i * world_size, (i + 1) * world_size): its executor must start its own
-processes (multiproc), which are spawned while CUDA_VISIBLE_DEVICES names only those GPUs. On the CPU the
-replicas may run in this process (uniproc). Replicas whose model runs in other processes step in threads,
-in-process ones one after another (they share the forward context).
+On CUDA replica i owns GPUs [i * world_size, (i + 1) * world_size): its executor's ranks are started while
+CUDA_VISIBLE_DEVICES names only those GPUs, so selection admits only executors whose ranks run in processes
+of their own (ExecutorSpec.in_process False). On the CPU the replicas may run in this process. Replicas
+whose model runs in other processes step in threads, in-process ones one after another (they share the
+forward context).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -22,7 +23,6 @@ from turnout.config import EngineConfig
 from turnout.engine.llm_engine import LLMEngine, StepOutput
 from turnout.engine.request import Request
 from turnout.errors import ConfigError, RequestError
-from turnout.outputs import CompletionOutput, RequestOutput
 from turnout.platform import current_platform
 from turnout.sampling_params import SamplingParams
 
@@ -34,14 +34,14 @@ class DataParallelEngine:
         try:
             for i in range(config.data_parallel_size):
                 with _visible_devices(i, config):
-                    self.engines.append(LLMEngine(_replica_config(config)))
+                    self.engines.append(LLMEngine(config))
         except BaseException:
             self.shutdown()
             raise
         first = self.engines[0]
         self.tokenizer, self.selection, self.info = first.tokenizer, first.selection, first.info
         self.max_model_len = min(e.max_model_len for e in self.engines)
-        threaded = all(not getattr(e.executor, "in_process", True) for e in self.engines)
+        threaded = not self.selection.executor_spec.in_process
         self._pool = ThreadPoolExecutor(len(self.engines), "turnout-dp") if threaded else None
         self._owner: dict[str, LLMEngine] = {}
         self._ids = itertools.count()
@@ -86,40 +86,11 @@ class DataParallelEngine:
             raise
         return [s for outs in steps for s in outs]
 
-    def generate(
-        self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams]
-    ) -> list[RequestOutput]:
-        """One completion per prompt (params.n is not expanded), in prompt order; LLM.generate does more."""
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        pending = {r.req_id for r in reqs}
-        while pending:
-            pending -= {s.req.req_id for s in self.step() if s.finished}
-        outs = []
-        for i, (prompt, r) in enumerate(zip(prompts, reqs)):
-            req, text = self.pop_finished(r.req_id)
-            text_prompt = prompt if isinstance(prompt, str) else None
-            done = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason)
-            outs.append(RequestOutput(str(i), text_prompt, req.prompt_token_ids, [done]))
-        return outs
-
     def shutdown(self) -> None:
         for e in self.engines:
             e.shutdown()
         if getattr(self, "_pool", None) is not None:
             self._pool.shutdown(wait=False)
-
-
-def _replica_config(config: EngineConfig) -> EngineConfig:
-    """On CUDA a replica's ranks must live in their own processes, so each sees only its GPUs."""
-    if not current_platform().is_cuda:
-        return config
-    if config.executor == "uniproc":
-        raise ConfigError(
-            "data_parallel_size > 1 on CUDA needs workers in their own processes; "
-            "use executor=multiproc (or auto), not uniproc"
-        )
-    return config if config.executor != "auto" else config.model_copy(update={"executor": "multiproc"})
 
 
 @contextmanager
