@@ -63,7 +63,7 @@ def test_third_party_model_plugin_generates_like_hf(
     partial rotary, a head-interleaved fused qkv. Greedy tokens match HF's over chunked prefill and decode."""
     path = _tiny_neox(tmp_path, parallel_residual, rotary_pct)
     prompts = _prompts(1, 5, 2, 40)
-    llm = LLM(str(path), cpu_kv_cache_bytes=1 << 22, max_num_batched_tokens=32, block_size=8)
+    llm = LLM(str(path), dtype="float32", cpu_kv_cache_bytes=1 << 22, max_num_batched_tokens=32, block_size=8)
     assert llm.engine.selection.model.chosen.plugin == "example_model"
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, GREEDY.max_tokens)
@@ -100,6 +100,7 @@ class _Recording:
         return [self.cls()]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the recording backend is the CPU one")
 def test_backend_gets_its_spec_once_before_kv_sizing(tiny_qwen3, register_plugin) -> None:
     rec = _Recording()
     register_plugin(rec, "recording")
