@@ -28,8 +28,8 @@ import torch
 from turnout.attention import (
     AttentionBackend,
     AttentionContext,
-    AttentionLayerSpec,
     AttentionMetadata,
+    AttentionSpec,
     CudagraphSupport,
 )
 from turnout.platform import current_platform
@@ -114,7 +114,7 @@ def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argpar
         return None
     qlens = [1] * batch if kind == "decode" else [ctx]
     q, k, v, kv_cache, meta = make_step([ctx] * batch, qlens, heads, dtype, bs)
-    layer = AttentionLayerSpec(0, args.num_heads, args.num_kv_heads, args.head_size, args.head_size**-0.5)
+    be.setup(AttentionSpec(*heads, dtype, bs, args.head_size**-0.5, num_layers=1))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     meta.backend_data = be.build_metadata(meta)
@@ -122,7 +122,7 @@ def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argpar
     meta_ms = (time.perf_counter() - t0) * 1e3
 
     def fwd() -> torch.Tensor:
-        return be.forward(layer, q, k, v, kv_cache, meta)
+        return be.forward(q, k, v, kv_cache, meta)
 
     ms = time_ms(fwd, args.iters, args.warmup)
     S = CudagraphSupport  # one prefill request is a uniform batch

@@ -25,7 +25,9 @@ class EngineConfig(BaseModel):
     model: str | None = Field(None, description="HF-style folder; None = embedded SmolLM2-135M-Instruct")
     tokenizer: str | None = Field(None, description="tokenizer folder; None = the model folder")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="auto = float32 on CPU, the checkpoint's dtype (or bfloat16) on GPU"
+        "auto",
+        description="auto = on GPU the checkpoint's float16/bfloat16 (bfloat16 for a float32 one); on CPU "
+        "bfloat16 for a bfloat16 checkpoint where the CPU has native bf16, else float32",
     )
     # limits
     max_model_len: int | None = Field(None, ge=1, description="None = the model's max_position_embeddings")

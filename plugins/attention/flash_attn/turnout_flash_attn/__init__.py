@@ -1,8 +1,7 @@
 """turnout plugin: the FlashAttention backend (FA2 or FA4). Importing this module imports neither."""
 
-from turnout import EnvVar, hookimpl
+from turnout import EnvVar, Platform, hookimpl
 from turnout.attention import AttentionBackend
-from turnout.platform import Platform
 from turnout_flash_attn.backend import FlashAttnBackend
 
 __all__ = ["FlashAttnBackend"]

@@ -1,8 +1,7 @@
 """turnout plugin: the FlashInfer attention backend. Importing this module does not import flashinfer."""
 
-from turnout import EnvVar, hookimpl
+from turnout import EnvVar, Platform, hookimpl
 from turnout.attention import AttentionBackend
-from turnout.platform import Platform
 from turnout_flashinfer.backend import FlashInferBackend
 
 __all__ = ["FlashInferBackend"]

@@ -1,8 +1,7 @@
 """turnout plugin: the Triton attention backend. Importing this module does not import triton."""
 
-from turnout import EnvVar, hookimpl
+from turnout import EnvVar, Platform, hookimpl
 from turnout.attention import AttentionBackend
-from turnout.platform import Platform
 from turnout_triton.backend import TritonAttentionBackend
 
 __all__ = ["TritonAttentionBackend"]
