@@ -17,12 +17,12 @@ cached token up to and including that position.
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from turnout.envs import EnvVar
 from turnout.errors import ConfigError
 from turnout.platform import Platform
 
@@ -36,16 +36,15 @@ class CudagraphSupport(enum.IntEnum):
     ALWAYS = 3  # any batch
 
     @classmethod
-    def from_env(cls, name: str, default: CudagraphSupport) -> CudagraphSupport:
-        """A backend's declared level, or the one the environment variable `name` sets (to try a capture on
-        a new library version, or to turn graphs off around a backend)."""
-        value = os.environ.get(name, "").strip().upper()
+    def from_env(cls, var: EnvVar[str], default: CudagraphSupport) -> CudagraphSupport:
+        """A backend's declared level, or the one its declared switch `var` sets (to try a capture on a new
+        library version, or to turn graphs off around a backend)."""
+        value = var.value.strip().upper()
         if not value:
             return default
         if value not in cls.__members__:
-            raise ConfigError(
-                f"{name}={value!r} is not a CUDA-graph support level; use one of {', '.join(cls.__members__)}"
-            )
+            levels = ", ".join(cls.__members__)
+            raise ConfigError(f"{var.name}={value!r} is not a CUDA-graph support level; use one of {levels}")
         return cls[value]
 
 

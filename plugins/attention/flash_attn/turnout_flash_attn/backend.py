@@ -28,7 +28,6 @@ query_start_loc[-1] (graph padding) may be left unwritten.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +44,7 @@ from turnout.attention import (
     store_kv,
     valid_rows,
 )
+from turnout_flash_attn.envs import CUDAGRAPH, FLASH_ATTN
 
 NOT_INSTALLED = "flash_attn is not installed (pip install turnout-flash-attn[fa2] or flash-attn-4 on SM90+)"
 FA2_BLOCK = 256
@@ -171,14 +171,14 @@ class FlashAttnBackend(AttentionBackend):
         """found: the library to drive; by default probed here, once, on a CUDA platform."""
         if found is None:
             cuda = platform is not None and platform.device_type == "cuda"
-            force = os.environ.get("TURNOUT_FLASH_ATTN", "").strip()
+            force = FLASH_ATTN.value
             found = probe(platform.capability, force) if cuda else Probe(None, "needs a CUDA device")
         self.probe = found
         self.block_size_multiple = FA2_BLOCK if found.path == "fa2" else 1
         if found.path == "fa4":
             self.min_capability = (9, 0)
         level = SUPPORT.get(found.path, CudagraphSupport.NEVER)
-        self.cudagraph_support = CudagraphSupport.from_env("TURNOUT_FLASH_ATTN_CUDAGRAPH", level)
+        self.cudagraph_support = CudagraphSupport.from_env(CUDAGRAPH, level)
 
     def import_error(self) -> str | None:
         return self.probe.error

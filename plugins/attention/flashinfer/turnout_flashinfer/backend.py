@@ -34,7 +34,6 @@ the holes).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -49,6 +48,7 @@ from turnout.attention import (
     store_kv,
     valid_rows,
 )
+from turnout_flashinfer.envs import CUDAGRAPH, PREFILL_BACKEND
 
 WORKSPACE_BYTES = 512 << 20  # float workspace shared by every wrapper; 128 MiB is too small for long prefills
 MIN_VERSION = (0, 6)
@@ -128,9 +128,7 @@ class FlashInferBackend(AttentionBackend):
     cudagraph_support = CudagraphSupport.UNIFORM_DECODE  # static decode buffers (module docstring)
 
     def __init__(self) -> None:
-        self.cudagraph_support = CudagraphSupport.from_env(
-            "TURNOUT_FLASHINFER_CUDAGRAPH", self.cudagraph_support
-        )
+        self.cudagraph_support = CudagraphSupport.from_env(CUDAGRAPH, self.cudagraph_support)
         self._workspace: torch.Tensor | None = None
         self._prefill: Any = None
         self._decode: dict[int, _StaticDecode] = {}  # batch size -> wrapper
@@ -208,7 +206,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _prefill_wrapper(self, device: torch.device) -> Any:
         if self._prefill is None:
-            backend = os.environ.get("TURNOUT_FLASHINFER_PREFILL_BACKEND", "fa2")
+            backend = PREFILL_BACKEND.value
             with torch.inference_mode(False):
                 ws = self._float_workspace(device)
                 self._prefill = _flashinfer().BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)

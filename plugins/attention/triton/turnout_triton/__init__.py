@@ -3,11 +3,9 @@
 from turnout import EnvVar, Platform, hookimpl
 from turnout.attention import AttentionBackend
 from turnout_triton.backend import TritonAttentionBackend
+from turnout_triton.envs import ENV_VARS
 
 __all__ = ["TritonAttentionBackend"]
-ENV_VARS = [
-    EnvVar("TURNOUT_TRITON_PREFILL", str, "", "prefill tiles: block_m,block_n,warps,stages[,trans_k]"),
-]
 
 
 @hookimpl

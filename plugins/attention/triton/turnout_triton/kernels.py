@@ -27,8 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
+from turnout_triton.envs import PREFILL
+
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_PREFILL_OVERRIDE = PREFILL.value  # read once, when the backend first launches a kernel
 MAX_SPLITS = 16
 # Keys per decode split, at least: a request's split boundaries depend on its own seq_len alone, so every
 # split count that covers them gives bit-identical output, and eager steps and CUDA graphs (captured with
@@ -482,8 +485,8 @@ PREFILL_KEYS = ("block_m", "block_n", "warps", "stages", "trans_k")
 
 
 def _prefill_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
-    if env := os.environ.get("TURNOUT_TRITON_PREFILL"):
-        return _parse_config(env)
+    if _PREFILL_OVERRIDE:
+        return _parse_config(_PREFILL_OVERRIDE)
     if INTERPRET:
         return dict(block_m=max(64, qpk_p2), block_n=32, warps=1, stages=1)  # few, large programs
     if head_p2 <= 128 and not fp32:
