@@ -101,6 +101,7 @@ def _explain_doc(sel: Selection) -> dict[str, Any]:
         "dtype": _dtype_name(sel.dtype),
         "kinds": kinds,
         "graph_mode": _graph_mode(sel),
+        "fitted": {k: {"value": v, "why": why} for k, (v, why) in sel.fitted.items()},
     }
 
 
@@ -122,6 +123,9 @@ def _print_explain(sel: Selection) -> None:
     print(f"\ngraph mode: requested {graph['requested']}, effective {graph['effective']}")
     if graph["reason"]:
         print(f"  downgraded: {graph['reason']}")
+    if sel.fitted:
+        print("\nfitted settings (unset in the config):")
+        _table(["setting", "value", "why"], [[k, str(v), why] for k, (v, why) in sel.fitted.items()], "  ")
 
 
 def _choice_rows(c: Choice) -> list[list[str]]:

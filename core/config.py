@@ -32,9 +32,13 @@ class EngineConfig(BaseModel):
     # limits
     max_model_len: int | None = Field(None, ge=1, description="None = the model's max_position_embeddings")
     max_num_seqs: int = Field(256, ge=1, description="requests running in one step at most")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="token budget of one step; None = fit to the device (turnout explain says)"
+    )
     # KV cache
-    block_size: int = Field(16, ge=1, description="tokens per KV-cache block")
+    block_size: int | None = Field(
+        None, ge=1, description="tokens per KV-cache block; None = the chosen attention backend's preference"
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of GPU memory to use")
     cpu_kv_cache_bytes: int = Field(1 << 30, ge=1 << 20, description="KV-cache bytes on CPU")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="force this many KV blocks")

@@ -13,6 +13,7 @@ import torch
 
 from turnout.attention.backend import AttentionBackend, AttentionContext
 from turnout.config import EngineConfig
+from turnout.defaults import fit_defaults
 from turnout.errors import SelectionError
 from turnout.executor.base import ExecutorContext, ExecutorSpec
 from turnout.graphs.modes import GraphPolicy, downgrade
@@ -207,6 +208,11 @@ class Selection:
     effective_graph: GraphPolicy
     graph_note: str | None = None
     notes: list[str] = field(default_factory=list)
+    fitted: dict[str, tuple[Any, str]] = field(default_factory=dict)  # turnout.defaults: (value, why)
+
+    def apply(self, config: EngineConfig) -> EngineConfig:
+        """config with every setting it left unset replaced by its fitted value."""
+        return config.model_copy(update={k: v for k, (v, _) in self.fitted.items()})
 
     @property
     def backend(self) -> AttentionBackend:
@@ -254,7 +260,8 @@ def select_all(
     if note:  # expected on CPU; worth a warning only where graphs could have run
         level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
         logger.log(level, "cudagraph_mode %s -> %s: %s", graph.chosen.name, effective.name, note)
-    return Selection(platform, info, dtype, attention, model, executor, graph, effective, note)
+    fitted = fit_defaults(config, platform, backend)
+    return Selection(platform, info, dtype, attention, model, executor, graph, effective, note, fitted=fitted)
 
 
 def worker_handoff(

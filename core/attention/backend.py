@@ -126,6 +126,7 @@ class AttentionBackend:
     dtypes: ClassVar[tuple[torch.dtype, ...]]  # the CPU runs float32 unless it has native bfloat16
     head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any head size
     block_size_multiple: ClassVar[int] = 1  # block_size must be a multiple of this
+    preferred_block_size: int = 16  # block_size where the config leaves it unset; a multiple of the above
     min_capability: ClassVar[tuple[int, int] | None] = None  # CUDA compute capability
     cudagraph_support: ClassVar[CudagraphSupport] = CudagraphSupport.NEVER
 
@@ -160,7 +161,7 @@ class AttentionBackend:
             reasons.append(f"dtype {str(ctx.dtype).removeprefix('torch.')} unsupported (supports {ok})")
         if self.head_sizes is not None and ctx.head_size not in self.head_sizes:
             reasons.append(f"head size {ctx.head_size} unsupported (supports {list(self.head_sizes)})")
-        if ctx.block_size % self.block_size_multiple:
+        if ctx.block_size is not None and ctx.block_size % self.block_size_multiple:
             reasons.append(f"block_size {ctx.block_size} is not a multiple of {self.block_size_multiple}")
         if ctx.num_heads % ctx.num_kv_heads:
             reasons.append(f"num_heads {ctx.num_heads} not divisible by num_kv_heads {ctx.num_kv_heads}")

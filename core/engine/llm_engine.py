@@ -50,6 +50,7 @@ class LLMEngine:
                 f"{self.info.num_layers} layers; every stage needs at least one layer"
             )
         self.selection: Selection = select_all(config, self.info)
+        self.config = config = self.selection.apply(config)
         if self.selection.platform.is_cuda:
             from turnout.loader.default_model import cache_dir
 

@@ -20,7 +20,7 @@ class Worker:
         else:
             self.device = torch.device("cpu")
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, selection, self.device)
+        self.runner = ModelRunner(selection.apply(config), selection, self.device)
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()

@@ -48,6 +48,7 @@ from turnout_flash_attn.envs import CUDAGRAPH, FLASH_ATTN
 
 NOT_INSTALLED = "flash_attn is not installed (pip install turnout-flash-attn[fa2] or flash-attn-4 on SM90+)"
 FA2_BLOCK = 256
+FA4_PAGE = 128
 SUPPORT = {"fa4": CudagraphSupport.ALWAYS, "fa2": CudagraphSupport.UNIFORM_BATCH}
 
 
@@ -175,6 +176,8 @@ class FlashAttnBackend(AttentionBackend):
             found = probe(platform.capability, force) if cuda else Probe(None, "needs a CUDA device")
         self.probe = found
         self.block_size_multiple = FA2_BLOCK if found.path == "fa2" else 1
+        # FA4 loads a page of one 128-key tile by TMA; smaller pages load row by row
+        self.preferred_block_size = {"fa2": FA2_BLOCK, "fa4": FA4_PAGE}.get(found.path, 16)
         if found.path == "fa4":
             self.min_capability = (9, 0)
         level = SUPPORT.get(found.path, CudagraphSupport.NEVER)
