@@ -12,6 +12,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from turnout.bench import add_bench_parser
 from turnout.config import EngineConfig
 from turnout.errors import TurnoutError
 from turnout.sampling_params import SamplingParams
@@ -225,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     _engine_flags(g, skip=("seed",))  # --seed above is the request's; the engine seed comes from config
     g.set_defaults(fn=cmd_generate)
+    add_bench_parser(sub)
     return p
 
 
