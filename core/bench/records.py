@@ -88,14 +88,14 @@ def check(rec: dict[str, Any]) -> None:
 
 
 def write(records: list[dict[str, Any]], out: str | Path, workload: str, device: str) -> Path:
-    """out: a .json file, or a folder that gets <workload>-<device>-<UTC time>.json."""
+    """out: a .json file, or a folder that gets <UTC date-time>-<device>-<workload>.json."""
     for rec in records:
         check(rec)
     path = Path(out)
     if path.suffix != ".json":
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        slug = re.sub(r"[^a-z0-9]+", "-", device.lower().split("(")[0]).strip("-")
-        path = path / f"{workload}-{slug}-{stamp}.json"
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
+        slug = re.sub(r"[^a-z0-9]+", "-", device.lower().split("(")[0]).strip("-").removeprefix("nvidia-")
+        path = path / f"{stamp}-{slug}-{workload}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(records, indent=1) + "\n")
     return path
