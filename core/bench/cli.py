@@ -58,8 +58,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     workloads_ = bench.add_subparsers(dest="workload", required=True)
     t = workloads_.add_parser("throughput", parents=[common], help="nano-vllm's bench: 256 random requests")
     t.add_argument("--num-prompts", type=int, default=256, help="the first N of nano-vllm's 256 requests")
-    t.add_argument("--max-input-len", type=int, default=1024, help="prompt lengths uniform in [100, N]")
-    t.add_argument("--max-output-len", type=int, default=1024, help="output lengths uniform in [100, N]")
+    t.add_argument("--max-input-len", type=int, default=1024, help="prompt lengths in [min(100, N), N]")
+    t.add_argument("--max-output-len", type=int, default=1024, help="output lengths in [min(100, N), N]")
     t.add_argument("--input", help='JSONL of {"prompt": text or token ids, "max_tokens": N} instead')
     t.add_argument("--max-tokens", type=int, default=256, help="for --input lines without max_tokens")
     t.add_argument("--peer-subset", type=int, default=64, help="requests the HF peers (and turnout) run")
@@ -86,6 +86,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
 def cmd_bench(args: argparse.Namespace) -> int:
     from turnout.bench.runner import Bench
 
+    if args.plot:
+        records.pyplot()  # a missing matplotlib fails now, not after the run
     bench = Bench(args, _peers(args))
     recs, floor = getattr(bench, args.workload)()
     print(records.table(recs, COLUMNS[args.workload]))

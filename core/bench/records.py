@@ -115,8 +115,7 @@ def table(records: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def plot(records: list[dict[str, Any]], metric: str, path: str | Path, floor: float | None = None) -> None:
-    """Bars of one metric per engine and run, with the roofline floor as a line where it is known."""
+def pyplot() -> Any:
     try:
         import matplotlib
 
@@ -124,6 +123,12 @@ def plot(records: list[dict[str, Any]], metric: str, path: str | Path, floor: fl
         import matplotlib.pyplot as plt
     except ImportError:
         raise TurnoutError("--plot needs matplotlib; fix: pip install 'turnout[bench]'") from None
+    return plt
+
+
+def plot(records: list[dict[str, Any]], metric: str, path: str | Path, floor: float | None = None) -> None:
+    """Bars of one metric per engine and run, with the roofline floor as a line where it is known."""
+    plt = pyplot()
     rows = [r for r in records if r.get(metric) is not None]
     labels = [
         f"{r['engine']}\n{r['run']}" + (f"\n{r['subset']} req" if r.get("subset") else "") for r in rows
