@@ -30,8 +30,7 @@ SUITES = {
         "on the Qwen3-0.6B shape: turnout against nano-vllm on the full workload and HF transformers on 64 "
         "of its requests, then turnout with Triton alone",
         [
-            f"turnout bench throughput {QWEN3} --peers nano-vllm,hf-generate-batch,hf-generate --out {{out}} "
-            "--plot {out}/{stamp}-throughput.png",
+            f"turnout bench throughput {QWEN3} --peers nano-vllm,hf-generate-batch,hf-generate --out {{out}}",
             f"turnout bench throughput {QWEN3} --attention-backend triton --out {{out}}",
         ],
     ),

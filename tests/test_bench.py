@@ -162,3 +162,37 @@ def test_bench_on_the_gpu_against_hf(tmp_path):
     if roofline.ceiling_for(ours[0]["device"]):
         assert all(0 < r["fraction_of_floor"] < 1 for r in ours)
     assert all(r["ratio_vs_peer"] > 1 for r in recs if r["engine"] == "turnout" and r.get("subset"))
+
+
+@pytest.mark.slow
+def test_a_failed_peer_leaves_turnouts_records(tmp_path, capsys):
+    model = make_tiny_model(tmp_path / "m", "llama", vocab_size=10240, max_position_embeddings=1024)
+    out = tmp_path / "r.json"
+    argv = ["bench", "throughput", "--model", str(model), "--max-model-len", "256", "--num-prompts", "2",
+            "--max-input-len", "8", "--max-output-len", "2"]  # fmt: skip
+    argv += ["--peers", "hf-generate", "--peer-timeout", "0.01"]
+    assert main([*argv, "--out", str(out)]) == 1  # the exit status says a peer failed
+    assert "error: peer hf-generate ran past" in capsys.readouterr().err
+    assert {r["engine"] for r in json.loads(out.read_text())} == {"turnout"}
+
+
+def test_random_checkpoint_in_a_real_shape_loads_in_turnout_and_hf(tmp_path, monkeypatch):
+    import torch
+
+    from turnout import LLM, SamplingParams
+    from turnout.bench import random_models
+
+    from tiny_models import hf_greedy
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True)  # fmt: skip
+    monkeypatch.setitem(random_models.SHAPES, "tiny", ("qwen3", shape))
+    monkeypatch.setattr(random_models, "SHARD_BYTES", 64 * 1024)  # several shards and their index
+    path = random_models.make_random_model(tmp_path / "tiny", "tiny")
+    assert len(list(path.glob("*.safetensors"))) > 1 and (path / "model.safetensors.index.json").is_file()
+    llm = LLM(str(path), dtype="float32", max_model_len=64)
+    assert llm.selection.dtype == torch.float32 and llm.engine.info.architecture == "Qwen3ForCausalLM"
+    prompt = [5, 6, 7, 8]
+    ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
+    assert ours == hf_greedy(path, [prompt], 4)[0]
+    llm.shutdown()

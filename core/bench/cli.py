@@ -97,7 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         records.plot(recs, PLOT_METRIC[args.workload], args.plot, floor)
         print(f"wrote {args.plot}")
-    return 0
+    return 1 if bench.failed else 0
 
 
 def _peers(args: argparse.Namespace) -> list[str]:

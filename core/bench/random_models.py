@@ -46,9 +46,10 @@ def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
     cfg = (Qwen3Config if arch == "qwen3" else LlamaConfig)(
         max_position_embeddings=8192, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **kw
     )
-    cfg.torch_dtype = "bfloat16"
     with torch.device("meta"):
-        names = {k: v.shape for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
+        model = AutoModelForCausalLM.from_config(cfg)
+    names = {k: v.shape for k, v in model.state_dict().items()}
+    cfg.architectures, cfg.dtype = [type(model).__name__], "bfloat16"
     if cfg.tie_word_embeddings:
         names.pop("lm_head.weight", None)
     logger.info("writing a random %s checkpoint to %s", shape, path)

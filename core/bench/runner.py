@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -73,6 +74,7 @@ class Bench:
         self.ceiling = roofline.ceiling_for(self.device)
         self.selection: dict[str, Any] = {}
         self.startup_s = 0.0
+        self.failed: list[str] = []  # peers that did not run
 
     # ---- records ----
     def record(self, engine: str, run: str, config: dict | None = None, **metrics: Any) -> dict[str, Any]:
@@ -206,18 +208,25 @@ class Bench:
         out: dict[str, dict] = {}
         for engine in self.peers:
             print(f"running peer {engine} ...", flush=True)
-            if engine != "nano-vllm":
-                out[engine] = res = self.child(engine, plan)
-                for run in RUNS if "runs" in plan else ():
-                    res[run] = rate(res[run]["seconds"], res[run]["output_tokens"])
-                continue
-            d = peers.find_peers_dir(self.args.peers_dir)
-            res = peers.nano_vllm(self.model_dir, d, "latency" in plan, self.args.peer_timeout)
-            tpot = res.get("tpot_ms")  # MODE=tpot times decode only; nano-vllm has no TTFT mode
-            metrics = {run: {"tpot_ms": tpot, "ttft_ms": {}} if tpot else {"output_tokens_per_s": res[run]}
-                       for run in RUNS}  # fmt: skip
-            out[engine] = {"startup_s": res["startup_s"], **metrics}
+            try:
+                out[engine] = self.run_peer(engine, plan)
+            except TurnoutError as e:  # turnout's own runs still count; the exit status says a peer failed
+                print(f"error: {e}; its records are left out", file=sys.stderr, flush=True)
+                self.failed.append(engine)
         return out
+
+    def run_peer(self, engine: str, plan: dict[str, Any]) -> dict[str, Any]:
+        if engine != "nano-vllm":
+            res = self.child(engine, plan)
+            for run in RUNS if "runs" in plan else ():
+                res[run] = rate(res[run]["seconds"], res[run]["output_tokens"])
+            return res
+        d = peers.find_peers_dir(self.args.peers_dir)
+        res = peers.nano_vllm(self.model_dir, d, "latency" in plan, self.args.peer_timeout)
+        tpot = res.get("tpot_ms")  # MODE=tpot times decode only; nano-vllm has no TTFT mode
+        metrics = {run: {"tpot_ms": tpot, "ttft_ms": {}} if tpot else {"output_tokens_per_s": res[run]}
+                   for run in RUNS}  # fmt: skip
+        return {"startup_s": res["startup_s"], **metrics}
 
     # ---- roofline ----
     def _floor_s(self, shapes: list[tuple[int, int, int]]) -> float:
