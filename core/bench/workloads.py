@@ -22,7 +22,8 @@ class Req:
 
 def throughput(num_prompts: int = 256, max_input_len: int = 1024, max_output_len: int = 1024) -> list[Req]:
     """nano-vllm's bench.py: after random.seed(0), all prompts (length first, then ids in [0, 10000]), then
-    all output lengths, each uniform in [100, max]. The first num_prompts of nano-vllm's 256."""
+    all output lengths, each uniform in [100, max]. Up to 256 requests: the first of nano-vllm's 256; more
+    are drawn the same way, in one longer run of that order."""
     rng = random.Random(0)
     lo_in, lo_out = min(100, max_input_len), min(100, max_output_len)
     n = max(256, num_prompts)
