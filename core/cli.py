@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from turnout import envs
+from turnout.bench import add_bench_parser
 from turnout.config import EngineConfig
 from turnout.errors import TurnoutError
 from turnout.sampling_params import SamplingParams
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     _engine_flags(g, skip=("seed",))  # --seed above is the request's; the engine seed comes from config
     g.set_defaults(fn=cmd_generate)
+    add_bench_parser(sub)
     return p
 
 
