@@ -95,11 +95,18 @@ def _generate(model: Any, prompts: list[list[int]], new: int) -> int:
 
 def _generate_batch(model: Any, prompts: list[list[int]], new: int) -> int:
     """Continuous batching, the whole call timed (it sizes its cache and warms up per call, as a user's
-    call does); EOS off (-1), greedy."""
+    call does); EOS off (-1), greedy. On a GPU with HF's defaults; on a CPU with a cache the size of the
+    requests."""
     from transformers import GenerationConfig
 
     gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    outs = model.generate_batch(inputs=prompts, generation_config=gc)
+    kw = {}
+    if model.device.type == "cpu":  # HF sizes a CPU cache from total RAM, blind to other processes
+        from transformers import ContinuousBatchingConfig
+
+        pages = sum(-(-(len(p) + new) // 256) for p in prompts) + len(prompts)  # its default 256-token page
+        kw["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=pages)
+    outs = model.generate_batch(inputs=prompts, generation_config=gc, **kw)
     if len(outs) != len(prompts) or any(o.error for o in outs.values()):
         raise RuntimeError(f"generate_batch finished {len(outs)} of {len(prompts)} requests")
     return sum(len(o.generated_tokens) for o in outs.values())
