@@ -49,6 +49,7 @@ def cpu_cores() -> int:
 
 class MultiprocExecutor(Executor):
     in_process = False  # the model runs in other processes: a DataParallelEngine may step us in a thread
+    start_method = "spawn"  # workers re-run the main script: the engine checks its __main__ guard
 
     def __init__(self, config: EngineConfig, selection: Selection) -> None:
         self.world_size = config.world_size
@@ -66,7 +67,7 @@ class MultiprocExecutor(Executor):
             raise
 
     def _start(self, config: EngineConfig, selection: Selection) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(self.start_method)
         pinned, payload = worker_handoff(selection, config)
         self.init_method = init = f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, cpu_cores() // (self.world_size * config.data_parallel_size))
