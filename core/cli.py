@@ -467,8 +467,13 @@ def _generate_parser(sub: Any) -> None:
     g.set_defaults(fn=cmd_generate)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # one line, not usage + error
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="turnout",
         description="LLM inference with plugin-selected backends.",
         epilog=EXIT_HELP,

@@ -18,7 +18,7 @@ import torch
 from turnout import LLM, SamplingParams
 from turnout.config import EngineConfig
 from turnout.errors import ConfigError, RequestError, TurnoutError
-from turnout.loader.default_model import conversion_problem, default_model_path, gguf_model_path
+from turnout.loader.default_model import default_model_path
 from turnout.models.info import ModelInfo
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
@@ -401,6 +401,8 @@ def tiny_gguf(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_llm_takes_a_gguf_file(tiny_gguf: Path, tiny_llama: Path) -> None:
+    from turnout.loader.default_model import conversion_problem, gguf_model_path
+
     from tiny_models import hf_greedy
 
     prompts = [[5, 6, 7, 8], [300, 2, 9]]
@@ -418,6 +420,8 @@ def test_llm_takes_a_gguf_file(tiny_gguf: Path, tiny_llama: Path) -> None:
 
 
 def test_damaged_conversion_is_rebuilt(tiny_gguf: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from turnout.loader.default_model import conversion_problem, gguf_model_path
+
     folder = gguf_model_path(tiny_gguf)
     weights, config = folder / "model.safetensors", folder / "config.json"
     good = {f.name: f.read_bytes() for f in (weights, config)}
@@ -440,6 +444,8 @@ def test_damaged_conversion_is_rebuilt(tiny_gguf: Path, caplog: pytest.LogCaptur
 
 
 def test_unrebuildable_cache_names_the_folder(tiny_gguf: Path) -> None:
+    from turnout.loader.default_model import gguf_model_path
+
     folder = gguf_model_path(tiny_gguf)
     for f in folder.iterdir():
         f.unlink()
