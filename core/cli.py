@@ -307,8 +307,14 @@ def _record(row: Row) -> dict[str, Any]:
     return rec
 
 
+def _jsonl(rows: list[Row], args: argparse.Namespace) -> bool:
+    """JSONL out: asked for, or the input is JSONL, or a row asks logprobs, which plain text cannot show."""
+    logprobs = [(r.params.logprobs, r.params.prompt_logprobs) for r in rows if r.params is not None]
+    return bool(args.output or args.json or args.input) or any(lp != (None, None) for lp in logprobs)
+
+
 def _write(rows: list[Row], args: argparse.Namespace) -> None:
-    if args.output or args.json or args.input:  # JSONL: one object per prompt, in input order
+    if _jsonl(rows, args):  # one object per prompt, in input order
         sink = open(args.output, "a") if args.output else sys.stdout
         with sink if args.output else contextlib.nullcontext():
             for r in rows:
@@ -316,12 +322,13 @@ def _write(rows: list[Row], args: argparse.Namespace) -> None:
         if args.output:
             logger.info("wrote %d results to %s", len(rows), args.output)
         return
+    texts = [c.text for r in rows if r.output is not None for c in r.output.outputs]
     for r in rows:  # plain text: each answer, a blank line between answers
         if r.error is not None:
             print(f"error: {r.error}", file=sys.stderr)
             continue
         for c in r.output.outputs:  # type: ignore[union-attr]
-            print(c.text, end="\n\n" if len(rows) > 1 or len(r.output.outputs) > 1 else "\n")  # type: ignore[union-attr]
+            print(c.text, end="\n\n" if len(texts) > 1 else "\n")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -338,10 +345,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         llm = LLM(config=_config(args))
         try:
-            one = len(rows) == 1 and rows[0].error is None and rows[0].params.n == 1  # type: ignore[union-attr]
-            if one and not (args.output or args.json or args.input or rows[0].params.best_of):  # type: ignore[union-attr]
+            one = rows[0].params if len(rows) == 1 and rows[0].error is None else None
+            if one is not None and one.n == 1 and not one.best_of and not _jsonl(rows, args):
                 try:
-                    return _stream(llm, rows[0])
+                    return _stream(llm, rows[0])  # one plain prompt: text as it comes
                 except RequestError as e:
                     rows[0].fail(str(e))
             else:

@@ -457,3 +457,26 @@ def test_unrebuildable_cache_names_the_folder(tiny_gguf: Path) -> None:
         gguf_model_path(tiny_gguf)
     with pytest.raises(TurnoutError, match="GGUF file .* does not exist"):
         gguf_model_path(tiny_gguf.parent / "missing.gguf")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_keep_logprobs_prompt_logprobs_and_processors() -> None:
+    """The runner's prompt-logprob rows and the sampler's processors on CUDA: graphs as eager."""
+    sp = SamplingParams(
+        temperature=0, max_tokens=8, min_tokens=4, logprobs=2, prompt_logprobs=2,
+        logit_bias={504: -5.0}, bad_words=["Paris"],
+    )  # fmt: skip
+    runs = []
+    for eager in (True, False):
+        llm = LLM(max_model_len=256, enforce_eager=eager)
+        try:
+            runs.append(llm.chat([CAPITAL, COLOR], sp, use_tqdm=False))
+        finally:
+            llm.shutdown()
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids and len(a.token_ids) >= 4 and "Paris" not in a.text
+        lp = lambda o: [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.token_ids)]
+        assert lp(a) == pytest.approx(lp(b), abs=2e-2)
+        plp = lambda o: [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+        assert plp(a) == pytest.approx(plp(b), abs=2e-2)

@@ -235,3 +235,14 @@ def test_fuzz_explain_flags(tiny_llama: Path) -> None:
             assert set(json.loads(out)["settings"]) == set(cli.EngineConfig.model_fields)
 
     case()
+
+
+def test_plain_output_keeps_what_was_asked(shared: LLM) -> None:
+    """Plain text cannot show logprobs: asking for them prints JSONL instead of dropping them."""
+    rc, out, err = run_cli(["generate", "--prompt", "Hi", "--max-tokens", "2", "--logprobs", "1"])
+    rec = json.loads(out)
+    assert rc == 0 and len(rec["logprobs"]) == len(rec["token_ids"]) == 2 and "Traceback" not in err
+    rc, out, _ = run_cli(
+        ["generate", "--prompt", "Hi", "--max-tokens", "2", "--n", "2", "--sampling-seed", "1"]
+    )
+    assert rc == 0 and out.count("\n\n") == 2  # two answers, each followed by a blank line
