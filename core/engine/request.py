@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from turnout.sampling_params import SamplingParams
 
-TokenLogprobs = tuple[float, int, list[tuple[int, float]]]
+TokenLogprobs = tuple[float, int, list[tuple[int, float]]]  # a token's logprob, its rank, the top N
 
 
 class RequestStatus(enum.Enum):

@@ -26,6 +26,7 @@ from torch import nn
 from turnout.attention.backend import AttentionBackend, AttentionMetadata
 from turnout.config import EngineConfig
 from turnout.distributed import get_parallel_state, pp_recv, pp_send
+from turnout.engine.request import TokenLogprobs
 from turnout.engine.scheduler import ScheduledRequest, SchedulerOutput
 from turnout.errors import WeightLoadError
 from turnout.graphs.dispatcher import GraphDispatcher, default_capture_sizes
@@ -36,13 +37,10 @@ from turnout.layers.linear import pack_linears_for_cpu
 from turnout.loader.weights import iter_safetensors
 from turnout.sampling_params import SamplingParams
 from turnout.selection import Selection
-from turnout.worker.sampler import Sampler, TopLogprobs, gather_logprobs
+from turnout.worker.sampler import Sampler, gather_logprobs
 
 logger = logging.getLogger("turnout")
 _GREEDY = SamplingParams(temperature=0.0)
-
-
-TokenLogprobs = tuple[float, int, TopLogprobs]  # a token's logprob, its rank, the top N
 
 
 @dataclass
