@@ -480,3 +480,27 @@ def test_cuda_graphs_keep_logprobs_prompt_logprobs_and_processors() -> None:
         assert lp(a) == pytest.approx(lp(b), abs=2e-2)
         plp = lambda o: [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
         assert plp(a) == pytest.approx(plp(b), abs=2e-2)
+
+
+def test_prompt_logprobs_over_chunks_and_the_prefix_cache(tiny_llama: Path) -> None:
+    """A prompt prefilled in chunks of 8 tokens still scores every prompt token; a second run of the
+    same prompt, whose blocks are cached by then, scores them all again instead of skipping them."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = list(range(3, 40, 2))  # 19 tokens: 3 chunks
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=8, block_size=4, max_model_len=64)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, ignore_eos=True)
+        runs = [llm.generate([prompt], sp, use_tqdm=False)[0] for _ in range(2)]
+    finally:
+        llm.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ref = torch.log_softmax(hf_logits(hf, prompt), -1)
+    for out in runs:
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for j in range(1, len(prompt)):
+            d = out.prompt_logprobs[j]
+            assert list(d)[0] == prompt[j] and d[prompt[j]].logprob == pytest.approx(
+                ref[j - 1, prompt[j]].item(), abs=1e-4
+            )
+            assert {t for t in d if d[t].rank <= 3} == set(ref[j - 1].topk(3).indices.tolist())
