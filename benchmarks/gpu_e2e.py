@@ -126,7 +126,8 @@ def alone_vs_hf(llm, model, prompts: list[list[int]], device: str = "cuda") -> d
         same += int((hf.argmax(-1) == ids).sum())
         total += len(ids)
         chosen = hf.gather(1, ids[:, None])[:, 0].cpu()
-        gap = max(gap, float((chosen - torch.tensor(out.logprobs)).abs().max()))
+        ours = torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+        gap = max(gap, float((chosen - ours).abs().max()))
     return {"alone_hf_agrees": same / max(1, total), "alone_logprob_max_gap": gap}
 
 

@@ -243,6 +243,7 @@ class Selection:
 def select_all(
     config: EngineConfig, info: ModelInfo, pm: PluginManager | None = None, platform: Platform | None = None
 ) -> Selection:
+    info.check_parallel(config.tensor_parallel_size, config.pipeline_parallel_size)  # before any process
     pm = pm or get_plugin_manager()
     platform = platform or current_platform()
     dtype = info.resolve_dtype(config.dtype, platform)

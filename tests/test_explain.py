@@ -55,8 +55,9 @@ def test_llm_logs_its_choices_in_one_line(tiny_llama, caplog):
 
 def test_explain_shows_fitted_settings_and_why(tiny_llama, capsys):
     assert main(["explain", "--model", str(tiny_llama), "--block-size", "32", "--json"]) == 0
-    fitted = json.loads(capsys.readouterr().out)["fitted"]
-    assert fitted == {"max_num_batched_tokens": {"value": 2048, "why": "CPU: short steps"}}  # block_size set
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    assert settings["max_num_batched_tokens"] == {"value": 2048, "source": "fitted: CPU: short steps"}
+    assert settings["block_size"] == {"value": 32, "source": "flag"}
     assert main(["explain", "--model", str(tiny_llama)]) == 0
-    rows = _rows(capsys.readouterr().out, "fitted settings")
-    assert rows["block_size"].split()[1] == "16" and "cpu's preferred" in rows["block_size"]
+    rows = _rows(capsys.readouterr().out, "engine settings")
+    assert rows["block_size"].split()[1] == "16" and "fitted: cpu's preferred" in rows["block_size"]

@@ -28,6 +28,7 @@ from torch import nn
 from turnout.attention.backend import AttentionBackend, AttentionMetadata
 from turnout.config import EngineConfig
 from turnout.distributed import get_parallel_state, pp_recv, pp_send
+from turnout.engine.request import TokenLogprobs
 from turnout.engine.scheduler import ScheduledRequest, SchedulerOutput
 from turnout.errors import TurnoutError, WeightLoadError
 from turnout.graphs.dispatcher import GraphDispatcher, default_capture_sizes
@@ -40,7 +41,7 @@ from turnout.models.interface import CausalLM
 from turnout.sampling_params import SamplingParams
 from turnout.selection import Selection
 from turnout.worker import block_table, kv_cache
-from turnout.worker.sampler import Sampler
+from turnout.worker.sampler import Sampler, gather_logprobs
 
 logger = logging.getLogger("turnout")
 _GREEDY = SamplingParams(temperature=0.0)
@@ -49,7 +50,9 @@ _GREEDY = SamplingParams(temperature=0.0)
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # req id -> new token
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # req id -> (index of the first prompt token scored this step, one entry per prompt token from there)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: GraphRunner | None = None
         self._pending: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
+        self._prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         self._staging64 = HostStaging(device, torch.int64)
         self._staging32 = HostStaging(device, torch.int32)
 
@@ -198,7 +202,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
             self.generators.pop(req_id, None)
-        self._pending = None
+        self._pending, self._prompt_logprobs = None, {}
         if not out.requests:
             return
         if get_parallel_state().pp_size > 1:
@@ -211,6 +215,7 @@ class ModelRunner:
             hidden = self.graphs.run(d, inp.input_ids, inp.positions, inp.meta)
         else:
             hidden = self._forward(inp)
+        self._prompt_logprobs = self.prompt_logprobs(out.requests, hidden)
         if inp.sample_reqs:
             self._pending = (self.model.compute_logits(hidden[inp.logits_indices]), inp.sample_reqs)
 
@@ -232,7 +237,9 @@ class ModelRunner:
             hidden = self._forward(inp, x)
             if not ps.is_last_pp:
                 sends.append((hidden, pp_send(hidden)))  # the tensor stays alive until its send is done
-            elif inp.sample_reqs:
+                continue
+            self._prompt_logprobs |= self.prompt_logprobs(reqs, hidden)
+            if inp.sample_reqs:
                 logits.append(self.model.compute_logits(hidden[inp.logits_indices]))
                 sample_reqs += inp.sample_reqs
         for _, work in sends:
@@ -240,10 +247,28 @@ class ModelRunner:
         if logits:
             self._pending = (torch.cat(logits), sample_reqs)
 
+    def prompt_logprobs(
+        self, reqs: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """For requests that asked prompt_logprobs: position j of this chunk scores prompt token j + 1."""
+        out, row = {}, 0
+        for r in reqs:
+            first, end = r.start_pos + 1, min(r.start_pos + len(r.token_ids), len(r.prompt_token_ids) - 1) + 1
+            if r.params.prompt_logprobs is not None and end > first:
+                logits = self.model.compute_logits(hidden[row : row + end - first])
+                target = torch.tensor(r.prompt_token_ids[first:end], device=logits.device)
+                lps, ranks, tops = gather_logprobs(
+                    logits.float(), target, [r.params.prompt_logprobs] * (end - first)
+                )
+                out[r.req_id] = (first, list(zip(lps, ranks, tops)))
+            row += len(r.token_ids)
+        return out
+
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
+        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, {}
         if self._pending is None:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         logits, reqs = self._pending
         self._pending = None
         res = self.sampler(
@@ -253,11 +278,11 @@ class ModelRunner:
             [r.prompt_token_ids for r in reqs],
             [r.output_token_ids for r in reqs],
         )
-        out = ModelRunnerOutput({r.req_id: t for r, t in zip(reqs, res.token_ids)})
-        if res.logprobs is not None and res.top_logprobs is not None:
-            for r, lp, top in zip(reqs, res.logprobs, res.top_logprobs):
+        out = ModelRunnerOutput({r.req_id: t for r, t in zip(reqs, res.token_ids)}, {}, prompt_logprobs)
+        if res.logprobs is not None and res.ranks is not None and res.top_logprobs is not None:
+            for r, lp, rank, top in zip(reqs, res.logprobs, res.ranks, res.top_logprobs):
                 if r.params.logprobs is not None:
-                    out.logprobs[r.req_id] = (lp, top)
+                    out.logprobs[r.req_id] = (lp, rank, top)
         return out
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
