@@ -80,6 +80,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
         "effective": sel.effective_graph.name,
         "reason": sel.graph_note,
     }
+    experts = None
+    if sel.moe is not None:
+        from turnout.layers.moe import describe_placement
+
+        tp, dp = config.tensor_parallel_size, config.data_parallel_size
+        experts = describe_placement(sel.model_info.hf_config, tp, dp, config.enable_expert_parallel)
     if args.json:
         kinds = {
             c.kind: {
@@ -97,6 +103,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
             "kinds": kinds,
             "graph_mode": graph,
         }
+        if experts is not None:
+            doc["experts"] = {"kernel": sel.moe.chosen.name, **experts}
         print(json.dumps(doc, indent=2))
         return 0
     print(f"platform: {sel.platform.describe()}")
@@ -120,6 +128,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
     print(f"\ngraph mode: requested {graph['requested']}, effective {graph['effective']}")
     if graph["reason"]:
         print(f"  downgraded: {graph['reason']}")
+    if experts is not None:
+        n, k = experts["num_experts"], experts["top_k"]
+        print(f"\nexperts: {n} a MoE layer, top-{k}, kernel {sel.moe.chosen.name}")
+        print(f"  {experts['layout']}")
+        for rank, (start, stop) in enumerate(experts["experts_per_rank"] if experts["ep_size"] > 1 else []):
+            print(f"  rank {rank}: experts {start}-{stop - 1} ({stop - start})")
     return 0
 
 

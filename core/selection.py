@@ -12,9 +12,10 @@ import torch
 
 from turnout.attention.backend import AttentionBackend, AttentionContext
 from turnout.config import EngineConfig
-from turnout.errors import SelectionError
+from turnout.errors import ConfigError, SelectionError
 from turnout.executor.base import ExecutorContext, ExecutorSpec
-from turnout.graphs.modes import GraphPolicy, downgrade
+from turnout.graphs.modes import GraphPolicy, RuntimeMode, downgrade
+from turnout.layers.moe import MOE_KERNELS, MoEContext, graph_blocker, num_experts
 from turnout.models.info import ModelInfo
 from turnout.models.registry import ModelArchitecture
 from turnout.platform import Platform, current_platform
@@ -27,6 +28,7 @@ KIND_LABELS = {
     "model": "model architecture",
     "executor": "executor",
     "graph": "graph policy",
+    "moe": "MoE kernel",
 }
 
 
@@ -130,6 +132,18 @@ def graph_candidates(pm: PluginManager) -> list[Candidate]:
     return _candidates(pm, "turnout_graph_policies", "graph", unique)
 
 
+def moe_candidates(ctx: MoEContext) -> list[Candidate]:
+    """The core's MoE kernels (layers/moe.py), checked like attention backends; a plugin cannot add one."""
+    cands = []
+    for k in MOE_KERNELS:
+        try:
+            why = k.check(ctx)
+        except Exception as e:
+            why = [f"check() raised {type(e).__name__}: {e}"]
+        cands.append(Candidate("moe", k.name, "turnout", k.priority, why, k))
+    return cands
+
+
 @dataclass
 class Selection:
     """Everything chosen at start-up, and why."""
@@ -144,6 +158,7 @@ class Selection:
     effective_graph: GraphPolicy
     graph_note: str | None = None
     notes: list[str] = field(default_factory=list)
+    moe: Choice | None = None  # MoE models only
 
     @property
     def backend(self) -> AttentionBackend:
@@ -159,7 +174,7 @@ class Selection:
 
     @property
     def choices(self) -> list[Choice]:
-        return [self.attention, self.model, self.executor, self.graph]
+        return [self.attention, self.model, self.executor, self.graph] + ([self.moe] if self.moe else [])
 
 
 def select_all(
@@ -180,10 +195,13 @@ def select_all(
     effective, note = downgrade(
         graph.obj, backend.cudagraph_support, backend.name, platform.device_type, config.enforce_eager
     )
+    moe = _choose_moe(config, info, platform, dtype)
+    if moe and effective.uses_graphs and (why := graph_blocker(moe.obj, config.expert_parallel_size)):
+        effective, note = GraphPolicy("NONE", RuntimeMode.NONE, RuntimeMode.NONE), why
     if note:  # expected on CPU; worth a warning only where graphs could have run
         level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
         logger.log(level, "cudagraph_mode %s -> %s: %s", graph.chosen.name, effective.name, note)
-    return Selection(platform, info, dtype, attention, model, executor, graph, effective, note)
+    return Selection(platform, info, dtype, attention, model, executor, graph, effective, note, moe=moe)
 
 
 def worker_handoff(
@@ -220,6 +238,23 @@ def selection_from_payload(config: EngineConfig, payload: bytes | None) -> Selec
             logger.warning("selection did not unpickle (%s: %s); selecting again", type(e).__name__, e)
     assert config.model is not None
     return select_all(config, ModelInfo.from_dir(config.model))
+
+
+def _choose_moe(
+    config: EngineConfig, info: ModelInfo, platform: Platform, dtype: torch.dtype
+) -> Choice | None:
+    n, ep = num_experts(info.hf_config), config.expert_parallel_size
+    if not n:
+        if config.enable_expert_parallel:
+            raise ConfigError(
+                f"enable_expert_parallel is set, but {info.architecture} has no experts; unset it"
+            )
+        return None
+    if ep > n:
+        raise ConfigError(
+            f"{n} experts do not split over {ep} expert-parallel ranks (tp x dp); use fewer ranks"
+        )
+    return choose("moe", moe_candidates(MoEContext(platform, dtype)))
 
 
 def _choose_model(pm: PluginManager, architecture: str) -> Choice:

@@ -2,4 +2,13 @@
 
 from turnout.models.registry import ModelArchitecture
 
-__all__ = ["ModelArchitecture"]
+__all__ = ["DecoderForCausalLM", "ModelArchitecture"]
+
+
+def __getattr__(name: str):
+    # the decoder pulls in torch layers: a plugin's hook module imports ModelArchitecture alone, cheaply
+    if name == "DecoderForCausalLM":
+        from turnout.models.decoder import DecoderForCausalLM
+
+        return DecoderForCausalLM
+    raise AttributeError(name)

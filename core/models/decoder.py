@@ -6,7 +6,7 @@ on q and k), rope_scaling (llama3), tie_word_embeddings.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -75,10 +75,12 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], layer_idx: int, qkv_bias: bool, qk_norm: bool, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(cfg, layer_idx, qkv_bias, qk_norm)
-        self.mlp = DecoderMLP(cfg["hidden_size"], cfg["intermediate_size"])
+        self.mlp = mlp if mlp is not None else DecoderMLP(cfg["hidden_size"], cfg["intermediate_size"])
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
@@ -87,6 +89,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if (
             fused.enabled(x)
+            and isinstance(self.mlp, DecoderMLP)
             and gemv.enabled(x, self.self_attn.qkv_proj.weight)
             and x.shape[1] <= gemv.NORM_MAX_K
         ):
@@ -125,13 +128,20 @@ def layer_range(num_layers: int) -> tuple[int, int]:
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        qkv_bias: bool,
+        qk_norm: bool,
+        make_mlp: Callable[[int], nn.Module | None] = lambda layer: None,
+    ) -> None:
         super().__init__()
         self.start, self.end = layer_range(cfg["num_hidden_layers"])
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         # layer_idx is the local one: it indexes this rank's list of KV caches
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i - self.start, qkv_bias, qk_norm) for i in range(self.start, self.end)
+            DecoderLayer(cfg, i - self.start, qkv_bias, qk_norm, make_mlp(i))
+            for i in range(self.start, self.end)
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
@@ -153,7 +163,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """Subclasses set qkv_bias / qk_norm (or derive them from the config) and nothing else."""
+    """Subclasses set qkv_bias / qk_norm (or derive them from the config); a MoE model also overrides
+    make_mlp."""
 
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -169,11 +180,16 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.qkv_bias = bool(cfg.get("attention_bias", self.qkv_bias))
-        self.model = DecoderModel(cfg, self.qkv_bias, self.qk_norm)
+        self.model = DecoderModel(cfg, self.qkv_bias, self.qk_norm, self.make_mlp)
         self.tie = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         if self.tie:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        """The feed-forward block of layer `layer` (its global index): forward(x [T, hidden]) -> [T, hidden].
+        None = the dense DecoderMLP of intermediate_size; a MoE model returns its sparse block."""
+        return None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None

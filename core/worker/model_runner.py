@@ -31,6 +31,7 @@ from turnout.errors import WeightLoadError
 from turnout.graphs.dispatcher import GraphDispatcher, default_capture_sizes
 from turnout.graphs.modes import RuntimeMode
 from turnout.graphs.runner import GraphRunner
+from turnout.layers import moe
 from turnout.layers.attention import ForwardContext, forward_context
 from turnout.layers.linear import pack_linears_for_cpu
 from turnout.loader.weights import iter_safetensors
@@ -83,6 +84,8 @@ class ModelRunner:
                 model = cls(self.info.hf_config)
         finally:
             torch.set_default_dtype(prev)
+        if self.selection.moe is not None:
+            moe.bind_kernel(model, self.selection.moe.obj)
         loaded = model.load_weights(iter_safetensors(self.info.path))
         missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
         if missing:
@@ -199,6 +202,8 @@ class ModelRunner:
             self.generators.pop(req_id, None)
         self._pending = None
         if not out.requests:
+            if get_parallel_state().dp_size > 1:  # expert parallelism spans the replicas: join their steps
+                moe.dummy_step(self.model)
             return
         if get_parallel_state().pp_size > 1:
             return self._execute_pipeline(out)

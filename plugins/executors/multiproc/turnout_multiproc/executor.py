@@ -68,12 +68,18 @@ class MultiprocExecutor(Executor):
     def _start(self, config: EngineConfig, selection: Selection) -> None:
         ctx = mp.get_context("spawn")
         pinned, payload = worker_handoff(selection, config)
-        self.init_method = init = f"tcp://127.0.0.1:{free_port()}"
+        # replicas that share expert parallelism form one process group: replica d's ranks follow d - 1's
+        shared = config.expert_parallel_spans_dp
+        dp_rank, dp = (config.data_parallel_rank, config.data_parallel_size) if shared else (0, 1)
+        port = config.data_parallel_master_port if dp > 1 else free_port()
+        self.init_method = init = f"tcp://127.0.0.1:{port}"
         threads = max(1, cpu_cores() // (self.world_size * config.data_parallel_size))
         level = logger.getEffectiveLevel()
-        tp = config.tensor_parallel_size
+        tp, first = config.tensor_parallel_size, dp_rank * self.world_size
         for rank in range(self.world_size):
-            info = RankInfo(rank, self.world_size, tp, init, self.output_rank, threads, level)
+            info = RankInfo(
+                first + rank, dp * self.world_size, tp, init, first + self.output_rank, threads, level
+            )
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=run_worker,

@@ -66,7 +66,9 @@ def _build(info: RankInfo, config: EngineConfig, payload: bytes | None) -> Worke
         "nccl" if cuda else "gloo", init_method=info.init_method, rank=info.rank, world_size=info.world_size
     )
     # layers read the parallel state while the model is built
-    set_parallel_state(init_parallel_groups(info.rank, info.world_size, info.tp_size))
+    dp = info.world_size // config.world_size  # replicas in this process group: they share expert parallelism
+    state = init_parallel_groups(info.rank, info.world_size, info.tp_size, dp, config.enable_expert_parallel)
+    set_parallel_state(state)
     return Worker(config, selection, local_rank=info.rank)
 
 

@@ -55,7 +55,8 @@ class RankActor:
         dist.init_process_group(
             backend, init_method=info.init_method, rank=info.rank, world_size=info.world_size
         )
-        set_parallel_state(init_parallel_groups(info.rank, info.world_size, info.tp_size))
+        ep = config.enable_expert_parallel
+        set_parallel_state(init_parallel_groups(info.rank, info.world_size, info.tp_size, expert_parallel=ep))
         self.is_output = info.rank == info.output_rank
         self.worker = Worker(config, sel, local_rank=0)  # Ray shows this actor its own GPU only
 
