@@ -48,6 +48,7 @@ class EngineConfig(BaseModel):
     # selection
     attention_backend: str = Field("auto", description="attention backend name, or auto")
     executor: str = Field("auto", description="executor name, or auto")
+    moe_kernel: str = Field("auto", description="MoE models: expert kernel name (triton, torch), or auto")
     # parallelism
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)

@@ -217,6 +217,7 @@ def worker_handoff(
             "attention_backend": selection.attention.chosen.name,
             "executor": selection.executor.chosen.name,
             "cudagraph_mode": selection.graph.chosen.name,
+            **({"moe_kernel": selection.moe.chosen.name} if selection.moe else {}),
         }
     )
     try:
@@ -245,16 +246,15 @@ def _choose_moe(
 ) -> Choice | None:
     n, ep = num_experts(info.hf_config), config.expert_parallel_size
     if not n:
-        if config.enable_expert_parallel:
-            raise ConfigError(
-                f"enable_expert_parallel is set, but {info.architecture} has no experts; unset it"
-            )
+        for key, unset in (("enable_expert_parallel", False), ("moe_kernel", "auto")):
+            if getattr(config, key) != unset:
+                raise ConfigError(f"{key} is set, but {info.architecture} has no experts; unset it")
         return None
     if ep > n:
         raise ConfigError(
             f"{n} experts do not split over {ep} expert-parallel ranks (tp x dp); use fewer ranks"
         )
-    return choose("moe", moe_candidates(MoEContext(platform, dtype)))
+    return choose("moe", moe_candidates(MoEContext(platform, dtype)), config.moe_kernel)
 
 
 def _choose_model(pm: PluginManager, architecture: str) -> Choice:

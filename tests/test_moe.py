@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from turnout import LLM, SamplingParams
 from turnout.cli import main
-from turnout.errors import ConfigError
+from turnout.errors import ConfigError, SelectionError
+from turnout.layers import moe
 
 from tiny_models import hf_greedy, make_tiny_model
 
@@ -68,6 +69,21 @@ def test_greedy_matches_hf(ep1: LLM, hf_refs: list[list[int]]) -> None:
     assert ep1.selection.model.chosen.name == "Qwen3MoeForCausalLM"
     assert ep1.selection.moe.chosen.name == "torch"
     assert _tokens(ep1) == hf_refs
+
+
+def test_triton_kernel_in_the_model_matches_hf(
+    tiny_moe: Path, hf_refs: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grouped GEMM serving the model, on the CPU under the Triton interpreter."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    moe._kernel.cache_clear()
+    llm = LLM(str(tiny_moe), moe_kernel="triton", **KW)
+    try:
+        assert llm.selection.moe.chosen.name == "triton"
+        assert _tokens(llm, PROMPTS[:2]) == hf_refs[:2]
+    finally:
+        llm.shutdown()
+        moe._kernel.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -189,11 +205,46 @@ def test_explain_shows_kernel_and_placement(tiny_moe: Path, capsys: pytest.Captu
 
 
 def test_expert_parallel_errors(tiny_moe: Path, tiny_qwen3: Path) -> None:
-    with pytest.raises(ConfigError, match="Qwen3ForCausalLM has no experts; unset it"):
-        LLM(str(tiny_qwen3), enable_expert_parallel=True, **KW)
+    for key, value in (("enable_expert_parallel", True), ("moe_kernel", "torch")):
+        with pytest.raises(ConfigError, match=f"{key} is set, but Qwen3ForCausalLM has no experts; unset it"):
+            LLM(str(tiny_qwen3), **{key: value}, **KW)
+    with pytest.raises(SelectionError, match="MoE kernel 'triton' cannot be used: needs a CUDA device"):
+        LLM(str(tiny_moe), moe_kernel="triton", **KW)
     with pytest.raises(ConfigError, match="8 experts do not split over 16 expert-parallel ranks"):
         LLM(str(tiny_moe), enable_expert_parallel=True, tensor_parallel_size=4, data_parallel_size=4, **KW)
     with pytest.raises(ConfigError, match="runs without pipeline stages"):
         LLM(str(tiny_moe), enable_expert_parallel=True, data_parallel_size=2, pipeline_parallel_size=2, **KW)
     with pytest.raises(ConfigError, match="needs executor=multiproc"):
         LLM(str(tiny_moe), enable_expert_parallel=True, data_parallel_size=2, executor="uniproc", **KW)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["NONE", "FULL_AND_PIECEWISE"])
+def test_cuda_triton_experts_match_hf_eager_and_in_graphs(
+    tiny_moe: Path, hf_refs: list[list[int]], mode: str
+) -> None:
+    """float32 on CUDA: the grouped GEMM (IEEE dots) gives HF's tokens, eager and captured in CUDA graphs
+    (moe_align never waits on the device)."""
+    llm = LLM(str(tiny_moe), dtype="float32", cudagraph_mode=mode, gpu_memory_utilization=0.3)
+    try:
+        assert llm.selection.moe.chosen.name == "triton"
+        assert llm.selection.effective_graph.name == mode
+        assert _tokens(llm) == hf_refs
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+def test_cuda_ep2_matches_ep1(tiny_moe: Path, hf_refs: list[list[int]]) -> None:
+    """NCCL all-to-all: EP=2 over two GPUs, attention TP and DP, in float32."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    for kw in (dict(tensor_parallel_size=2), dict(data_parallel_size=2)):
+        llm = LLM(
+            str(tiny_moe), dtype="float32", enable_expert_parallel=True, gpu_memory_utilization=0.3, **kw
+        )
+        try:
+            assert llm.selection.effective_graph.name == "NONE"
+            assert _tokens(llm) == hf_refs
+        finally:
+            llm.shutdown()

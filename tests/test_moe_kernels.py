@@ -117,10 +117,14 @@ def test_expert_ranges_split_evenly() -> None:
     assert moe.expert_ranges(128, 1) == [range(0, 128)]
 
 
-def test_kernel_choice_has_reasons() -> None:
+def test_kernel_choice_has_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = Platform("cpu", "cpu", 1, None, 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cands = {c.name: c for c in moe_candidates(moe.MoEContext(cpu, torch.float32))}
-    assert cands["torch"].valid and "needs a CUDA device, have cpu" in cands["triton"].reasons
+    assert cands["torch"].valid
+    assert cands["triton"].reasons == ["needs a CUDA device (or TRITON_INTERPRET=1), have cpu"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert all(c.valid for c in moe_candidates(moe.MoEContext(cpu, torch.float32)))
     gpu = Platform("cuda", "H200", 2, (9, 0), 0)
     cands = {c.name: c for c in moe_candidates(moe.MoEContext(gpu, torch.bfloat16))}
     assert cands["triton"].valid and cands["triton"].priority > cands["torch"].priority
