@@ -5,16 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from turnout import envs
 from turnout.config import EngineConfig
 from turnout.errors import TurnoutError
 from turnout.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from turnout.selection import Choice, Selection
 
 logger = logging.getLogger("turnout")
 
@@ -75,66 +78,67 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     config = _config(args)
     sel = select_all(config, ModelInfo.from_dir(resolve_model_dir(config)))
-    graph = {
-        "requested": sel.graph.chosen.name,
-        "effective": sel.effective_graph.name,
-        "reason": sel.graph_note,
-    }
-    experts = None
-    if sel.moe is not None:
-        from turnout.layers.moe import describe_placement
-
-        tp, dp = config.tensor_parallel_size, config.data_parallel_size
-        experts = describe_placement(sel.model_info.hf_config, tp, dp, config.enable_expert_parallel)
     if args.json:
-        kinds = {
-            c.kind: {
-                "requested": c.requested,
-                "chosen": c.chosen.name,
-                "candidates": [x.as_dict() for x in c.candidates],
-            }
-            for c in sel.choices
+        print(json.dumps(_explain_doc(sel), indent=2))
+    else:
+        _print_explain(sel)
+    return 0
+
+
+def _explain_doc(sel: Selection) -> dict[str, Any]:
+    kinds = {
+        c.kind: {
+            "requested": c.requested,
+            "chosen": c.chosen.name,
+            "candidates": [{**x.as_dict(), "lost": c.why_lost(x) or None} for x in c.candidates],
         }
-        doc = {
-            "platform": sel.platform.describe(),
-            "model": str(sel.model_info.path),
-            "architecture": sel.model_info.architecture,
-            "dtype": _dtype_name(sel.dtype),
-            "kinds": kinds,
-            "graph_mode": graph,
-        }
-        if experts is not None:
-            doc["experts"] = {"kernel": sel.moe.chosen.name, **experts}
-        print(json.dumps(doc, indent=2))
-        return 0
-    print(f"platform: {sel.platform.describe()}")
-    print(f"model:    {sel.model_info.path} ({sel.model_info.architecture}, {_dtype_name(sel.dtype)})")
+        for c in sel.choices
+    }
+    return {
+        "platform": sel.platform.describe(),
+        "model": str(sel.model_info.path),
+        "architecture": sel.model_info.architecture,
+        "dtype": _dtype_name(sel.dtype),
+        "kinds": kinds,
+        "graph_mode": _graph_mode(sel),
+        **({"experts": {"kernel": sel.moe.chosen.name, **sel.experts}} if sel.moe and sel.experts else {}),
+    }
+
+
+def _graph_mode(sel: Selection) -> dict[str, str | None]:
+    requested, effective = sel.graph.chosen.name, sel.effective_graph.name
+    return {"requested": requested, "effective": effective, "reason": sel.graph_note}
+
+
+def _print_explain(sel: Selection) -> None:
     from turnout.selection import KIND_LABELS
 
+    print(f"platform: {sel.platform.describe()}")
+    print(f"model:    {sel.model_info.path} ({sel.model_info.architecture}, {_dtype_name(sel.dtype)})")
+    header = ["candidate", "plugin", "priority", "valid", "chosen", "why not chosen"]
     for c in sel.choices:
         print(f"\n{KIND_LABELS[c.kind]} (requested: {c.requested})")
-        rows = [
-            [
-                x.name,
-                x.plugin,
-                str(x.priority),
-                "yes" if x.valid else "no",
-                "*" if x.chosen else "",
-                "; ".join(x.reasons),
-            ]
-            for x in sorted(c.candidates, key=lambda x: (not x.valid, -x.priority, x.name))
-        ]
-        _table(["candidate", "plugin", "priority", "valid", "chosen", "reasons"], rows, indent="  ")
+        _table(header, _choice_rows(c), indent="  ")
+    graph = _graph_mode(sel)
     print(f"\ngraph mode: requested {graph['requested']}, effective {graph['effective']}")
     if graph["reason"]:
         print(f"  downgraded: {graph['reason']}")
-    if experts is not None:
+    if sel.moe and (experts := sel.experts):
         n, k = experts["num_experts"], experts["top_k"]
         print(f"\nexperts: {n} a MoE layer, top-{k}, kernel {sel.moe.chosen.name}")
         print(f"  {experts['layout']}")
         for rank, (start, stop) in enumerate(experts["experts_per_rank"] if experts["ep_size"] > 1 else []):
             print(f"  rank {rank}: experts {start}-{stop - 1} ({stop - start})")
-    return 0
+
+
+def _choice_rows(c: Choice) -> list[list[str]]:
+    """Valid candidates first, in the order selection ranks them; each with its reasons or why it lost."""
+    rows = []
+    for x in sorted(c.candidates, key=lambda x: (not x.valid, x.rank)):
+        why = c.why_lost(x) if x.valid else "; ".join(x.reasons)
+        valid, chosen = "yes" if x.valid else "no", "*" if x.chosen else ""
+        rows.append([x.name, x.plugin, str(x.priority), valid, chosen, why])
+    return rows
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -243,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    level = os.environ.get("TURNOUT_LOG_LEVEL", "INFO").upper()
+    level = envs.LOG_LEVEL.value
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(level)
     args = build_parser().parse_args(argv)

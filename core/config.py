@@ -10,18 +10,10 @@ import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from turnout import envs
 from turnout.errors import ConfigError
 
-ENV_PREFIX = "TURNOUT_"
-# TURNOUT_* variables that are not EngineConfig fields: switches of the core, the bundled plugins and tests.
-# Any other TURNOUT_* name is taken for a config key, so a typo fails loudly.
-ENV_SWITCHES = frozenset({
-    "PLUGINS", "CACHE_DIR", "DEVICE", "LOG_LEVEL",  # core
-    "FUSED_KERNELS", "TRITON_GEMV",  # layers/fused.py, layers/gemv.py
-    "FLASH_ATTN", "FLASH_ATTN_CUDAGRAPH", "FLASHINFER_CUDAGRAPH", "FLASHINFER_PREFILL_BACKEND",
-    "TRITON_PREFILL",  # attention plugins
-    "CONFORMANCE_ERRORS",  # tests/test_attention_conformance.py
-})  # fmt: skip
+ENV_PREFIX = envs.PREFIX
 
 
 class EngineConfig(BaseModel):
@@ -141,10 +133,12 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 
 def _read_env() -> dict[str, Any]:
-    """TURNOUT_<FIELD>=value; values are parsed as YAML scalars/lists (so 'true', '2', '[1, 2]' work)."""
+    """TURNOUT_<FIELD>=value; values are parsed as YAML scalars/lists (so 'true', '2', '[1, 2]' work).
+    Switches declared in turnout.envs or by a plugin's turnout_env_vars are not fields."""
     out = {}
+    switches = envs.registry() if any(k.startswith(ENV_PREFIX) for k in os.environ) else {}
     for key, raw in os.environ.items():
-        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX) :] not in ENV_SWITCHES:
+        if key.startswith(ENV_PREFIX) and key not in switches:
             field = key[len(ENV_PREFIX) :].lower()
             out[field] = yaml.safe_load(raw) if raw else None
     return out

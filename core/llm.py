@@ -43,6 +43,7 @@ class LLM:
         else:
             self.engine = LLMEngine(cfg)
         self.tokenizer = self.engine.tokenizer
+        logger.info("selected %s", self.engine.selection.summary())
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -3,6 +3,7 @@ the reason for every rejection so `turnout explain` can show it."""
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from turnout.config import EngineConfig
 from turnout.errors import ConfigError, SelectionError
 from turnout.executor.base import ExecutorContext, ExecutorSpec
 from turnout.graphs.modes import GraphPolicy, RuntimeMode, downgrade
-from turnout.layers.moe import MOE_KERNELS, MoEContext, graph_blocker, num_experts
+from turnout.layers.moe import MoEContext, describe_placement, graph_blocker, moe_kernels, num_experts
 from turnout.models.info import ModelInfo
 from turnout.models.registry import ModelArchitecture
 from turnout.platform import Platform, current_platform
@@ -30,6 +31,13 @@ KIND_LABELS = {
     "graph": "graph policy",
     "moe": "MoE kernel",
 }
+CONFIG_KEYS = {  # what names the candidate to use
+    "attention": "attention_backend",
+    "model": "the checkpoint's architectures",
+    "executor": "executor",
+    "graph": "cudagraph_mode",
+    "moe": "moe_kernel",
+}
 
 
 @dataclass
@@ -38,7 +46,7 @@ class Candidate:
     name: str
     plugin: str
     priority: int
-    reasons: list[str]
+    reasons: list[str]  # why it cannot serve; empty: valid
     obj: Any = None
     chosen: bool = False
 
@@ -46,9 +54,23 @@ class Candidate:
     def valid(self) -> bool:
         return not self.reasons
 
+    @property
+    def rank(self) -> tuple[int, str, str]:
+        """The sort key of the hookspecs' promise: highest priority first, ties by name, then by plugin."""
+        return -self.priority, self.name, self.plugin
+
     def as_dict(self) -> dict[str, Any]:
         keys = ("name", "plugin", "priority", "valid", "reasons", "chosen")
         return {k: getattr(self, k) for k in keys}
+
+
+class Loss(enum.Enum):
+    """Why a valid candidate was not chosen."""
+
+    NOT_REQUESTED = "not requested"  # the config named another
+    PRIORITY = "lower priority"
+    NAME = "same priority, its name sorts after"
+    PLUGIN = "same name and priority, its plugin sorts after"
 
 
 @dataclass
@@ -62,29 +84,52 @@ class Choice:
     def obj(self) -> Any:
         return self.chosen.obj
 
+    def loss(self, c: Candidate) -> Loss | None:
+        """Why valid candidate c lost to the chosen one; None for the chosen and for invalid ones."""
+        w = self.chosen
+        if c is w or not c.valid:
+            return None
+        if c.name != self.requested and self.requested != "auto":
+            return Loss.NOT_REQUESTED
+        if c.priority != w.priority:
+            return Loss.PRIORITY
+        return Loss.NAME if c.name != w.name else Loss.PLUGIN
+
+    def why_lost(self, c: Candidate) -> str:
+        """loss(c) in words, e.g. "priority -5 < cpu 0"; empty where c did not lose."""
+        w, loss = self.chosen, self.loss(c)
+        winner = w.name if w.name != c.name else f"plugin {w.plugin}"
+        if loss is Loss.NOT_REQUESTED:
+            return f"not requested ({CONFIG_KEYS[self.kind]} = {self.requested})"
+        if loss is Loss.PRIORITY:
+            return f"priority {c.priority} < {winner} {w.priority}"
+        if loss is Loss.NAME:
+            return f"priority {c.priority} = {winner} {w.priority}; '{w.name}' sorts first"
+        if loss is Loss.PLUGIN:
+            return f"priority {c.priority} = {winner} {w.priority}; '{w.plugin}' sorts first"
+        return ""
+
 
 def choose(kind: str, candidates: list[Candidate], requested: str = "auto") -> Choice:
-    """An explicit request must be valid; otherwise the highest priority valid candidate, ties by name."""
+    """An explicit request must be valid; among the valid candidates it names, or among all valid ones
+    under "auto", the highest priority wins, ties by name, then by plugin name."""
     label = KIND_LABELS[kind]
-    valid = sorted((c for c in candidates if c.valid), key=lambda c: (-c.priority, c.name))
-    options = ", ".join(c.name for c in valid) or "none"
+    valid = sorted((c for c in candidates if c.valid), key=lambda c: c.rank)
+    options = ", ".join(dict.fromkeys(c.name for c in valid)) or "none"
     if requested != "auto":
         named = [c for c in candidates if c.name == requested]
         if not named:
             known = ", ".join(sorted({c.name for c in candidates})) or "none"
             raise SelectionError(f"unknown {label} '{requested}'; installed: {known}; valid here: {options}")
-        ok = [c for c in named if c.valid]
-        if not ok:
+        if not any(c.valid for c in named):
             why = "; ".join(r for c in named for r in c.reasons)
             raise SelectionError(f"{label} '{requested}' cannot be used: {why}; valid here: {options}")
-        winner = ok[0]
-    elif valid:
-        winner = valid[0]
-    else:
+        valid = [c for c in valid if c.name == requested]
+    if not valid:
         rejected = "; ".join(f"{c.name}: {', '.join(c.reasons)}" for c in candidates) or "none installed"
         raise SelectionError(f"no usable {label}: {rejected}; install or enable a plugin that provides one")
-    winner.chosen = True
-    return Choice(kind, requested, candidates, winner)
+    valid[0].chosen = True
+    return Choice(kind, requested, candidates, valid[0])
 
 
 def _candidates(
@@ -102,7 +147,7 @@ def _candidates(
                 why = reasons(res.plugin, item)
             except Exception as e:
                 why = [f"check() raised {type(e).__name__}: {e}"]
-            cands.append(Candidate(kind, item.name, res.plugin, item.priority, why, item))
+            cands.append(Candidate(kind, item.name, res.plugin, int(item.priority), why, item))
     return cands
 
 
@@ -117,7 +162,26 @@ def model_candidates(pm: PluginManager, architecture: str) -> list[Candidate]:
 
 
 def executor_candidates(pm: PluginManager, ctx: ExecutorContext) -> list[Candidate]:
-    return _candidates(pm, "turnout_executors", "executor", lambda _, e: e.check(ctx))
+    def check(_: str, e: ExecutorSpec) -> list[str]:
+        if ctx.own_processes and e.in_process:
+            return [OWN_PROCESSES, *e.check(ctx)]
+        return e.check(ctx)
+
+    return _candidates(pm, "turnout_executors", "executor", check)
+
+
+OWN_PROCESSES = (
+    "runs the model in the engine's process, but data_parallel_size > 1 on CUDA needs each replica's "
+    "ranks in processes of their own"
+)
+
+
+def choose_executor(pm: PluginManager, config: EngineConfig, platform: Platform) -> Choice:
+    """Data parallelism on CUDA gives each replica its own GPUs through CUDA_VISIBLE_DEVICES while its
+    processes start: only an executor whose ranks run outside the engine's process (in_process=False) can."""
+    own = config.data_parallel_size > 1 and platform.is_cuda
+    ctx = ExecutorContext(platform, config.world_size, config.executor != "auto", own)
+    return choose("executor", executor_candidates(pm, ctx), config.executor)
 
 
 def graph_candidates(pm: PluginManager) -> list[Candidate]:
@@ -135,12 +199,12 @@ def graph_candidates(pm: PluginManager) -> list[Candidate]:
 def moe_candidates(ctx: MoEContext) -> list[Candidate]:
     """The core's MoE kernels (layers/moe.py), checked like attention backends; a plugin cannot add one."""
     cands = []
-    for k in MOE_KERNELS:
+    for k in moe_kernels(ctx):
         try:
             why = k.check(ctx)
         except Exception as e:
             why = [f"check() raised {type(e).__name__}: {e}"]
-        cands.append(Candidate("moe", k.name, "turnout", k.priority, why, k))
+        cands.append(Candidate("moe", k.name, "turnout", int(k.priority), why, k))
     return cands
 
 
@@ -159,6 +223,7 @@ class Selection:
     graph_note: str | None = None
     notes: list[str] = field(default_factory=list)
     moe: Choice | None = None  # MoE models only
+    experts: dict[str, Any] | None = None  # MoE models: the experts each rank holds (describe_placement)
 
     @property
     def backend(self) -> AttentionBackend:
@@ -176,6 +241,15 @@ class Selection:
     def choices(self) -> list[Choice]:
         return [self.attention, self.model, self.executor, self.graph] + ([self.moe] if self.moe else [])
 
+    def summary(self) -> str:
+        """One line: the chosen backend, model, executor and graph mode, each with its plugin."""
+        a, m, e, g = (c.chosen for c in self.choices[:4])
+        graph = g.name if g.name == self.effective_graph.name else f"{g.name} -> {self.effective_graph.name}"
+        return (
+            f"attention {a.name} ({a.plugin}), model {m.name} ({m.plugin}), executor {e.name} ({e.plugin}), "
+            f"graph mode {graph}, {self.platform.device_type} {str(self.dtype).removeprefix('torch.')}"
+        ) + (f", MoE kernel {self.moe.chosen.name}" if self.moe else "")
+
 
 def select_all(
     config: EngineConfig, info: ModelInfo, pm: PluginManager | None = None, platform: Platform | None = None
@@ -188,8 +262,7 @@ def select_all(
     )
     attention = choose("attention", attention_candidates(pm, actx), config.attention_backend)
     model = _choose_model(pm, info.architecture)
-    ectx = ExecutorContext(platform, config.world_size, config.executor != "auto")
-    executor = choose("executor", executor_candidates(pm, ectx), config.executor)
+    executor = choose_executor(pm, config, platform)
     graph = choose("graph", graph_candidates(pm), config.cudagraph_mode)
     backend: AttentionBackend = attention.obj
     effective, note = downgrade(
@@ -201,7 +274,13 @@ def select_all(
     if note:  # expected on CPU; worth a warning only where graphs could have run
         level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
         logger.log(level, "cudagraph_mode %s -> %s: %s", graph.chosen.name, effective.name, note)
-    return Selection(platform, info, dtype, attention, model, executor, graph, effective, note, moe=moe)
+    experts = None
+    if moe is not None:
+        tp, dp, ep = config.tensor_parallel_size, config.data_parallel_size, config.enable_expert_parallel
+        experts = describe_placement(info.hf_config, tp, dp, ep)
+    return Selection(
+        platform, info, dtype, attention, model, executor, graph, effective, note, moe=moe, experts=experts
+    )
 
 
 def worker_handoff(

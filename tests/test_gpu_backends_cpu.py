@@ -54,7 +54,7 @@ def test_plugins_load_through_entry_points():
     info = {i.name: i for i in pm.listing()}
     for name, dist in (("flashinfer", "turnout-flashinfer"), ("flash_attn", "turnout-flash-attn")):
         assert (info[name].status, info[name].distribution) == ("loaded", dist)
-        assert info[name].hooks == ["turnout_attention_backends"]
+        assert info[name].hooks == ["turnout_attention_backends", "turnout_env_vars"]
     backends = {
         b.name: b for res in pm.call_each("turnout_attention_backends", platform=H200) for b in res.value
     }

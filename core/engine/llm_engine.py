@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
+import time
 from dataclasses import dataclass
 
 from transformers import AutoTokenizer
@@ -48,17 +50,24 @@ class LLMEngine:
                 f"{self.info.num_layers} layers; every stage needs at least one layer"
             )
         self.selection: Selection = select_all(config, self.info)
+        if self.selection.platform.is_cuda:
+            from turnout.loader.default_model import cache_dir
+
+            # Triton's compiled kernels live beside turnout's other caches, for every rank this spawns.
+            os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
         self.executor = self.selection.executor_spec.load()(config, self.selection)
-        try:
-            self._init_kv_cache()
-        except BaseException:
-            self.executor.shutdown()
-            raise
         self.eos_token_ids = self._eos_ids(model_dir)
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
+        try:
+            self._init_kv_cache()
+            if self.selection.platform.is_cuda:
+                self._warm_up()
+        except BaseException:
+            self.executor.shutdown()
+            raise
 
     def _init_kv_cache(self) -> None:
         cfg = self.config
@@ -78,8 +87,40 @@ class LLMEngine:
             "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
             num_blocks, cfg.block_size, capacity, self.max_model_len,
         )  # fmt: skip
-        bm = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
+        self._new_scheduler = lambda: Scheduler(
+            BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching),
+            cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
+        )  # fmt: skip
+        self.scheduler = self._new_scheduler()
+
+    def _warm_up(self) -> None:
+        """Run synthetic requests through the real step path before the first user request, so that the
+        kernels a workload hits are compiled (or loaded from the on-disk cache) at start-up: for each
+        power-of-two band of sequence length, a prefill step, a mixed step (decode rows beside a prefill
+        chunk) and decode steps. The scheduler and its prefix cache are replaced afterwards, so no warm-up
+        block or statistic outlives it."""
+        t0 = time.perf_counter()
+        vocab = self.info.hf_config.get("vocab_size", 32000)
+        tokens = lambda n, salt: [(salt * 7919 + i * 104729) % vocab for i in range(n)]
+        sample = SamplingParams(temperature=0.6, top_p=0.9, seed=0, max_tokens=3, ignore_eos=True)
+        greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        length, steps = 16, 1
+        while True:
+            n = min(length + 1, self.max_model_len - 4)
+            self.add_request(tokens(n, length), sample, req_id=f"warmup-{length}-a")
+            self.step()
+            self.add_request(tokens(n // 2 + 1, length + 1), greedy, req_id=f"warmup-{length}-b")
+            while self.has_unfinished():
+                self.step()
+                steps += 1
+            if n < length + 1:
+                break
+            length *= 2
+        self.step()  # hands the last finished ids to the workers, which drop their per-request state
+        for req_id in list(self.requests):
+            self.pop_finished(req_id)
+        self.scheduler = self._new_scheduler()
+        logger.info("warm-up: %d steps up to %d tokens in %.1fs", steps, n, time.perf_counter() - t0)
 
     def _eos_ids(self, model_dir: str) -> list[int]:
         ids = set(self.info.eos_token_ids)

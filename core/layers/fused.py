@@ -19,15 +19,22 @@ kernels under TRITON_INTERPRET=1 against a float64 reference.
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import torch
 
+from turnout import envs
+
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether layers use these kernels for x: on CUDA, unless TURNOUT_FUSED_KERNELS=0 (for comparisons)."""
-    return x.is_cuda and os.environ.get("TURNOUT_FUSED_KERNELS", "1") != "0"
+    return x.is_cuda and switched_on()
+
+
+@functools.cache
+def switched_on() -> bool:
+    """TURNOUT_FUSED_KERNELS (default 1), read once: enabled() runs on every layer's call."""
+    return envs.FUSED_KERNELS.value
 
 
 @functools.cache

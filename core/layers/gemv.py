@@ -22,10 +22,11 @@ TURNOUT_TRITON_GEMV=0 sends every matmul to F.linear. Tested against float64 und
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import torch
+
+from turnout import envs
 
 MAX_M = 2  # rows routed here by enabled(); the kernel itself takes any M
 NORM_MAX_K = 4096  # a norm prologue holds M_P2 x BLOCK_N x K floats in registers
@@ -34,7 +35,7 @@ NORM_MAX_K = 4096  # a norm prologue holds M_P2 x BLOCK_N x K floats in register
 @functools.cache
 def switched_on() -> bool:
     """TURNOUT_TRITON_GEMV (default 1), read once: enabled() runs on every linear layer's call."""
-    return os.environ.get("TURNOUT_TRITON_GEMV", "1") != "0"
+    return envs.TRITON_GEMV.value
 
 
 def enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:

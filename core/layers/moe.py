@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from turnout.distributed import (
     tp_all_gather,
     tp_all_reduce,
 )
+from turnout.hookspecs import Priority
 from turnout.layers.activation import SiluAndMul
 from turnout.platform import Platform
 
@@ -241,11 +242,15 @@ def _check_torch(ctx: MoEContext) -> list[str]:
     return []
 
 
-MOE_KERNELS = [
-    MoEKernel("triton", 10, expert_outputs_triton, _check_triton, cudagraph_safe=True),
-    MoEKernel("torch", 0, expert_outputs_torch, _check_torch, cudagraph_safe=False),
-]
-TORCH_KERNEL = MOE_KERNELS[1]
+TRITON_KERNEL = MoEKernel("triton", Priority.FIRST, expert_outputs_triton, _check_triton, cudagraph_safe=True)
+TORCH_KERNEL = MoEKernel("torch", Priority.DEFAULT, expert_outputs_torch, _check_torch, cudagraph_safe=False)
+
+
+def moe_kernels(ctx: MoEContext) -> list[MoEKernel]:
+    """The candidates, in hookspecs.Priority's tiers: triton FIRST on CUDA, torch DEFAULT; off CUDA triton
+    (under TRITON_INTERPRET=1) is a test aid, TESTING, never preferred."""
+    triton = TRITON_KERNEL if ctx.platform.is_cuda else replace(TRITON_KERNEL, priority=Priority.TESTING)
+    return [triton, TORCH_KERNEL]
 
 
 def graph_blocker(kernel: MoEKernel, ep_size: int) -> str | None:

@@ -1,9 +1,9 @@
 import importlib.metadata
 import json
 import logging
-import os
 from pathlib import Path
 
+from turnout import envs
 from turnout.errors import TurnoutError
 from turnout.loader.gguf import CONVERT_MARKER, CONVERT_VERSION, convert_gguf
 
@@ -28,7 +28,7 @@ def default_gguf_path() -> Path:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TURNOUT_CACHE_DIR") or Path.home() / ".cache" / "turnout").expanduser()
+    return envs.CACHE_DIR.value or Path.home() / ".cache" / "turnout"
 
 
 def is_converted(model_dir: Path, gguf_path: Path) -> bool:

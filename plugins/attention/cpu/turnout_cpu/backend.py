@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from turnout import Priority
 from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata, CudagraphSupport
 from turnout.attention.kv_store import valid_rows
 
@@ -41,7 +42,7 @@ class CPUMetadata:
 
 class CPUAttentionBackend(AttentionBackend):
     name = "cpu"
-    priority = 0
+    priority = Priority.DEFAULT
     device_types = ("cpu",)
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     cudagraph_support = CudagraphSupport.NEVER

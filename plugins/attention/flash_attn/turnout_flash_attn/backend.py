@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from turnout import Priority
 from turnout.attention import (
     AttentionBackend,
     AttentionContext,
@@ -165,7 +166,7 @@ def _cu_seqlens(seq_lens: torch.Tensor) -> torch.Tensor:
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
-    priority = 30  # preferred over FlashInfer (20) and Triton (10), as in vLLM on Hopper
+    priority = Priority.FIRST  # the order per platform: turnout.Priority
     device_types = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
     head_sizes = None  # depends on the library: path_reasons()

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from turnout import Priority
 from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata, CudagraphSupport
 from turnout.attention.kv_store import store_kv, valid_rows
 
@@ -116,7 +117,7 @@ def paged_indices(
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
-    priority = 20  # between FlashAttention (30) and Triton (10), as in vLLM on Hopper
+    priority = Priority.SECOND  # the order per platform: turnout.Priority
     device_types = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
     head_sizes = (64, 128, 256)  # FA3's static_assert (hopper/prefill_sm90.cuh); FA2 builds these too

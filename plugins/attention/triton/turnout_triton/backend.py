@@ -11,6 +11,7 @@ from types import ModuleType
 
 import torch
 
+from turnout import Priority
 from turnout.attention import (
     AttentionBackend,
     AttentionContext,
@@ -30,7 +31,7 @@ def _kernels() -> ModuleType:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    priority = 10  # below FlashAttention (30) and FlashInfer (20), as in vLLM on Hopper
+    priority = Priority.THIRD  # the order per platform: turnout.Priority
     device_types = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16, torch.float32)  # float32 dots run in IEEE precision
     head_sizes = None  # any size up to MAX_HEAD_SIZE, see check()
@@ -48,7 +49,7 @@ class TritonAttentionBackend(AttentionBackend):
         if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every kernel on the host
             self.device_types = ("cuda", "cpu")
             self.min_capability = None
-            self.priority = -1  # it is for tests: never preferred over a native backend
+            self.priority = Priority.TESTING  # never preferred over a native backend
 
     def import_error(self) -> str | None:
         try:

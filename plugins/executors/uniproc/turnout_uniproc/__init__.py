@@ -1,6 +1,6 @@
 """The single-process executor: one worker in the engine's own process."""
 
-from turnout import hookimpl
+from turnout import Priority, hookimpl
 from turnout.executor import ExecutorContext, ExecutorSpec
 
 
@@ -10,4 +10,4 @@ def _check(ctx: ExecutorContext) -> list[str]:
 
 @hookimpl
 def turnout_executors() -> list[ExecutorSpec]:
-    return [ExecutorSpec("uniproc", "turnout_uniproc.executor:UniprocExecutor", priority=10, check=_check)]
+    return [ExecutorSpec("uniproc", "turnout_uniproc.executor:UniprocExecutor", Priority.FIRST, _check)]

@@ -1,0 +1,24 @@
+"""The start-up warm-up runs synthetic requests through the real step path and leaves no trace: the same
+tokens afterwards, every KV block free, no prefix-cache entry or statistic, no per-request worker state."""
+
+from __future__ import annotations
+
+from turnout import LLM, SamplingParams
+
+PROMPTS = [[5, 9, 14, 3, 7], list(range(40, 75)), [11] * 20]
+
+
+def test_warm_up_leaves_no_trace(tiny_llama):
+    kw = dict(dtype="float32", max_model_len=64, enforce_eager=True, attention_backend="cpu")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cold = LLM(str(tiny_llama), **kw)
+    expected = [o.token_ids for o in cold.generate(PROMPTS, params, use_tqdm=False)]
+
+    llm = LLM(str(tiny_llama), **kw)
+    engine = llm.engine
+    engine._warm_up()
+    bm = engine.scheduler.bm
+    assert bm.num_free_blocks == bm.num_blocks
+    assert engine.stats()["prefix_cache_queries"] == 0 and not engine.requests
+    assert not engine.executor.worker.runner.generators  # the seeded warm-up request's generator is gone
+    assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
