@@ -59,10 +59,10 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("t", [1, 3, 37])
+@pytest.mark.parametrize("t", [1, 3, 37, 120, 300])
 def test_expert_outputs_match_float64(kernel: str, dtype: torch.dtype, t: int) -> None:
-    """37 tokens x top-2 over 8 experts: runs of several BLOCK_M blocks; 1 and 3: the decode tiles.
-    H = 48 and I = 40 are not multiples of the tiles: the masks must hold."""
+    """Top-2 over 8 experts: 1 to 37 tokens take the 16-row tiles, 120 the 32-row and 300 the 64-row ones,
+    in runs of several blocks. H = 48 and I = 40 are not multiples of the tiles: the masks must hold."""
     x, w13, w2, weights, ids = _problem(t, 8, 2, 48, 40, dtype, seed=t)
     out = moe.combine(KERNELS[kernel](x, w13, w2, ids), weights)
     assert out.dtype == dtype and out.shape == (t, 48)
