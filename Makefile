@@ -19,7 +19,7 @@ test-all: setup  ## everything, GPU tests included (on a CUDA machine)
 lint: setup  ## ruff, and the import contracts of pyproject.toml (plugins use only the core's facades)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	PYTHONPATH=examples/turnout-example-backend $(BIN)/lint-imports
+	PYTHONPATH=examples/turnout-example-backend:examples/turnout-example-model $(BIN)/lint-imports
 
 format: setup
 	$(BIN)/ruff format .

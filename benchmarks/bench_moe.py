@@ -1,7 +1,8 @@
 """Expert parallelism on a Qwen3-30B-A3B-shaped random model with fewer layers: greedy outputs of each config
 against the first, throughput on the mixed workload of bench_parallel, and memory per rank.
 
-  python benchmarks/bench_moe.py --json benchmarks/results/moe.json                      # 2 GPUs
+  python benchmarks/run.py moe                                                   # 2 GPUs: the "moe" suite
+  python benchmarks/bench_moe.py --json benchmarks/results/moe/moe.json           # the same, bf16 part
   python benchmarks/bench_moe.py --tiny --device cpu --quick --skip-throughput           # CPU smoke (gloo)
 
 A config is bench_parallel's tp<N> / dp<N>, with an "ep" suffix for enable_expert_parallel: tp1 (EP=1, the
@@ -32,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_graphs import agreement, workloads  # noqa: E402
 from bench_parallel import CHECK_NEW, CHECK_PROMPTS, check_workload, parse_config, run, teacher_forced  # noqa: E402
 from common import print_table, write_json  # noqa: E402
-from random_models import _tokenizer  # noqa: E402
 
 # Qwen3-30B-A3B's config.json, less its 48 layers
 QWEN3_30B_A3B = dict(
@@ -47,6 +47,8 @@ def make_random_moe(path: Path, layers: int, seed: int = 0, **shape) -> Path:
     """config.json, one safetensors file a layer (bf16, N(0, 0.02), norms 1) and a small tokenizer."""
     from safetensors.torch import save_file
     from transformers import Qwen3MoeConfig
+
+    from turnout.bench.random_models import write_tokenizer
 
     if (path / "config.json").exists():
         return path
@@ -86,7 +88,7 @@ def make_random_moe(path: Path, layers: int, seed: int = 0, **shape) -> Path:
         shard(f"layer-{n:03d}.safetensors", t)
     index_doc = {"metadata": {}, "weight_map": index}
     (path / "model.safetensors.index.json").write_text(json.dumps(index_doc))
-    _tokenizer(path)
+    write_tokenizer(path, cfg.vocab_size)
     cfg.save_pretrained(path)  # last: its presence marks a complete checkpoint
     return path
 
@@ -193,13 +195,13 @@ def main() -> None:
                 torch.cuda.empty_cache()
         rows.append(row)
         print(row, flush=True)
-        write_json(args.json, rows, **extra)
+        write_json(args.json, rows, args, **extra)
     keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "memory_per_rank"]
     print_table([{k: r.get(k, "") for k in keys} for r in rows])
     for r in rows:
         for rank, m in enumerate(r.get("memory_per_rank", [])):
             print(f"{r['config']} rank {rank}: {m}")
-    write_json(args.json, rows, **extra)
+    write_json(args.json, rows, args, **extra)
 
 
 if __name__ == "__main__":

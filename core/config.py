@@ -8,7 +8,15 @@ from typing import Any, Literal
 
 import tomllib
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from turnout import envs
 from turnout.errors import ConfigError
@@ -25,14 +33,21 @@ class EngineConfig(BaseModel):
     model: str | None = Field(None, description="HF-style folder; None = embedded SmolLM2-135M-Instruct")
     tokenizer: str | None = Field(None, description="tokenizer folder; None = the model folder")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="auto = float32 on CPU, the checkpoint's dtype (or bfloat16) on GPU"
+        "auto",
+        description="auto = on GPU the checkpoint's dtype (bfloat16 for a float32 one); on CPU bfloat16 "
+        "for a bfloat16 checkpoint (the embedded model) where the CPU has native bf16 (AVX512-BF16 or "
+        "AMX), else float32",
     )
     # limits
     max_model_len: int | None = Field(None, ge=1, description="None = the model's max_position_embeddings")
     max_num_seqs: int = Field(256, ge=1, description="requests running in one step at most")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="token budget of one step; None = fit to the device (turnout explain says)"
+    )
     # KV cache
-    block_size: int = Field(16, ge=1, description="tokens per KV-cache block")
+    block_size: int | None = Field(
+        None, ge=1, description="tokens per KV-cache block; None = the chosen attention backend's preference"
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of GPU memory to use")
     cpu_kv_cache_bytes: int = Field(1 << 30, ge=1 << 20, description="KV-cache bytes on CPU")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="force this many KV blocks")
@@ -62,6 +77,12 @@ class EngineConfig(BaseModel):
     cudagraph_capture_sizes: list[int] | None = Field(None, description="None = vLLM's default sizes")
     enforce_eager: bool = Field(False, description="never capture graphs")
     seed: int = Field(0, description="global seed for unseeded sampling")
+    # requests
+    max_logprobs: int = Field(20, ge=0, description="the most logprobs / prompt_logprobs a request may ask")
+
+    _sources: dict[str, str] = PrivateAttr(
+        default_factory=dict
+    )  # field -> "file", "env", "flag" or "argument"
 
     @field_validator("cudagraph_capture_sizes")
     @classmethod
@@ -91,25 +112,37 @@ class EngineConfig(BaseModel):
         """The replicas share one process group and step together, each joining every all-to-all."""
         return self.enable_expert_parallel and self.data_parallel_size > 1
 
+    def source(self, name: str) -> str:
+        """Where the value of field `name` came from: default, file, env, flag (CLI) or argument (API)."""
+        return self._sources.get(name, "default")
+
+    def with_sources(self, sources: dict[str, str]) -> EngineConfig:
+        self._sources = {**self._sources, **sources}
+        return self
+
     @classmethod
-    def load(cls, config_file: str | Path | None = None, **overrides: Any) -> EngineConfig:
-        """Merge the four sources; any unknown key or bad value raises ConfigError naming its source."""
+    def load(
+        cls, config_file: str | Path | None = None, *, origin: str = "argument", **overrides: Any
+    ) -> EngineConfig:
+        """Merge the four sources; any unknown key or bad value raises ConfigError naming its source.
+        `origin` names where the overrides came from ("flag" from the CLI), as source() reports it."""
         merged: dict[str, Any] = {}
         sources: dict[str, str] = {}
+        kinds: dict[str, str] = {}
         layers = [
-            (_read_file(Path(config_file)) if config_file else {}, f"config file {config_file}"),
-            (_read_env(), "environment"),
-            ({k: v for k, v in overrides.items() if v is not None}, "arguments"),
+            (_read_file(Path(config_file)) if config_file else {}, f"config file {config_file}", "file"),
+            (_read_env(), "environment", "env"),
+            ({k: v for k, v in overrides.items() if v is not None}, "arguments", origin),
         ]
-        for values, source in layers:
+        for values, source, kind in layers:
             for key, value in values.items():
                 if key not in cls.model_fields:
                     raise ConfigError(
                         f"unknown key '{key}' in {source}; valid keys: {', '.join(cls.model_fields)}"
                     )
-                merged[key], sources[key] = value, source
+                merged[key], sources[key], kinds[key] = value, source, kind
         try:
-            return cls(**merged)
+            return cls(**merged).with_sources(kinds)
         except ValidationError as e:
             raise ConfigError(_describe(e, sources)) from None
 

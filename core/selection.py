@@ -13,6 +13,7 @@ import torch
 
 from turnout.attention.backend import AttentionBackend, AttentionContext
 from turnout.config import EngineConfig
+from turnout.defaults import fit_defaults
 from turnout.errors import ConfigError, SelectionError
 from turnout.executor.base import ExecutorContext, ExecutorSpec
 from turnout.graphs.modes import GraphPolicy, RuntimeMode, downgrade
@@ -222,8 +223,13 @@ class Selection:
     effective_graph: GraphPolicy
     graph_note: str | None = None
     notes: list[str] = field(default_factory=list)
+    fitted: dict[str, tuple[Any, str]] = field(default_factory=dict)  # turnout.defaults: (value, why)
     moe: Choice | None = None  # MoE models only
     experts: dict[str, Any] | None = None  # MoE models: the experts each rank holds (describe_placement)
+
+    def apply(self, config: EngineConfig) -> EngineConfig:
+        """config with every setting it left unset replaced by its fitted value."""
+        return config.model_copy(update={k: v for k, (v, _) in self.fitted.items()})
 
     @property
     def backend(self) -> AttentionBackend:
@@ -254,6 +260,7 @@ class Selection:
 def select_all(
     config: EngineConfig, info: ModelInfo, pm: PluginManager | None = None, platform: Platform | None = None
 ) -> Selection:
+    info.check_parallel(config.tensor_parallel_size, config.pipeline_parallel_size)  # before any process
     pm = pm or get_plugin_manager()
     platform = platform or current_platform()
     dtype = info.resolve_dtype(config.dtype, platform)
@@ -274,13 +281,15 @@ def select_all(
     if note:  # expected on CPU; worth a warning only where graphs could have run
         level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
         logger.log(level, "cudagraph_mode %s -> %s: %s", graph.chosen.name, effective.name, note)
+    fitted = fit_defaults(config, platform, backend)
     experts = None
     if moe is not None:
         tp, dp, ep = config.tensor_parallel_size, config.data_parallel_size, config.enable_expert_parallel
         experts = describe_placement(info.hf_config, tp, dp, ep)
     return Selection(
-        platform, info, dtype, attention, model, executor, graph, effective, note, moe=moe, experts=experts
-    )
+        platform, info, dtype, attention, model, executor, graph, effective, note,
+        fitted=fitted, moe=moe, experts=experts,
+    )  # fmt: skip
 
 
 def worker_handoff(

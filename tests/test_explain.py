@@ -51,3 +51,13 @@ def test_llm_logs_its_choices_in_one_line(tiny_llama, caplog):
         "graph mode FULL_AND_PIECEWISE -> NONE, cpu float32"
     ]
     assert all(r.levelno == logging.INFO for r in caplog.records if r.getMessage() in lines)
+
+
+def test_explain_shows_fitted_settings_and_why(tiny_llama, capsys):
+    assert main(["explain", "--model", str(tiny_llama), "--block-size", "32", "--json"]) == 0
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    assert settings["max_num_batched_tokens"] == {"value": 2048, "source": "fitted: CPU: short steps"}
+    assert settings["block_size"] == {"value": 32, "source": "flag"}
+    assert main(["explain", "--model", str(tiny_llama)]) == 0
+    rows = _rows(capsys.readouterr().out, "engine settings")
+    assert rows["block_size"].split()[1] == "16" and "fitted: cpu's preferred" in rows["block_size"]

@@ -58,7 +58,7 @@ def test_explicit_valid_lower_priority_choice_is_honoured():
 def test_backend_check_reasons():
     class B(AttentionBackend):
         name, dtypes, head_sizes, block_size_multiple = "b", (torch.bfloat16,), (64, 128), 256
-        min_capability = (9, 0)
+        device_types, min_capability = ("cuda",), (9, 0)
 
     ctx = AttentionContext(H200, torch.float32, 80, 8, 3, 16)
     reasons = B().check(ctx)

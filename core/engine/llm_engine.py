@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -14,6 +15,7 @@ from transformers import AutoTokenizer
 from turnout.config import EngineConfig
 from turnout.engine.block_manager import BlockManager
 from turnout.engine.detokenizer import Detokenizer
+from turnout.engine.main_guard import check_main_guard
 from turnout.engine.request import Request
 from turnout.engine.scheduler import Scheduler
 from turnout.errors import ConfigError, RequestError, TurnoutError
@@ -25,11 +27,12 @@ logger = logging.getLogger("turnout")
 
 
 def resolve_model_dir(config: EngineConfig) -> str:
-    if config.model:
-        return config.model
-    from turnout.loader.default_model import default_model_path
+    """The HF-style folder to load: config.model, a cached conversion of a .gguf file, or the default."""
+    from turnout.loader.default_model import default_model_path, gguf_model_path
 
-    return str(default_model_path())
+    if config.model and config.model.endswith(".gguf"):
+        return str(gguf_model_path(config.model))
+    return config.model or str(default_model_path())
 
 
 @dataclass
@@ -44,19 +47,20 @@ class LLMEngine:
         self.config = config
         model_dir = resolve_model_dir(config)
         self.info = ModelInfo.from_dir(model_dir)
-        if config.pipeline_parallel_size > self.info.num_layers:
-            raise ConfigError(
-                f"pipeline_parallel_size {config.pipeline_parallel_size} exceeds the model's "
-                f"{self.info.num_layers} layers; every stage needs at least one layer"
-            )
         self.selection: Selection = select_all(config, self.info)
+        self.config = config = self.selection.apply(config)
         if self.selection.platform.is_cuda:
             from turnout.loader.default_model import cache_dir
 
             # Triton's compiled kernels live beside turnout's other caches, for every rank this spawns.
             os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
-        self.executor = self.selection.executor_spec.load()(config, self.selection)
+        executor_cls = self.selection.executor_spec.load()
+        if getattr(executor_cls, "start_method", None) == "spawn":
+            check_main_guard(
+                f"a {config.world_size}-rank engine (executor {self.selection.executor.chosen.name})"
+            )
+        self.executor = executor_cls(config, self.selection)
         self.eos_token_ids = self._eos_ids(model_dir)
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
@@ -157,14 +161,36 @@ class LLMEngine:
             raise RequestError(
                 f"prompt token ids must lie in [0, {vocab}); got {min(token_ids)}..{max(token_ids)}"
             )
+        params = self._accept(params, vocab)
         req_id = req_id or str(next(self._ids))
         if req_id in self.requests:
             raise RequestError(f"request id {req_id} is already in use; pick another")
         req = Request(req_id, token_ids, params, self.eos_token_ids)
         self.requests[req_id] = req
-        self.detok[req_id] = Detokenizer(self.tokenizer)
+        self.detok[req_id] = Detokenizer(self.tokenizer, params.skip_special_tokens)
         self.scheduler.add(req)
         return req
+
+    def _accept(self, params: SamplingParams, vocab: int) -> SamplingParams:
+        """Checks that need the engine, and a copy of params with the engine's EOS and bad-word ids."""
+        cap = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            if (v := getattr(params, name)) is not None and v > cap:
+                raise RequestError(
+                    f"{name}={v} exceeds max_logprobs {cap}; ask for at most {cap}, "
+                    "or raise the engine setting max_logprobs"
+                )
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            if bad := [t for t in ids if t >= vocab]:
+                raise RequestError(f"{name} names token id {bad[0]}, outside the vocabulary [0, {vocab})")
+        params = dataclasses.replace(params)
+        params.eos_token_ids = self.eos_token_ids
+        for word in params.bad_words or []:  # at the start of the text and after a space, as in vLLM
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in params.bad_words_token_ids:
+                    params.bad_words_token_ids.append(ids)
+        return params
 
     def abort(self, req_id: str) -> None:
         if (req := self.requests.get(req_id)) is not None:
@@ -187,9 +213,12 @@ class LLMEngine:
                 self.executor.execute_model(out)
             return []
         res = self.executor.step(out)
-        for req_id, (lp, top) in res.logprobs.items():
-            self.requests[req_id].logprobs.append(lp)
-            self.requests[req_id].top_logprobs.append(top)
+        for req_id, entry in res.logprobs.items():
+            self.requests[req_id].logprobs.append(entry)
+        for req_id, (first, entries) in res.prompt_logprobs.items():
+            have = self.requests[req_id].prompt_logprobs  # have[j] scores prompt token j + 1
+            if first <= len(have) + 1:  # a recompute after preemption scores tokens again: keep the first
+                have.extend(entries[len(have) + 1 - first :])
         finished = {r.req_id for r in self.scheduler.update(out, res.sampled, self.requests)}
         outputs = []
         for req_id in res.sampled:
@@ -201,16 +230,20 @@ class LLMEngine:
         return outputs
 
     def _detokenize(self, req: Request) -> str:
-        d = self.detok[req.req_id]
+        d, p = self.detok[req.req_id], req.params
         out_ids = req.output_token_ids
-        if req.is_finished and out_ids and out_ids[-1] in req.eos_token_ids + req.params.stop_token_ids:
+        if req.is_finished and req.hides_stop_token:
             out_ids = out_ids[:-1]  # vLLM keeps the stop token in token_ids, not in text
         before = len(d.text)
         delta = d.step(out_ids, final=req.is_finished)
-        if req.params.stop and delta and (i := d.find_stop(req.params.stop, len(delta))) is not None:
-            d.text = d.text[:i]
+        if p.stop and delta and len(out_ids) >= p.min_tokens and (hit := d.find_stop(p.stop, len(delta))):
+            i, stop = hit
+            d.text = d.text[: i + len(stop) if p.include_stop_str_in_output else i]
             delta = d.text[before:]
-            self.scheduler.finish(req, "stop")
+            if req.is_finished:  # ended by length or EOS in this very step: the stop string came first
+                req.finish_reason, req.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(req, "stop", stop)
         return delta
 
     def stats(self) -> dict[str, float]:

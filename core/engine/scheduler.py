@@ -26,7 +26,7 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool  # this step reaches the end of the known tokens, so a new token is sampled
     params: SamplingParams
-    prompt_token_ids: list[int]  # filled only when penalties need them
+    prompt_token_ids: list[int]  # filled only when params.needs_history
     output_token_ids: list[int]
 
 
@@ -80,7 +80,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            cached = self.bm.find_cached(req)
+            # prompt logprobs need every prompt position computed, so such requests skip the prefix cache
+            cached = self.bm.find_cached(req) if req.params.prompt_logprobs is None else []
             num_cached = len(cached) * self.bm.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.bm.allocate(req, n, cached):
@@ -101,7 +102,7 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        pen = req.params.needs_penalties
+        pen = req.params.needs_history
         return ScheduledRequest(
             req.req_id,
             req.token_slice(start, n),
@@ -135,19 +136,22 @@ class Scheduler:
             if s.req_id in sampled:
                 req.output_token_ids.append(sampled[s.req_id])
                 if reason := self._stop_reason(req):
-                    self.finish(req, reason)
+                    self.finish(req, *reason)
                     done.append(req)
         return done
 
-    def _stop_reason(self, req: Request) -> str | None:
-        tok, p = req.output_token_ids[-1], req.params
-        if (not p.ignore_eos and tok in req.eos_token_ids) or tok in p.stop_token_ids:
-            return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
+    def _stop_reason(self, req: Request) -> tuple[str, int | None] | None:
+        """(finish_reason, stop_reason): EOS and stop tokens count only from min_tokens on."""
+        tok, p, n = req.output_token_ids[-1], req.params, len(req.output_token_ids)
+        if n >= p.min_tokens and not p.ignore_eos and tok in req.eos_token_ids:
+            return "stop", None
+        if n >= p.min_tokens and tok in p.stop_token_ids:
+            return "stop", tok
+        if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length", None
         return None
 
-    def finish(self, req: Request, reason: str) -> None:
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         if req.is_finished:
             return
         if req in self.running:
@@ -155,5 +159,5 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.bm.free_request(req)
-        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED, reason, stop_reason
         self.finished_ids.append(req.req_id)

@@ -1,8 +1,10 @@
 """Turns a SchedulerOutput into tensors, runs the model, samples.
 
-Per step it builds input_ids, positions, slot_mapping, query_start_loc (cu_seqlens), seq_lens and the
-block table, publishes them to the Attention layers through forward_context, and keeps the logits of the
-rows that sample until sample_tokens.
+At start-up it builds the model (a turnout.models.CausalLM), numbers its Attention layers and gives the
+chosen backend their AttentionSpec before anything is sized or run. Per step it builds input_ids,
+positions, slot_mapping, query_start_loc (cu_seqlens), seq_lens and the block table, publishes them to the
+Attention layers through forward_context, and keeps the logits of the rows that sample until
+sample_tokens.
 
 Pipeline parallelism (pp_size > 1): every stage gets the same SchedulerOutput and splits its requests the
 same way into up to pp_size micro-batches of contiguous requests with about equal token counts
@@ -26,18 +28,21 @@ from torch import nn
 from turnout.attention.backend import AttentionBackend, AttentionMetadata
 from turnout.config import EngineConfig
 from turnout.distributed import get_parallel_state, pp_recv, pp_send
+from turnout.engine.request import TokenLogprobs
 from turnout.engine.scheduler import ScheduledRequest, SchedulerOutput
-from turnout.errors import WeightLoadError
+from turnout.errors import TurnoutError, WeightLoadError
 from turnout.graphs.dispatcher import GraphDispatcher, default_capture_sizes
 from turnout.graphs.modes import RuntimeMode
 from turnout.graphs.runner import GraphRunner
 from turnout.layers import moe
-from turnout.layers.attention import ForwardContext, forward_context
+from turnout.layers.attention import ForwardContext, bind_attention_layers, forward_context
 from turnout.layers.linear import pack_linears_for_cpu
 from turnout.loader.weights import iter_safetensors
+from turnout.models.interface import CausalLM
 from turnout.sampling_params import SamplingParams
 from turnout.selection import Selection
-from turnout.worker.sampler import Sampler
+from turnout.worker import block_table, kv_cache
+from turnout.worker.sampler import Sampler, gather_logprobs
 
 logger = logging.getLogger("turnout")
 _GREEDY = SamplingParams(temperature=0.0)
@@ -46,7 +51,9 @@ _GREEDY = SamplingParams(temperature=0.0)
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # req id -> new token
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # req id -> (index of the first prompt token scored this step, one entry per prompt token from there)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,15 +73,18 @@ class ModelRunner:
         self.info = selection.model_info
         self.block_size = config.block_size
         self.model = self._load_model()
+        self.attn_spec = bind_attention_layers(self.model, self.dtype, self.block_size)
+        self.backend.setup(self.attn_spec)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: GraphRunner | None = None
         self._pending: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
+        self._prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         self._staging64 = HostStaging(device, torch.int64)
         self._staging32 = HostStaging(device, torch.int32)
 
-    def _load_model(self) -> nn.Module:
+    def _load_model(self) -> CausalLM:
         t0 = time.perf_counter()
         cls = self.selection.architecture.load()
         prev = torch.get_default_dtype()
@@ -84,6 +94,13 @@ class ModelRunner:
                 model = cls(self.info.hf_config)
         finally:
             torch.set_default_dtype(prev)
+        if not isinstance(model, nn.Module) or not isinstance(model, CausalLM):
+            missing = [m for m in ("forward", "compute_logits", "load_weights") if not hasattr(model, m)]
+            raise TurnoutError(
+                f"model class {cls.__module__}.{cls.__qualname__} is not a torch.nn.Module implementing "
+                f"turnout.models.CausalLM (missing: {', '.join(missing) or 'nn.Module'}); "
+                "see docs/writing-a-plugin.md"
+            )
         if self.selection.moe is not None:
             moe.bind_kernel(model, self.selection.moe.obj)
         loaded = model.load_weights(iter_safetensors(self.info.path))
@@ -103,19 +120,15 @@ class ModelRunner:
 
     # ---- KV cache ----
     def kv_bytes_per_block(self) -> int:
-        layers = len(self.model.model.layers)
-        attn = self.model.model.layers[0].self_attn if layers else None
-        kv_heads, head = (attn.num_kv_heads, attn.head_size) if attn else (0, 0)
-        return 2 * layers * self.block_size * kv_heads * head * self.dtype.itemsize
+        return kv_cache.kv_bytes_per_block(self.backend, self.attn_spec)
 
-    def profile_num_blocks(self) -> int:
+    def determine_num_blocks(self) -> int:
         """How many KV blocks fit: cpu_kv_cache_bytes on CPU; on CUDA, what is left of
         gpu_memory_utilization after the weights and the peak of a max-size dummy step."""
         if self.config.num_gpu_blocks_override:
             return self.config.num_gpu_blocks_override
-        per_block = self.kv_bytes_per_block()
         if self.device.type != "cuda":
-            return max(1, self.config.cpu_kv_cache_bytes // per_block)
+            return max(1, kv_cache.blocks_in(self.config.cpu_kv_cache_bytes, self.backend, self.attn_spec))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._dummy_run(self.config.max_num_batched_tokens)
@@ -125,13 +138,13 @@ class ModelRunner:
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes, NCCL
         budget = total * self.config.gpu_memory_utilization - peak - used_elsewhere
         logger.info("memory: total %.1f GiB, peak step %.2f GiB", total / 2**30, peak / 2**30)
-        return max(0, int(budget // per_block))
+        return kv_cache.blocks_in(budget, self.backend, self.attn_spec)
 
     def _dummy_run(self, num_tokens: int) -> None:
         """A prefill of num_tokens over a throwaway KV cache: measures peak activation memory."""
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens))
         per_seq = num_tokens // num_seqs
-        nb = -(-per_seq // self.block_size)
+        nb = block_table.blocks_for(per_seq, self.block_size)
         self.allocate_kv_cache(nb * num_seqs)
         blocks = [list(range(i * nb, (i + 1) * nb)) for i in range(num_seqs)]
         reqs = [
@@ -143,11 +156,7 @@ class ModelRunner:
         self.kv_caches = []
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        attn = self.model.model.layers[0].self_attn
-        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_size)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers
-        ]
+        self.kv_caches = kv_cache.allocate_kv_caches(self.backend, self.attn_spec, num_blocks, self.device)
 
     def capture_graphs(self, num_blocks: int) -> None:
         policy = self.selection.effective_graph
@@ -159,7 +168,7 @@ class ModelRunner:
         max_len = min(cfg.max_model_len or self.info.max_position_embeddings, num_blocks * self.block_size)
         self.graphs = GraphRunner(
             self.model, self.backend, self.kv_caches, GraphDispatcher(policy, sizes),
-            cfg.max_num_seqs, -(-max_len // self.block_size), max_len,
+            cfg.max_num_seqs, block_table.blocks_for(max_len, self.block_size), max_len,
         )  # fmt: skip
         self.graphs.capture()
 
@@ -172,27 +181,23 @@ class ModelRunner:
         np.cumsum(qlens, out=cu[1:])
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=int(cu[-1]))
         positions = np.repeat(starts - cu[:-1], qlens) + np.arange(cu[-1])  # request i, token j: start_i + j
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        block_table = np.zeros((len(reqs), max_blocks), dtype=np.int32)
-        for i, r in enumerate(reqs):
-            block_table[i, : len(r.block_ids)] = r.block_ids
-        row = np.repeat(np.arange(len(reqs)), qlens)
-        slot_mapping = block_table[row, positions // self.block_size].astype(np.int64) * self.block_size
-        slot_mapping += positions % self.block_size
+        table = block_table.block_table([r.block_ids for r in reqs])
+        rows = np.repeat(np.arange(len(reqs)), qlens)
+        slot_mapping = block_table.slot_mapping(table, rows, positions, self.block_size)
         seq_lens = starts + qlens
         sample_reqs = [r for r in reqs if r.sample]
         logits_idx = (cu[1:] - 1)[np.array([r.sample for r in reqs], dtype=bool)]
         ids, pos, slots, lidx = self._staging64([input_ids, positions, slot_mapping, logits_idx])
-        cu_d, lens_d, bt = self._staging32([cu.astype(np.int32), seq_lens.astype(np.int32), block_table])
+        cu_d, lens_d, bt = self._staging32([cu.astype(np.int32), seq_lens.astype(np.int32), table])
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=cu_d,
             seq_lens=lens_d,
-            block_table=bt.view(block_table.shape),
+            block_table=bt.view(table.shape),
             max_query_len=int(qlens.max()),
             max_seq_len=int(seq_lens.max()),
             num_actual_tokens=int(cu[-1]),
-            num_decode_tokens=int((qlens == 1).sum()),
+            num_decode_tokens=int(np.argmin(qlens == 1)) if (qlens != 1).any() else len(reqs),
         )
         return StepInputs(ids, pos, meta, lidx, sample_reqs)
 
@@ -200,7 +205,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
             self.generators.pop(req_id, None)
-        self._pending = None
+        self._pending, self._prompt_logprobs = None, {}
         if not out.requests:
             if get_parallel_state().dp_size > 1:  # expert parallelism spans the replicas: join their steps
                 moe.dummy_step(self.model)
@@ -215,6 +220,7 @@ class ModelRunner:
             hidden = self.graphs.run(d, inp.input_ids, inp.positions, inp.meta)
         else:
             hidden = self._forward(inp)
+        self._prompt_logprobs = self.prompt_logprobs(out.requests, hidden)
         if inp.sample_reqs:
             self._pending = (self.model.compute_logits(hidden[inp.logits_indices]), inp.sample_reqs)
 
@@ -236,7 +242,9 @@ class ModelRunner:
             hidden = self._forward(inp, x)
             if not ps.is_last_pp:
                 sends.append((hidden, pp_send(hidden)))  # the tensor stays alive until its send is done
-            elif inp.sample_reqs:
+                continue
+            self._prompt_logprobs |= self.prompt_logprobs(reqs, hidden)
+            if inp.sample_reqs:
                 logits.append(self.model.compute_logits(hidden[inp.logits_indices]))
                 sample_reqs += inp.sample_reqs
         for _, work in sends:
@@ -244,10 +252,28 @@ class ModelRunner:
         if logits:
             self._pending = (torch.cat(logits), sample_reqs)
 
+    def prompt_logprobs(
+        self, reqs: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """For requests that asked prompt_logprobs: position j of this chunk scores prompt token j + 1."""
+        out, row = {}, 0
+        for r in reqs:
+            first, end = r.start_pos + 1, min(r.start_pos + len(r.token_ids), len(r.prompt_token_ids) - 1) + 1
+            if r.params.prompt_logprobs is not None and end > first:
+                logits = self.model.compute_logits(hidden[row : row + end - first])
+                target = torch.tensor(r.prompt_token_ids[first:end], device=logits.device)
+                lps, ranks, tops = gather_logprobs(
+                    logits.float(), target, [r.params.prompt_logprobs] * (end - first)
+                )
+                out[r.req_id] = (first, list(zip(lps, ranks, tops)))
+            row += len(r.token_ids)
+        return out
+
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
+        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, {}
         if self._pending is None:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         logits, reqs = self._pending
         self._pending = None
         res = self.sampler(
@@ -257,11 +283,11 @@ class ModelRunner:
             [r.prompt_token_ids for r in reqs],
             [r.output_token_ids for r in reqs],
         )
-        out = ModelRunnerOutput({r.req_id: t for r, t in zip(reqs, res.token_ids)})
-        if res.logprobs is not None and res.top_logprobs is not None:
-            for r, lp, top in zip(reqs, res.logprobs, res.top_logprobs):
+        out = ModelRunnerOutput({r.req_id: t for r, t in zip(reqs, res.token_ids)}, {}, prompt_logprobs)
+        if res.logprobs is not None and res.ranks is not None and res.top_logprobs is not None:
+            for r, lp, rank, top in zip(reqs, res.logprobs, res.ranks, res.top_logprobs):
                 if r.params.logprobs is not None:
-                    out.logprobs[r.req_id] = (lp, top)
+                    out.logprobs[r.req_id] = (lp, rank, top)
         return out
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:

@@ -1,5 +1,6 @@
-"""Batched token sampling, vLLM semantics: penalties, greedy, temperature, top-k, top-p, min-p, seeded rows,
-logprobs of the raw model distribution."""
+"""Batched token sampling, vLLM semantics. Per step, in vLLM's order: bad words, min_tokens and logit_bias,
+then penalties, then greedy or temperature / top-k / top-p / min-p with seeded rows; logprobs come from
+the raw model distribution."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ import torch
 
 from turnout.sampling_params import SamplingParams
 
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), best first
+
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[float] | None  # chosen token under log_softmax(raw logits); None if no row asked
-    top_logprobs: list[list[tuple[int, float]]] | None  # per row top-N (token, logprob); [] if not asked
+    ranks: list[int] | None  # chosen token's rank there: 1 + how many tokens have a higher logprob
+    top_logprobs: list[TopLogprobs] | None  # per row top-N; [] where not asked
 
 
 def _flat(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,6 +34,36 @@ def _flat(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, to
 def _cols(rows: list[tuple[float, ...]], device: torch.device) -> torch.Tensor:
     """Per-row parameters as a [fields, n] float32 tensor (numpy: torch.tensor on lists is ~3x slower)."""
     return torch.from_numpy(np.array(rows, dtype=np.float32).reshape(len(rows), -1).T.copy()).to(device)
+
+
+def banned_tokens(p: SamplingParams, output_token_ids: list[int]) -> list[int]:
+    """Tokens this row may not draw now: a bad word's last token once the output ends with the rest of it
+    (a one-token word always), and EOS / stop tokens while fewer than min_tokens are out."""
+    n = len(output_token_ids)
+    banned = [
+        w[-1]
+        for w in p.bad_words_token_ids
+        if n >= len(w) - 1 and output_token_ids[n - len(w) + 1 :] == w[:-1]
+    ]
+    if len(output_token_ids) < p.min_tokens:
+        banned += p.stop_token_ids + ([] if p.ignore_eos else p.eos_token_ids)
+    return banned
+
+
+def apply_logits_processors(
+    logits: torch.Tensor,  # [n, V] float32; written in place
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+) -> None:
+    dev = logits.device
+    banned = [banned_tokens(p, out) for p, out in zip(params, output_token_ids, strict=True)]
+    if any(banned):
+        rows, toks = _flat(banned, dev)
+        logits.index_put_((rows, toks), torch.tensor(-float("inf"), device=dev))
+    biased = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    if biased:
+        rows, toks, bias = (torch.tensor(c, device=dev) for c in zip(*biased))
+        logits.index_put_((rows, toks), bias.float(), accumulate=True)
 
 
 def apply_penalties(
@@ -61,7 +95,7 @@ def apply_penalties(
 
 
 def sample(
-    logits: torch.Tensor,  # [n, V] float32, penalised; not modified
+    logits: torch.Tensor,  # [n, V] float32, processed; not modified
     params: list[SamplingParams],  # all non-greedy
     generators: list[torch.Generator | None],
 ) -> torch.Tensor:  # [n] int64
@@ -102,55 +136,80 @@ def sample(
     return probs.div_(q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(-1)
 
 
+def gather_logprobs(
+    raw: torch.Tensor,  # [B, V] float32 raw logits
+    token_ids: torch.Tensor,  # [B] int64
+    num_top: list[int],  # per row, how many top logprobs
+) -> tuple[list[float], list[int], list[TopLogprobs]]:
+    """Logprob and rank of each row's token under log_softmax(raw), and each row's top num_top."""
+    lp = raw.log_softmax(-1)  # [B, V]
+    chosen = lp.gather(1, token_ids[:, None])  # [B, 1]
+    ranks = (lp >= chosen).sum(-1).tolist()  # ties count for the token, as in vLLM
+    top: list[TopLogprobs] = [[] for _ in num_top]
+    if (k := min(max(num_top), raw.shape[1])) > 0:
+        vals, ids = lp.topk(k, dim=-1)
+        for i, (v, t) in enumerate(zip(vals.tolist(), ids.tolist())):
+            top[i] = list(zip(t[: num_top[i]], v[: num_top[i]]))
+    return chosen[:, 0].tolist(), ranks, top
+
+
 class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,  # [B, V] any float dtype
         params: list[SamplingParams],  # per row
         generators: list[torch.Generator | None],  # per row; seeded rows draw only from theirs
-        prompt_token_ids: list[list[int]],  # per row, for the repetition penalty
-        output_token_ids: list[list[int]],  # per row, generated so far
+        prompt_token_ids: list[list[int]],  # per row; filled where params.needs_history
+        output_token_ids: list[list[int]],  # per row, generated so far; filled where needs_history
     ) -> SamplerOutput:
-        B, V = logits.shape
-        dev = logits.device
         raw = logits.float()  # [B, V]; never written to (may alias the caller's tensor)
+        processed = self.process(raw, params, prompt_token_ids, output_token_ids)
+        tokens = self.pick(processed, params, generators)
+        token_ids = tokens.tolist()
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not want:
+            return SamplerOutput(token_ids, None, None, None)
+        idx = torch.tensor(want, device=raw.device)
+        lps, ranks, tops = gather_logprobs(raw[idx], tokens[idx], [params[i].logprobs or 0 for i in want])
+        out = SamplerOutput(token_ids, [0.0] * len(params), [0] * len(params), [[] for _ in params])
+        for j, i in enumerate(want):
+            out.logprobs[i], out.ranks[i], out.top_logprobs[i] = lps[j], ranks[j], tops[j]  # type: ignore[index]
+        return out
+
+    def process(
+        self,
+        raw: torch.Tensor,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+    ) -> torch.Tensor:
+        """raw, or a new tensor with bad words, min_tokens, logit_bias and penalties applied."""
         logits = raw
-        pen = [i for i, p in enumerate(params) if p.needs_penalties]
-        if len(pen) == B:
-            logits = apply_penalties(raw, params, prompt_token_ids, output_token_ids)
-        elif pen:
-            idx = torch.tensor(pen, device=dev)
+        if any(p.bad_words_token_ids or p.min_tokens or p.logit_bias for p in params):
             logits = raw.clone()
+            apply_logits_processors(logits, params, output_token_ids)
+        pen = [i for i, p in enumerate(params) if p.needs_penalties]
+        if len(pen) == len(params):
+            return apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+        if pen:
+            idx = torch.tensor(pen, device=raw.device)
+            logits = logits.clone() if logits is raw else logits
             sub = (
                 [params[i] for i in pen],
                 [prompt_token_ids[i] for i in pen],
                 [output_token_ids[i] for i in pen],
             )
-            logits[idx] = apply_penalties(raw[idx], *sub)
+            logits[idx] = apply_penalties(logits[idx], *sub)
+        return logits
 
+    def pick(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:  # [B] int64
         samp = [i for i, p in enumerate(params) if not p.greedy]
-        if not samp:
-            tokens = logits.argmax(-1)
-        elif len(samp) == B:
-            tokens = sample(logits, params, generators)
-        else:
-            tokens = logits.argmax(-1)
-            idx = torch.tensor(samp, device=dev)
+        if len(samp) == len(params):
+            return sample(logits, params, generators)
+        tokens = logits.argmax(-1)
+        if samp:
+            idx = torch.tensor(samp, device=logits.device)
             tokens[idx] = sample(logits[idx], [params[i] for i in samp], [generators[i] for i in samp])
-
-        token_ids = tokens.tolist()
-        if all(p.logprobs is None for p in params):
-            return SamplerOutput(token_ids, None, None)
-        lse = raw.logsumexp(-1)  # [B]
-        chosen = (raw.gather(1, tokens[:, None])[:, 0] - lse).tolist()
-        top: list[list[tuple[int, float]]] = [[] for _ in range(B)]
-        want = [i for i, p in enumerate(params) if p.logprobs]
-        if want:
-            nmax = min(max(params[i].logprobs for i in want), V)
-            idx = torch.tensor(want, device=dev)
-            vals, ids = raw[idx].topk(nmax, dim=-1)  # [len(want), nmax]
-            vals, ids = (vals - lse[idx, None]).tolist(), ids.tolist()
-            for j, i in enumerate(want):
-                k = params[i].logprobs
-                top[i] = list(zip(ids[j][:k], vals[j][:k], strict=True))
-        return SamplerOutput(token_ids, chosen, top)
+        return tokens

@@ -21,10 +21,10 @@ class Worker:
         else:
             self.device = torch.device("cpu")
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, selection, self.device)
+        self.runner = ModelRunner(selection.apply(config), selection, self.device)
 
     def determine_num_blocks(self) -> int:
-        return self.runner.profile_num_blocks()
+        return self.runner.determine_num_blocks()
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)

@@ -1,15 +1,11 @@
 """turnout plugin: the FlashAttention backend (FA2 or FA4). Importing this module imports neither."""
 
-from turnout import EnvVar, hookimpl
+from turnout import EnvVar, Platform, hookimpl
 from turnout.attention import AttentionBackend
-from turnout.platform import Platform
 from turnout_flash_attn.backend import FlashAttnBackend
+from turnout_flash_attn.envs import ENV_VARS
 
 __all__ = ["FlashAttnBackend"]
-ENV_VARS = [
-    EnvVar("TURNOUT_FLASH_ATTN", str.strip, "", "2 or 4: allow only FlashAttention-2 or only -4"),
-    EnvVar("TURNOUT_FLASH_ATTN_CUDAGRAPH", str.upper, "", "a CUDA-graph support level replacing the path's"),
-]
 
 
 @hookimpl

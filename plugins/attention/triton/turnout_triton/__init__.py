@@ -1,14 +1,11 @@
 """turnout plugin: the Triton attention backend. Importing this module does not import triton."""
 
-from turnout import EnvVar, hookimpl
+from turnout import EnvVar, Platform, hookimpl
 from turnout.attention import AttentionBackend
-from turnout.platform import Platform
 from turnout_triton.backend import TritonAttentionBackend
+from turnout_triton.envs import ENV_VARS
 
 __all__ = ["TritonAttentionBackend"]
-ENV_VARS = [
-    EnvVar("TURNOUT_TRITON_PREFILL", str, "", "prefill tiles: block_m,block_n,warps,stages[,trans_k]"),
-]
 
 
 @hookimpl

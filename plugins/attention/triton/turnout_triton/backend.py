@@ -12,13 +12,7 @@ from types import ModuleType
 import torch
 
 from turnout import Priority
-from turnout.attention import (
-    AttentionBackend,
-    AttentionContext,
-    AttentionLayerSpec,
-    AttentionMetadata,
-    CudagraphSupport,
-)
+from turnout.attention import AttentionBackend, AttentionContext, AttentionMetadata, CudagraphSupport
 
 MAX_HEAD_SIZE = 256  # heads are padded to a power of two in registers; past 256 the tiles spill
 
@@ -68,7 +62,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(
         self,
-        layer: AttentionLayerSpec,
         q: torch.Tensor,  # [T, num_heads, head_size]
         k: torch.Tensor,  # [T, num_kv_heads, head_size]
         v: torch.Tensor,
@@ -81,4 +74,4 @@ class TritonAttentionBackend(AttentionBackend):
         # largest (max_model_len), and any split count that covers the lengths gives the same bits.
         splits = kn.num_splits(meta.max_seq_len)
         lens = (meta.query_start_loc, meta.seq_lens, meta.block_table)
-        return kn.paged_attention(q, kv_cache, *lens, layer.scale, meta.max_query_len, splits)
+        return kn.paged_attention(q, kv_cache, *lens, self.spec.scale, meta.max_query_len, splits)

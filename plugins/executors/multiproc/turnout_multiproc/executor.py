@@ -25,6 +25,8 @@ logger = logging.getLogger("turnout")
 
 
 class MultiprocExecutor(Executor):
+    start_method = "spawn"  # workers re-run the main script: the engine checks its __main__ guard
+
     def __init__(self, config: EngineConfig, selection: Selection) -> None:
         self.world_size = config.world_size
         self.timeout = float(config.rpc_timeout)
@@ -40,7 +42,7 @@ class MultiprocExecutor(Executor):
             raise
 
     def _start(self, config: EngineConfig, selection: Selection) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(self.start_method)
         infos = plan_ranks(config, selection, f"tcp://127.0.0.1:{free_port()}")
         self.init_method = infos[0].init_method  # replicas that share expert parallelism share one
         self.output_rank = infos[0].output_rank
