@@ -134,4 +134,15 @@ SUITES = {
         ],
         gpus=2,
     ),
+    "moe": Suite(
+        "Expert parallelism on 2 GPUs: a Qwen3-30B-A3B-shaped random model (12 of 48 layers, 128 experts, "
+        "top-8), EP=1 (tp1), EP=2 with TP and with DP attention, and TP=2 with split experts: outputs "
+        "against EP=1, the mixed workload's throughput and memory per rank; then float32 EP=2 against EP=1",
+        [
+            "python benchmarks/bench_moe.py --json {out}/{stamp}-ep1-vs-ep2.json",
+            "python benchmarks/bench_moe.py --configs tp1 tp2ep dp2ep --dtype float32 --skip-throughput "
+            "--json {out}/{stamp}-fp32-ep1-vs-ep2.json",
+        ],
+        gpus=2,
+    ),
 }

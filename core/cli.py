@@ -117,6 +117,7 @@ def _explain_doc(sel: Selection, config: EngineConfig) -> dict[str, Any]:
         "kinds": kinds,
         "graph_mode": _graph_mode(sel),
         "settings": _settings(config, sel),
+        **({"experts": {"kernel": sel.moe.chosen.name, **sel.experts}} if sel.moe and sel.experts else {}),
     }
 
 
@@ -138,6 +139,12 @@ def _print_explain(sel: Selection, config: EngineConfig) -> None:
     print(f"\ngraph mode: requested {graph['requested']}, effective {graph['effective']}")
     if graph["reason"]:
         print(f"  downgraded: {graph['reason']}")
+    if sel.moe and (experts := sel.experts):
+        n, k = experts["num_experts"], experts["top_k"]
+        print(f"\nexperts: {n} a MoE layer, top-{k}, kernel {sel.moe.chosen.name}")
+        print(f"  {experts['layout']}")
+        for rank, (start, stop) in enumerate(experts["experts_per_rank"] if experts["ep_size"] > 1 else []):
+            print(f"  rank {rank}: experts {start}-{stop - 1} ({stop - start})")
     print("\nengine settings")
     rows = [[k, str(v["value"]), v["source"]] for k, v in _settings(config, sel).items()]
     _table(["setting", "value", "source"], rows, "  ")

@@ -8,7 +8,15 @@ from typing import Any, Literal
 
 import tomllib
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from turnout import envs
 from turnout.errors import ConfigError
@@ -47,10 +55,20 @@ class EngineConfig(BaseModel):
     # selection
     attention_backend: str = Field("auto", description="attention backend name, or auto")
     executor: str = Field("auto", description="executor name, or auto")
+    moe_kernel: str = Field("auto", description="MoE models: expert kernel name (triton, torch), or auto")
     # parallelism
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     data_parallel_size: int = Field(1, ge=1)
+    enable_expert_parallel: bool = Field(
+        False, description="MoE models: partition the experts over the tp x dp ranks (all-to-all dispatch)"
+    )
+    data_parallel_rank: int = Field(
+        0, ge=0, description="this replica's index; the data-parallel front sets it"
+    )
+    data_parallel_master_port: int | None = Field(
+        None, ge=1, le=65535, description="rendezvous port of replicas that share expert parallelism"
+    )
     rpc_timeout: float = Field(
         300, gt=0, description="seconds to wait for a worker's answer before giving up"
     )
@@ -73,9 +91,26 @@ class EngineConfig(BaseModel):
             raise ValueError("must be a non-empty list of positive integers")
         return sorted(set(v)) if v else v
 
+    @field_validator("data_parallel_rank")
+    @classmethod
+    def _dp_rank(cls, v: int, info: ValidationInfo) -> int:
+        if v >= (size := info.data.get("data_parallel_size", 1)):
+            raise ValueError(f"must be below data_parallel_size {size}")
+        return v
+
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks a MoE model's experts are partitioned over: tp x dp with enable_expert_parallel, else 1."""
+        return self.tensor_parallel_size * self.data_parallel_size if self.enable_expert_parallel else 1
+
+    @property
+    def expert_parallel_spans_dp(self) -> bool:
+        """The replicas share one process group and step together, each joining every all-to-all."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     def source(self, name: str) -> str:
         """Where the value of field `name` came from: default, file, env, flag (CLI) or argument (API)."""

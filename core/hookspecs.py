@@ -40,6 +40,8 @@ class Priority(enum.IntEnum):
     - executors, any platform: uniproc FIRST > ray SECOND > multiproc THIRD; their checks leave one valid
       in most cases (uniproc for one rank, multiproc for ranks on this node, ray beyond it or at RAY_ADDRESS)
     - models and graph policies: DEFAULT. A third-party architecture above DEFAULT replaces a bundled one.
+    - MoE kernels (the core's list, layers/moe.py, no hook): triton FIRST on CUDA > torch DEFAULT; triton
+      under TRITON_INTERPRET=1 off CUDA TESTING
     """
 
     FIRST = 30

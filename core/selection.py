@@ -14,9 +14,10 @@ import torch
 from turnout.attention.backend import AttentionBackend, AttentionContext
 from turnout.config import EngineConfig
 from turnout.defaults import fit_defaults
-from turnout.errors import SelectionError
+from turnout.errors import ConfigError, SelectionError
 from turnout.executor.base import ExecutorContext, ExecutorSpec
-from turnout.graphs.modes import GraphPolicy, downgrade
+from turnout.graphs.modes import GraphPolicy, RuntimeMode, downgrade
+from turnout.layers.moe import MoEContext, describe_placement, graph_blocker, moe_kernels, num_experts
 from turnout.models.info import ModelInfo
 from turnout.models.registry import ModelArchitecture
 from turnout.platform import Platform, current_platform
@@ -29,12 +30,14 @@ KIND_LABELS = {
     "model": "model architecture",
     "executor": "executor",
     "graph": "graph policy",
+    "moe": "MoE kernel",
 }
 CONFIG_KEYS = {  # what names the candidate to use
     "attention": "attention_backend",
     "model": "the checkpoint's architectures",
     "executor": "executor",
     "graph": "cudagraph_mode",
+    "moe": "moe_kernel",
 }
 
 
@@ -194,6 +197,18 @@ def graph_candidates(pm: PluginManager) -> list[Candidate]:
     return _candidates(pm, "turnout_graph_policies", "graph", unique)
 
 
+def moe_candidates(ctx: MoEContext) -> list[Candidate]:
+    """The core's MoE kernels (layers/moe.py), checked like attention backends; a plugin cannot add one."""
+    cands = []
+    for k in moe_kernels(ctx):
+        try:
+            why = k.check(ctx)
+        except Exception as e:
+            why = [f"check() raised {type(e).__name__}: {e}"]
+        cands.append(Candidate("moe", k.name, "turnout", int(k.priority), why, k))
+    return cands
+
+
 @dataclass
 class Selection:
     """Everything chosen at start-up, and why."""
@@ -209,6 +224,8 @@ class Selection:
     graph_note: str | None = None
     notes: list[str] = field(default_factory=list)
     fitted: dict[str, tuple[Any, str]] = field(default_factory=dict)  # turnout.defaults: (value, why)
+    moe: Choice | None = None  # MoE models only
+    experts: dict[str, Any] | None = None  # MoE models: the experts each rank holds (describe_placement)
 
     def apply(self, config: EngineConfig) -> EngineConfig:
         """config with every setting it left unset replaced by its fitted value."""
@@ -228,16 +245,16 @@ class Selection:
 
     @property
     def choices(self) -> list[Choice]:
-        return [self.attention, self.model, self.executor, self.graph]
+        return [self.attention, self.model, self.executor, self.graph] + ([self.moe] if self.moe else [])
 
     def summary(self) -> str:
         """One line: the chosen backend, model, executor and graph mode, each with its plugin."""
-        a, m, e, g = (c.chosen for c in self.choices)
+        a, m, e, g = (c.chosen for c in self.choices[:4])
         graph = g.name if g.name == self.effective_graph.name else f"{g.name} -> {self.effective_graph.name}"
         return (
             f"attention {a.name} ({a.plugin}), model {m.name} ({m.plugin}), executor {e.name} ({e.plugin}), "
             f"graph mode {graph}, {self.platform.device_type} {str(self.dtype).removeprefix('torch.')}"
-        )
+        ) + (f", MoE kernel {self.moe.chosen.name}" if self.moe else "")
 
 
 def select_all(
@@ -258,11 +275,21 @@ def select_all(
     effective, note = downgrade(
         graph.obj, backend.cudagraph_support, backend.name, platform.device_type, config.enforce_eager
     )
+    moe = _choose_moe(config, info, platform, dtype)
+    if moe and effective.uses_graphs and (why := graph_blocker(moe.obj, config.expert_parallel_size)):
+        effective, note = GraphPolicy("NONE", RuntimeMode.NONE, RuntimeMode.NONE), why
     if note:  # expected on CPU; worth a warning only where graphs could have run
         level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
         logger.log(level, "cudagraph_mode %s -> %s: %s", graph.chosen.name, effective.name, note)
     fitted = fit_defaults(config, platform, backend)
-    return Selection(platform, info, dtype, attention, model, executor, graph, effective, note, fitted=fitted)
+    experts = None
+    if moe is not None:
+        tp, dp, ep = config.tensor_parallel_size, config.data_parallel_size, config.enable_expert_parallel
+        experts = describe_placement(info.hf_config, tp, dp, ep)
+    return Selection(
+        platform, info, dtype, attention, model, executor, graph, effective, note,
+        fitted=fitted, moe=moe, experts=experts,
+    )  # fmt: skip
 
 
 def worker_handoff(
@@ -278,6 +305,7 @@ def worker_handoff(
             "attention_backend": selection.attention.chosen.name,
             "executor": selection.executor.chosen.name,
             "cudagraph_mode": selection.graph.chosen.name,
+            **({"moe_kernel": selection.moe.chosen.name} if selection.moe else {}),
         }
     )
     try:
@@ -299,6 +327,22 @@ def selection_from_payload(config: EngineConfig, payload: bytes | None) -> Selec
             logger.warning("selection did not unpickle (%s: %s); selecting again", type(e).__name__, e)
     assert config.model is not None
     return select_all(config, ModelInfo.from_dir(config.model))
+
+
+def _choose_moe(
+    config: EngineConfig, info: ModelInfo, platform: Platform, dtype: torch.dtype
+) -> Choice | None:
+    n, ep = num_experts(info.hf_config), config.expert_parallel_size
+    if not n:
+        for key, unset in (("enable_expert_parallel", False), ("moe_kernel", "auto")):
+            if getattr(config, key) != unset:
+                raise ConfigError(f"{key} is set, but {info.architecture} has no experts; unset it")
+        return None
+    if ep > n:
+        raise ConfigError(
+            f"{n} experts do not split over {ep} expert-parallel ranks (tp x dp); use fewer ranks"
+        )
+    return choose("moe", moe_candidates(MoEContext(platform, dtype)), config.moe_kernel)
 
 
 def _choose_model(pm: PluginManager, architecture: str) -> Choice:

@@ -9,6 +9,9 @@ CUDA_VISIBLE_DEVICES names only those GPUs, so selection admits only executors w
 of their own (ExecutorSpec.in_process False). On the CPU the replicas may run in this process. Replicas
 whose model runs in other processes step in threads, in-process ones one after another (they share the
 forward context).
+
+With enable_expert_parallel the replicas' ranks form one process group instead, and a MoE model's experts
+are split over all tp x dp of them (`_start_together`); every replica steps while any has work.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from turnout.config import EngineConfig
 from turnout.engine.llm_engine import LLMEngine, StepOutput
 from turnout.engine.request import Request
 from turnout.errors import ConfigError, RequestError
+from turnout.executor.rank import free_port
 from turnout.platform import current_platform
+from turnout.plugins import get_plugin_manager
 from turnout.sampling_params import SamplingParams
 
 
@@ -32,9 +37,12 @@ class DataParallelEngine:
         self.config = config
         self.engines: list[LLMEngine] = []
         try:
-            for i in range(config.data_parallel_size):
-                with _visible_devices(i, config):
-                    self.engines.append(LLMEngine(config))
+            if config.expert_parallel_spans_dp:
+                self.engines = _start_together(config)
+            else:
+                for i in range(config.data_parallel_size):
+                    with _visible_devices(i, config):
+                        self.engines.append(LLMEngine(config))
         except BaseException:
             self.shutdown()
             raise
@@ -91,6 +99,41 @@ class DataParallelEngine:
             e.shutdown()
         if getattr(self, "_pool", None) is not None:
             self._pool.shutdown(wait=False)
+
+
+def _start_together(config: EngineConfig) -> list[LLMEngine]:
+    """Replicas that share expert parallelism form one process group: every replica steps when any has
+    work (an idle one runs a dummy step), so each must run in worker processes stepped in threads, and they
+    start together, as each replica's ranks wait for all the others'. Their ranks see every GPU: global
+    rank = device index."""
+    n, ws = config.data_parallel_size, config.world_size
+    if config.pipeline_parallel_size > 1:
+        raise ConfigError(
+            "enable_expert_parallel with data_parallel_size > 1 runs without pipeline stages; "
+            "set pipeline_parallel_size 1 or unset enable_expert_parallel"
+        )
+    if config.executor not in ("auto", "multiproc"):
+        raise ConfigError(
+            f"enable_expert_parallel with data_parallel_size > 1 needs executor=multiproc (or auto), "
+            f"not {config.executor}: the replicas share one process group"
+        )
+    platform = current_platform()
+    if platform.is_cuda and n * ws > platform.device_count:
+        raise ConfigError(
+            f"data_parallel_size {n} x world size {ws} needs {n * ws} GPUs, have {platform.device_count}; "
+            "lower data_parallel_size or tensor_parallel_size"
+        )
+    pinned = {"executor": "multiproc", "data_parallel_master_port": free_port()}
+    configs = [config.model_copy(update={**pinned, "data_parallel_rank": i}) for i in range(n)]
+    get_plugin_manager()  # loaded once, before the threads that select
+    with ThreadPoolExecutor(n, "turnout-dp-start") as pool:
+        futures = [pool.submit(LLMEngine, c) for c in configs]
+    engines = [f.result() for f in futures if f.exception() is None]
+    if len(engines) < n:
+        for e in engines:
+            e.shutdown()
+        raise next(f.exception() for f in futures if f.exception() is not None)
+    return engines
 
 
 @contextmanager

@@ -207,7 +207,9 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         out = self.scheduler.schedule()
         if not out.requests:
-            if out.finished_req_ids:  # let workers drop state of aborted requests
+            if self.config.expert_parallel_spans_dp:  # the other replicas' all-to-alls wait for our ranks
+                self.executor.step(out)
+            elif out.finished_req_ids:  # let workers drop state of aborted requests
                 self.executor.execute_model(out)
             return []
         res = self.executor.step(out)

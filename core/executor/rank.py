@@ -37,12 +37,12 @@ logger = logging.getLogger("turnout")
 class RankInfo:
     """Everything one rank needs to join the others and rebuild the driver's choices."""
 
-    rank: int  # pp_rank * tp_size + tp_rank
-    world_size: int
+    rank: int  # (dp_rank * pp + pp_rank) * tp + tp_rank; dp_rank > 0 where replicas share expert parallelism
+    world_size: int  # of the process group: tp * pp, times dp where replicas share it
     tp_size: int
     local_rank: int  # the index of this rank's device among those its process sees
     init_method: str  # tcp://<host>:<port> of rank 0's rendezvous store
-    output_rank: int  # the rank whose sampled tokens travel back
+    output_rank: int  # the rank whose sampled tokens travel back, counted within this replica
     threads: int  # torch CPU threads of this rank's process
     log_level: int
     config: EngineConfig  # the driver's, every choice pinned by name
@@ -73,16 +73,21 @@ def plan_ranks(
     local_ranks: Sequence[int] | None = None,
     dumps: Callable[[Any], bytes] | None = None,
 ) -> list[RankInfo]:
-    """One RankInfo per rank. local_ranks: each rank's device index (default: rank r uses device r, one
-    node); dumps: how the Selection is pickled for the transport."""
+    """One RankInfo per rank of this replica. local_ranks: each rank's device index (default: the rank's
+    number, one node); dumps: how the Selection is pickled for the transport. Replicas that share expert
+    parallelism join one process group at data_parallel_master_port, replica d's ranks after d - 1's."""
     from turnout.selection import worker_handoff
 
     pinned, payload = worker_handoff(selection, config, dumps)
     world, tp = config.world_size, config.tensor_parallel_size
+    first, group = 0, world
+    if config.expert_parallel_spans_dp:
+        first, group = config.data_parallel_rank * world, config.data_parallel_size * world
+        init_method = f"tcp://127.0.0.1:{config.data_parallel_master_port}"
     threads = max(1, cpu_cores() // (world * config.data_parallel_size))  # the node's cores, shared
-    local = list(local_ranks) if local_ranks is not None else list(range(world))
+    local = list(local_ranks) if local_ranks is not None else list(range(first, first + world))
     common = (output_rank(config), threads, logger.getEffectiveLevel(), pinned, payload, envs.environment())
-    return [RankInfo(r, world, tp, local[r], init_method, *common) for r in range(world)]
+    return [RankInfo(first + r, group, tp, local[r], init_method, *common) for r in range(world)]
 
 
 class RankWorker:
@@ -93,7 +98,7 @@ class RankWorker:
         from turnout.worker.worker import Worker
 
         os.environ.update(info.env)
-        self.is_output = info.rank == info.output_rank
+        self.is_output = info.rank % info.config.world_size == info.output_rank
         logging.basicConfig(format=f"%(levelname)s turnout rank {info.rank}: %(message)s")
         logger.setLevel(info.log_level if self.is_output else max(info.log_level, logging.WARNING))
         selection = selection_from_payload(info.config, info.selection)
@@ -126,4 +131,6 @@ def _join(info: RankInfo, cuda: bool) -> None:
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.world_size)
     # layers read the parallel state while the model is built
-    set_parallel_state(init_parallel_groups(info.rank, info.world_size, info.tp_size))
+    dp = info.world_size // info.config.world_size  # replicas in this group: they share expert parallelism
+    ep = info.config.enable_expert_parallel
+    set_parallel_state(init_parallel_groups(info.rank, info.world_size, info.tp_size, dp, ep))

@@ -1,5 +1,7 @@
-"""Layers for model plugins: tensor-parallel linears and embeddings, norms, rotary embedding, activation and
-the Attention layer that calls the chosen backend. Each picks its own kernel for the device and batch."""
+"""Layers for model plugins: tensor-parallel linears and embeddings, norms, rotary embedding, activation,
+the Attention layer that calls the chosen backend, and FusedMoE, the experts of a sparse MoE block (with
+expert parallelism). Each picks its own kernel for the device and batch; FusedMoE gets the one chosen at
+start-up."""
 
 from turnout.layers.activation import SiluAndMul
 from turnout.layers.attention import Attention
@@ -10,12 +12,14 @@ from turnout.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from turnout.layers.moe import FusedMoE, num_experts
 from turnout.layers.norm import RMSNorm
 from turnout.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "Attention",
     "ColumnParallelLinear",
+    "FusedMoE",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",
@@ -24,4 +28,5 @@ __all__ = [
     "RowParallelLinear",
     "SiluAndMul",
     "VocabParallelEmbedding",
+    "num_experts",
 ]

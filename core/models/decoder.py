@@ -7,7 +7,7 @@ decode GEMV with the norm or SiLU-and-mul in its prologue); the model only says 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -61,13 +61,16 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         self.self_attn = DecoderAttention(cfg, qkv_bias, qk_norm)
-        self.mlp = DecoderMLP(hidden, cfg["intermediate_size"])
+        self.mlp = mlp if mlp is not None else DecoderMLP(hidden, cfg["intermediate_size"])
         self.input_layernorm = RMSNorm(hidden, eps, feeds_linear=True)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, feeds_linear=True)
+        # only the dense MLP's gate_up_proj takes a PendingNorm
+        self.post_attention_layernorm = RMSNorm(hidden, eps, feeds_linear=isinstance(self.mlp, DecoderMLP))
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
@@ -90,11 +93,19 @@ def layer_range(num_layers: int) -> tuple[int, int]:
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        qkv_bias: bool,
+        qk_norm: bool,
+        make_mlp: Callable[[int], nn.Module | None] = lambda layer: None,
+    ) -> None:
         super().__init__()
         self.start, self.end = layer_range(cfg["num_hidden_layers"])
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, qk_norm) for _ in range(self.start, self.end))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, qkv_bias, qk_norm, make_mlp(i)) for i in range(self.start, self.end)
+        )
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
     def forward(
@@ -115,7 +126,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A turnout.models.CausalLM. Subclasses set qkv_bias / qk_norm (or derive them from the config)."""
+    """A turnout.models.CausalLM. Subclasses set qkv_bias / qk_norm (or derive them from the config); a
+    mixture-of-experts model also overrides make_mlp."""
 
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -131,11 +143,16 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.qkv_bias = bool(cfg.get("attention_bias", self.qkv_bias))
-        self.model = DecoderModel(cfg, self.qkv_bias, self.qk_norm)
+        self.model = DecoderModel(cfg, self.qkv_bias, self.qk_norm, self.make_mlp)
         self.tie = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         if self.tie:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        """The feed-forward block of layer `layer` (its global index): forward(x [T, hidden]) -> [T, hidden].
+        None = the dense DecoderMLP of intermediate_size; a MoE model returns its sparse block."""
+        return None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None

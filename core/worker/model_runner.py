@@ -34,6 +34,7 @@ from turnout.errors import TurnoutError, WeightLoadError
 from turnout.graphs.dispatcher import GraphDispatcher, default_capture_sizes
 from turnout.graphs.modes import RuntimeMode
 from turnout.graphs.runner import GraphRunner
+from turnout.layers import moe
 from turnout.layers.attention import ForwardContext, bind_attention_layers, forward_context
 from turnout.layers.linear import pack_linears_for_cpu
 from turnout.loader.weights import iter_safetensors
@@ -100,6 +101,8 @@ class ModelRunner:
                 f"turnout.models.CausalLM (missing: {', '.join(missing) or 'nn.Module'}); "
                 "see docs/writing-a-plugin.md"
             )
+        if self.selection.moe is not None:
+            moe.bind_kernel(model, self.selection.moe.obj)
         loaded = model.load_weights(iter_safetensors(self.info.path))
         missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
         if missing:
@@ -204,6 +207,8 @@ class ModelRunner:
             self.generators.pop(req_id, None)
         self._pending, self._prompt_logprobs = None, {}
         if not out.requests:
+            if get_parallel_state().dp_size > 1:  # expert parallelism spans the replicas: join their steps
+                moe.dummy_step(self.model)
             return
         if get_parallel_state().pp_size > 1:
             return self._execute_pipeline(out)

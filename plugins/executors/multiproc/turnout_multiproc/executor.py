@@ -43,8 +43,8 @@ class MultiprocExecutor(Executor):
 
     def _start(self, config: EngineConfig, selection: Selection) -> None:
         ctx = mp.get_context(self.start_method)
-        self.init_method = f"tcp://127.0.0.1:{free_port()}"
-        infos = plan_ranks(config, selection, self.init_method)
+        infos = plan_ranks(config, selection, f"tcp://127.0.0.1:{free_port()}")
+        self.init_method = infos[0].init_method  # replicas that share expert parallelism share one
         self.output_rank = infos[0].output_rank
         for info in infos:
             parent, child = ctx.Pipe()
