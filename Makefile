@@ -16,9 +16,10 @@ test: setup lint  ## the CI suite: CPU tests (GPU tests skip without CUDA), ruff
 test-all: setup  ## everything, GPU tests included (on a CUDA machine)
 	$(BIN)/python -m pytest -q
 
-lint: setup
+lint: setup  ## ruff, and the import contracts of pyproject.toml (plugins use only the core's facades)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	PYTHONPATH=examples/turnout-example-backend:examples/turnout-example-model $(BIN)/lint-imports
 
 format: setup
 	$(BIN)/ruff format .

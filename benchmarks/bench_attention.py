@@ -7,17 +7,13 @@ Times forward (KV write + attention) with CUDA events after an L2 flush, median 
 (host launch overhead included) and, where the backend's cudagraph_support covers the batch, replayed
 from a CUDA graph (kernel time); rates use the graph time when there is one. build_metadata runs once
 per step in the engine and is timed on its own (meta_ms). Example:
-  python benchmarks/bench_attention.py --backends triton --json benchmarks/results/$(date +%F)-attention.json
+  python benchmarks/bench_attention.py --backends triton --json /tmp/attention.json   # suite: attention
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata as md
-import json
-import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -28,14 +24,14 @@ import torch
 from turnout.attention import (
     AttentionBackend,
     AttentionContext,
-    AttentionLayerSpec,
     AttentionMetadata,
+    AttentionSpec,
     CudagraphSupport,
 )
 from turnout.platform import current_platform
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cuda_time_ms  # noqa: E402
+from common import cuda_time_ms, write_json  # noqa: E402
 
 PEAK_BW = 4.3e12  # bytes/s, H200 device copy
 PEAK_FLOPS = 790e12  # bf16 dense matmul
@@ -114,7 +110,7 @@ def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argpar
         return None
     qlens = [1] * batch if kind == "decode" else [ctx]
     q, k, v, kv_cache, meta = make_step([ctx] * batch, qlens, heads, dtype, bs)
-    layer = AttentionLayerSpec(0, args.num_heads, args.num_kv_heads, args.head_size, args.head_size**-0.5)
+    be.setup(AttentionSpec(*heads, dtype, bs, args.head_size**-0.5, num_layers=1))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     meta.backend_data = be.build_metadata(meta)
@@ -122,7 +118,7 @@ def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argpar
     meta_ms = (time.perf_counter() - t0) * 1e3
 
     def fwd() -> torch.Tensor:
-        return be.forward(layer, q, k, v, kv_cache, meta)
+        return be.forward(q, k, v, kv_cache, meta)
 
     ms = time_ms(fwd, args.iters, args.warmup)
     S = CudagraphSupport  # one prefill request is a uniform batch
@@ -138,16 +134,6 @@ def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argpar
         flops = 2 * ctx * ctx * args.num_heads * args.head_size  # 4 N^2 H D, halved by the causal mask
         row.update(tflops=flops / ms / 1e9, pct_peak=100 * flops / (ms * 1e-3) / PEAK_FLOPS)
     return row
-
-
-def git_commit() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def version(name: str) -> str | None:
@@ -191,22 +177,8 @@ def main() -> None:
             g = "-" if row["graph_ms"] is None else f"{row['graph_ms']:.4f}"
             print(f"{be.name:<10}{kind:<9}{batch:>6}{ctx:>8}{row['eager_ms']:>10.4f}{g:>10}", end="")
             print(f"{rate:>15}{row['pct_peak']:>7.1f}%")
-    if args.json:
-        result = dict(
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            device=torch.cuda.get_device_name(),
-            capability=list(torch.cuda.get_device_capability()),
-            torch=torch.__version__,
-            triton=version("triton"),
-            git_commit=git_commit(),
-            command=shlex.join([sys.executable, *sys.argv]),
-            config=vars(args),
-            peaks=dict(bytes_per_s=PEAK_BW, flops=PEAK_FLOPS),
-            results=rows,
-        )
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, rows, args, capability=list(torch.cuda.get_device_capability()),
+               triton=version("triton"), peaks=dict(bytes_per_s=PEAK_BW, flops=PEAK_FLOPS))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 prompts, same machine, one run, interleaved repeats (median). Greedy; every request generates exactly
 --output-len tokens; each dtype runs in both engines.
 
-  python benchmarks/bench_cpu.py --batch 1 16 --output-len 64 --json benchmarks/results/cpu.json
+  python benchmarks/bench_cpu.py --batch 1 16 --output-len 64 --json /tmp/cpu.json   # suite: cpu-vs-hf
 """
 
 from __future__ import annotations
@@ -95,7 +95,11 @@ def main() -> None:
                          "speedup": ours / theirs})  # fmt: skip
     print_table(rows)
     write_json(
-        args.json, rows, model="SmolLM2-135M-Instruct (Q4_1 GGUF -> float32)", threads=torch.get_num_threads()
+        args.json,
+        rows,
+        args,
+        model="SmolLM2-135M-Instruct (Q4_1 GGUF -> float32)",
+        threads=torch.get_num_threads(),
     )
 
 

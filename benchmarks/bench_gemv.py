@@ -2,7 +2,7 @@
 Qwen3-0.6B shapes, with a sweep of the GEMV's tiles (issue #5: the matmuls are 907 of a batch-1 step's
 1306 us of kernel time on the H200).
 
-  python benchmarks/bench_gemv.py --json benchmarks/results/$(date +%F)-h200-gemv.json
+  python benchmarks/bench_gemv.py --json /tmp/gemv.json   # suite: gemv
   TRITON_INTERPRET=1 python benchmarks/bench_gemv.py --smoke   # CPU: small shapes, checks the script
 
 Each case is timed with CUDA events after an L2 flush (median of --iters) and reported as achieved
@@ -96,7 +96,7 @@ def main() -> None:
     print_table(rows)
     print()
     print_table(list(step.values()))
-    write_json(args.json, rows, step=list(step.values()), bandwidth=BANDWIDTH,
+    write_json(args.json, rows, args, step=list(step.values()), bandwidth=BANDWIDTH,
                triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")  # fmt: skip
 
 

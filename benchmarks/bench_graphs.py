@@ -1,7 +1,7 @@
 """CUDA-graph modes on a Qwen3-0.6B-shaped random bf16 model: correctness against NONE, decode TPOT,
 throughput on three workloads, capture time and graph memory.
 
-  python benchmarks/bench_graphs.py --backends triton flashinfer --json benchmarks/results/graphs.json
+  python benchmarks/bench_graphs.py --backends triton flashinfer --json /tmp/graphs.json   # suite: graphs
 """
 
 from __future__ import annotations
@@ -156,14 +156,14 @@ def main() -> None:
             row["capture"] = capture.replace("captured ", "")
             rows.append(row)
             print(row, flush=True)
-            write_json(args.json, rows, model="Qwen3-0.6B-shaped, random bf16 weights", quick=args.quick,
-                       fused_kernels=not args.unfused)  # fmt: skip
+            write_json(args.json, rows, args, model="Qwen3-0.6B-shaped, random bf16 weights",
+                       quick=args.quick, fused_kernels=not args.unfused)  # fmt: skip
             llm.shutdown()
             del llm
             gc.collect()
             torch.cuda.empty_cache()
     print_table(rows)
-    write_json(args.json, rows, model="Qwen3-0.6B-shaped, random bf16 weights", quick=args.quick,
+    write_json(args.json, rows, args, model="Qwen3-0.6B-shaped, random bf16 weights", quick=args.quick,
                        fused_kernels=not args.unfused)  # fmt: skip
 
 

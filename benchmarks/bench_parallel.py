@@ -1,7 +1,7 @@
 """Parallelism (issue #6) on a Qwen3-0.6B-shaped random bf16 model: greedy outputs of each config against
 the first (TP=1), and throughput on the mixed workload of issue #5, for TP=1, TP=2 and DP=2.
 
-  python benchmarks/bench_parallel.py --json benchmarks/results/parallel.json          # 2 GPUs
+  python benchmarks/bench_parallel.py --json /tmp/parallel.json   # suite: parallel (2 GPUs)
   python benchmarks/bench_parallel.py --tiny --device cpu --quick --executor multiproc  # CPU smoke (gloo)
 
 A config is tp<N>, pp<N> and dp<N> run together: tp1, tp2, dp2, tp2pp2, dp2tp2, ... The first config is
@@ -168,10 +168,10 @@ def main() -> None:
                     print(f"{name}: this process still holds {left:.2f} GiB of GPU memory", flush=True)
         rows.append(row)
         print(row, flush=True)
-        write_json(args.json, rows, **extra)
+        write_json(args.json, rows, args, **extra)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     print_table([{k: r.get(k, "") for k in keys} for r in rows])
-    write_json(args.json, rows, **extra)
+    write_json(args.json, rows, args, **extra)
 
 
 if __name__ == "__main__":

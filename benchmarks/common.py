@@ -2,49 +2,13 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-def provenance() -> dict[str, Any]:
-    import torch
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
-
-    device = (
-        torch.cuda.get_device_name(0)
-        if torch.cuda.is_available()
-        else f"cpu ({platform.processor() or 'x86_64'})"
-    )
-    return {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": device,
-        # The GPU machine's copy of the tree has no true git state: its run scripts pass BENCH_COMMIT.
-        "commit": os.environ.get("BENCH_COMMIT")
-        or git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "-uno") else ""),
-        # the switches a run was made under (config.ENV_SWITCHES: TURNOUT_TRITON_GEMV=0 and the like)
-        "command": " ".join(
-            [
-                *(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("TURNOUT_")),
-                Path(sys.executable).name,
-                *sys.argv,
-            ]
-        ),  # fmt: skip
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
+from turnout.bench.records import provenance
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -58,10 +22,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(x, widths)))
 
 
-def write_json(path: str | None, rows: list[dict[str, Any]], **extra: Any) -> None:
+def write_json(path: str | None, rows: list[dict[str, Any]], config: Any, **extra: Any) -> None:
+    """{date, device, commit, command, python, torch, config, ...extra, results}; config: the run's settings
+    (the parsed arguments, an argparse.Namespace or a dict)."""
     if path:
+        cfg = {k: v for k, v in (config if isinstance(config, dict) else vars(config)).items() if k != "json"}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps({**provenance(), **extra, "results": rows}, indent=2) + "\n")
+        doc = {**provenance(), "config": cfg, **extra, "results": rows}
+        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {path}")
 
 

@@ -1,7 +1,7 @@
 """End to end on the GPU: bf16 Qwen3- and Llama-shaped models, 32 prompts, 64 greedy tokens. Every
 installed GPU attention backend against each other and against HF transformers (bf16, same GPU).
 
-  python benchmarks/gpu_e2e.py --json benchmarks/results/gpu_e2e.json
+  python benchmarks/gpu_e2e.py --json /tmp/e2e.json   # suite: e2e
   python benchmarks/gpu_e2e.py --shapes smollm2-135m --gguf SmolLM2-135M-Instruct.Q4_1.gguf  # real weights
 
 The shapes in random_models.py carry random weights (no downloads on the GPU machine). `smollm2-135m` is
@@ -126,7 +126,8 @@ def alone_vs_hf(llm, model, prompts: list[list[int]], device: str = "cuda") -> d
         same += int((hf.argmax(-1) == ids).sum())
         total += len(ids)
         chosen = hf.gather(1, ids[:, None])[:, 0].cpu()
-        gap = max(gap, float((chosen - torch.tensor(out.logprobs)).abs().max()))
+        ours = torch.tensor([d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+        gap = max(gap, float((chosen - ours).abs().max()))
     return {"alone_hf_agrees": same / max(1, total), "alone_logprob_max_gap": gap}
 
 
@@ -208,11 +209,11 @@ def main() -> None:
                     row[f"vs_{other}"] = agree(outs[b], outs[other])
             rows.append(row)
             print(row, flush=True)
-            write_json(args.json, rows, prompts=32, new_tokens=NEW, dtype="bfloat16", shapes=args.shapes,
-                       sequences=sequences)  # fmt: skip
+            write_json(args.json, rows, args, prompts=32, new_tokens=NEW, dtype="bfloat16",
+                       shapes=args.shapes, sequences=sequences)  # fmt: skip
     keys = sorted({k for r in rows for k in r}, key=str)
     print_table([{k: r.get(k, "") for k in keys} for r in rows])
-    write_json(args.json, rows, prompts=32, new_tokens=NEW, dtype="bfloat16", shapes=args.shapes,
+    write_json(args.json, rows, args, prompts=32, new_tokens=NEW, dtype="bfloat16", shapes=args.shapes,
                sequences=sequences)  # fmt: skip
 
 

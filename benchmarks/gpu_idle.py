@@ -2,7 +2,7 @@
 steps under torch.profiler, the share of their window during which no kernel or copy runs on the device,
 the longest gap, and (from an unprofiled pass) ms per step and output tok/s.
 
-  python benchmarks/gpu_idle.py --model CKPT --batch 256 --steps 32 --json benchmarks/results/gpu_idle.json
+  python benchmarks/gpu_idle.py --model CKPT --batch 256 --steps 32 --json F
 
 Without --model, a random Qwen3-0.6B-shaped checkpoint is made in --workdir. Prompts are --prompt-len
 random tokens; sampling is nano-vllm's bench (temperature 0.6, ignore_eos).
@@ -78,7 +78,7 @@ def main() -> None:
     model = args.model or str(make_random_model(Path(args.workdir) / "qwen3-0.6b", "qwen3-0.6b"))
     rows = [measure(model, on, args) for on in (False, True)]
     print_table(rows)
-    write_json(args.json, rows)
+    write_json(args.json, rows, args)
 
 
 if __name__ == "__main__":

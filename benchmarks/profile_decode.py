@@ -3,7 +3,7 @@
 Per-kernel and per-category GPU time per decode step, against the step's wall time, the engine's TPOT and
 the weight-read floor (parameter bytes / --bandwidth).
 
-  python benchmarks/profile_decode.py --modes FULL NONE --json benchmarks/results/profile_decode.json
+  python benchmarks/profile_decode.py --modes FULL NONE --json /tmp/profile.json   # suite: profile
 
 --batch requests (a 32-token prompt each, ignore_eos; default 1) on a Qwen3-0.6B-shaped random bf16 model. A
 wrapper around the ModelRunner's execute_model and sample_tokens synchronises before and after each pure-
@@ -318,7 +318,7 @@ def main() -> None:
                         "tpot_us": t["tpot_us"],
                         "floor_us": t["weight_floor_us"]})  # fmt: skip
         results.append(res)
-        write_json(args.json, results, **meta)
+        write_json(args.json, results, args, **meta)
         llm.shutdown()
         del llm
         gc.collect()

@@ -1,7 +1,7 @@
 """Host work of a decode step at a large batch, on the CPU: a tiny random model keeps the forward small, so
 the engine's own Python shows (scheduler, input preparation, sampler, update).
 
-  python benchmarks/profile_host.py --batch 256 --steps 64 [--temperature 0.6] [--async-scheduling]
+  python benchmarks/profile_host.py --batch 256 --steps 64 [--temperature 0.6] [--async-scheduling] [--json F]
 
 Prints ms per decode step, each the best of --repeats passes: LLMEngine.step, and the hot functions inside
 it, timed by wrappers. "outside forward" is the step less the model forward and the logits (on a GPU that
@@ -25,6 +25,9 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).parent))
+from common import write_json  # noqa: E402
+
 from tiny_models import make_tiny_model  # noqa: E402
 
 HOT = {  # label -> (module, class, method or methods: the first one the class defines)
@@ -82,6 +85,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--json", help="also write the times here")
     args = ap.parse_args()
 
     import torch
@@ -123,6 +127,8 @@ def main() -> None:
     print("  " + ", ".join(f"{k} {best.get(k, 0):.3f}" for k in [*HOT, "logits", "gc"]))
     outside = best["step"] - best.get("forward", 0) - best.get("logits", 0)
     print(f"  outside forward {outside:.3f}")
+    row = {"mode": mode, **{f"{k}_ms": round(best.get(k, 0), 4) for k in [*HOT, "logits", "gc"]}}
+    write_json(args.json, [{**row, "outside_forward_ms": round(outside, 4)}], args)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def main() -> None:
         rows.append({"backend": be, "passed": c["passed"], "failed": c["failed"], "skipped": c["skipped"],
                      "max_rel_err": f"{err:.2e}", "worst_case": case})  # fmt: skip
     print_table(rows)
-    write_json(args.json, rows)
+    write_json(args.json, rows, args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ is the geometric mean over the cases. The best config is checked against torch S
 (relative error < 1e-2). Use the winner with TURNOUT_TRITON_PREFILL=block_m,block_n,warps,stages,trans_k
 or make it the default in _prefill_config.
 
-  python benchmarks/tune_triton.py --json benchmarks/results/$(date +%F)-h200-tune-triton.json
+  python benchmarks/tune_triton.py --json /tmp/tune.json   # suite: tune-triton
   TRITON_INTERPRET=1 python benchmarks/tune_triton.py --smoke   # CPU: tiny shapes, checks the script
 """
 
@@ -306,7 +306,7 @@ def main() -> None:
     print(f"best {best['config']} vs torch SDPA (float32): relative error {errs}: {'ok' if ok else 'FAILED'}")
     print(f"use it: TURNOUT_TRITON_PREFILL={best['config']}   ({time.perf_counter() - start:.0f}s in all)")
     write_json(
-        args.json, rows, config={k: v for k, v in vars(args).items() if k != "json"}, heads=heads,
+        args.json, rows, args, heads=heads,
         block_size=bs, dtype=str(dtype), cases={n: c["qlens"] for n, c in cases.items()}, device_kind=dev,
         triton=_version("triton"), interpret=kn.INTERPRET, best=best["config"], verify_rel_err=verify,
         verify_ok=ok, failed=failed,

@@ -1,17 +1,37 @@
 """turnout: an LLM inference engine whose attention backends, models, executors and graph policies
 are plugins, chosen at start-up with a reason for every choice."""
 
-from turnout.hookspecs import hookimpl
+from turnout.envs import EnvVar
+from turnout.errors import TurnoutError
+from turnout.hookspecs import Priority, hookimpl
 from turnout.sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "hookimpl"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "EnvVar",
+    "Platform",
+    "Priority",
+    "RequestOutput",
+    "SamplingParams",
+    "TurnoutError",
+    "hookimpl",
+]
 __version__ = "0.1.0"
+
+# Imported on first use: LLM pulls in torch models and the engine; keep `import turnout` light for plugins
+# and the CLI.
+_LAZY = {
+    "LLM": "turnout.llm",
+    "RequestOutput": "turnout.outputs",
+    "EngineConfig": "turnout.config",
+    "Platform": "turnout.platform",
+}
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch models and the engine; keep `import turnout` light for plugins and the CLI.
-    if name in ("LLM", "RequestOutput"):
-        from turnout import llm
+    if name in _LAZY:
+        import importlib
 
-        return getattr(llm, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)

@@ -1,20 +1,29 @@
-"""turnout generate | plugins | explain."""
+"""turnout generate | plugins | explain: one cmd_* function and one parser function per subcommand."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
-import os
 import sys
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from turnout import envs
+from turnout.bench import add_bench_parser
 from turnout.config import EngineConfig
-from turnout.errors import TurnoutError
+from turnout.errors import RequestError, TurnoutError
+from turnout.outputs import CompletionOutput, Logprob, RequestOutput
+from turnout.prompts import check_conversation, parse_prompt
 from turnout.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from turnout.selection import Choice, Selection
 
 logger = logging.getLogger("turnout")
 
@@ -23,12 +32,12 @@ def _engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> Non
     """One --flag per EngineConfig field; unset flags stay None so lower-precedence sources win."""
     g = p.add_argument_group("engine (EngineConfig fields; see docs/architecture.md)")
     g.add_argument("--config", help="TOML or YAML file of EngineConfig fields")
-    for name, field in EngineConfig.model_fields.items():
+    for name, info in EngineConfig.model_fields.items():
         if name in skip:
             continue
-        flag, ann = "--" + name.replace("_", "-"), field.annotation
+        flag, ann = "--" + name.replace("_", "-"), info.annotation
         args = typing.get_args(ann)
-        kw: dict[str, Any] = {"default": None, "help": field.description}
+        kw: dict[str, Any] = {"default": None, "help": info.description}
         if ann is bool or ann == bool | None:
             kw["action"] = argparse.BooleanOptionalAction
         elif ann is int or (int in args and isinstance(ann, types.UnionType) and str not in args):
@@ -45,7 +54,16 @@ def _engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> Non
 
 def _config(args: argparse.Namespace) -> EngineConfig:
     overrides = {k: getattr(args, k) for k in EngineConfig.model_fields if getattr(args, k, None) is not None}
-    return EngineConfig.load(args.config, **overrides)
+    return EngineConfig.load(args.config, origin="flag", **overrides)
+
+
+def _settings(config: EngineConfig, sel: Selection) -> dict[str, dict[str, Any]]:
+    """Every engine setting in effect, and where it came from: default, file, env, flag, or fitted to the
+    hardware and the chosen backend (turnout.defaults) where the config left it unset."""
+    out = {k: {"value": getattr(config, k), "source": config.source(k)} for k in EngineConfig.model_fields}
+    for k, (value, why) in sel.fitted.items():
+        out[k] = {"value": value, "source": f"fitted: {why}"}
+    return out
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -75,119 +93,292 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     config = _config(args)
     sel = select_all(config, ModelInfo.from_dir(resolve_model_dir(config)))
-    graph = {
-        "requested": sel.graph.chosen.name,
-        "effective": sel.effective_graph.name,
-        "reason": sel.graph_note,
-    }
     if args.json:
-        kinds = {
-            c.kind: {
-                "requested": c.requested,
-                "chosen": c.chosen.name,
-                "candidates": [x.as_dict() for x in c.candidates],
-            }
-            for c in sel.choices
-        }
-        doc = {
-            "platform": sel.platform.describe(),
-            "model": str(sel.model_info.path),
-            "architecture": sel.model_info.architecture,
-            "dtype": _dtype_name(sel.dtype),
-            "kinds": kinds,
-            "graph_mode": graph,
-        }
-        print(json.dumps(doc, indent=2))
-        return 0
-    print(f"platform: {sel.platform.describe()}")
-    print(f"model:    {sel.model_info.path} ({sel.model_info.architecture}, {_dtype_name(sel.dtype)})")
-    from turnout.selection import KIND_LABELS
-
-    for c in sel.choices:
-        print(f"\n{KIND_LABELS[c.kind]} (requested: {c.requested})")
-        rows = [
-            [
-                x.name,
-                x.plugin,
-                str(x.priority),
-                "yes" if x.valid else "no",
-                "*" if x.chosen else "",
-                "; ".join(x.reasons),
-            ]
-            for x in sorted(c.candidates, key=lambda x: (not x.valid, -x.priority, x.name))
-        ]
-        _table(["candidate", "plugin", "priority", "valid", "chosen", "reasons"], rows, indent="  ")
-    print(f"\ngraph mode: requested {graph['requested']}, effective {graph['effective']}")
-    if graph["reason"]:
-        print(f"  downgraded: {graph['reason']}")
+        print(json.dumps(_explain_doc(sel, config), indent=2))
+    else:
+        _print_explain(sel, config)
     return 0
 
 
-def _sampling(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.sampling_seed,
-        ignore_eos=args.ignore_eos,
-    )
+def _explain_doc(sel: Selection, config: EngineConfig) -> dict[str, Any]:
+    kinds = {
+        c.kind: {
+            "requested": c.requested,
+            "chosen": c.chosen.name,
+            "candidates": [{**x.as_dict(), "lost": c.why_lost(x) or None} for x in c.candidates],
+        }
+        for c in sel.choices
+    }
+    return {
+        "platform": sel.platform.describe(),
+        "model": str(sel.model_info.path),
+        "architecture": sel.model_info.architecture,
+        "dtype": _dtype_name(sel.dtype),
+        "kinds": kinds,
+        "graph_mode": _graph_mode(sel),
+        "settings": _settings(config, sel),
+        **({"experts": {"kernel": sel.moe.chosen.name, **sel.experts}} if sel.moe and sel.experts else {}),
+    }
 
 
-def _read_jsonl(path: str) -> list[dict[str, Any]]:
+def _graph_mode(sel: Selection) -> dict[str, str | None]:
+    requested, effective = sel.graph.chosen.name, sel.effective_graph.name
+    return {"requested": requested, "effective": effective, "reason": sel.graph_note}
+
+
+def _print_explain(sel: Selection, config: EngineConfig) -> None:
+    from turnout.selection import KIND_LABELS
+
+    print(f"platform: {sel.platform.describe()}")
+    print(f"model:    {sel.model_info.path} ({sel.model_info.architecture}, {_dtype_name(sel.dtype)})")
+    header = ["candidate", "plugin", "priority", "valid", "chosen", "why not chosen"]
+    for c in sel.choices:
+        print(f"\n{KIND_LABELS[c.kind]} (requested: {c.requested})")
+        _table(header, _choice_rows(c), indent="  ")
+    graph = _graph_mode(sel)
+    print(f"\ngraph mode: requested {graph['requested']}, effective {graph['effective']}")
+    if graph["reason"]:
+        print(f"  downgraded: {graph['reason']}")
+    if sel.moe and (experts := sel.experts):
+        n, k = experts["num_experts"], experts["top_k"]
+        print(f"\nexperts: {n} a MoE layer, top-{k}, kernel {sel.moe.chosen.name}")
+        print(f"  {experts['layout']}")
+        for rank, (start, stop) in enumerate(experts["experts_per_rank"] if experts["ep_size"] > 1 else []):
+            print(f"  rank {rank}: experts {start}-{stop - 1} ({stop - start})")
+    print("\nengine settings")
+    rows = [[k, str(v["value"]), v["source"]] for k, v in _settings(config, sel).items()]
+    _table(["setting", "value", "source"], rows, "  ")
+
+
+def _choice_rows(c: Choice) -> list[list[str]]:
+    """Valid candidates first, in the order selection ranks them; each with its reasons or why it lost."""
     rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise TurnoutError(f"{path}:{n} is not JSON ({e.msg}); one object per line") from None
-                if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
-                    raise TurnoutError(f'{path}:{n} needs a "prompt" string or a "messages" list')
-                rows.append(row)
+    for x in sorted(c.candidates, key=lambda x: (not x.valid, x.rank)):
+        why = c.why_lost(x) if x.valid else "; ".join(x.reasons)
+        valid, chosen = "yes" if x.valid else "no", "*" if x.chosen else ""
+        rows.append([x.name, x.plugin, str(x.priority), valid, chosen, why])
     return rows
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    params = _sampling(args)  # bad sampling values fail before the model loads
-    rows = _read_jsonl(args.input) if args.input else [{"prompt": p} for p in args.prompt or []]
-    if not rows:
-        rows = [{"prompt": "Write a haiku about railway switches."}]
-        args.chat = True
-    from turnout.llm import LLM
+# ---- generate ----
+EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_CODES = {EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED}
+EXIT_HELP = """exit codes:
+  0    every prompt was answered
+  1    some prompts failed: each has an output row with "error" set; the other prompts were answered
+  2    bad usage, flag value, config, model or input file: nothing was generated
+  3    internal error (a bug: please report it; TURNOUT_LOG_LEVEL=DEBUG shows the traceback)
+  130  interrupted"""
+# generate's sampling defaults that differ from SamplingParams(): greedy and longer answers
+CLI_SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}
+ROW_KEYS = ("id", "prompt", "messages")  # the other keys a JSONL row may hold are SamplingParams fields
+DEMO_ROW = {"messages": [{"role": "user", "content": "Write a haiku about railway switches."}]}
 
-    llm = LLM(config=_config(args))
-    prompts = [
-        llm.apply_chat_template(r["messages"])
-        if "messages" in r
-        else llm.apply_chat_template([{"role": "user", "content": r["prompt"]}])
-        if args.chat
-        else r["prompt"]
-        for r in rows
-    ]
+
+@dataclass
+class Row:
+    """One prompt of the input, and what became of it."""
+
+    id: Any
+    where: str  # "line 3" / "prompt 1": named in its error
+    echo: dict[str, Any] = field(default_factory=dict)  # the input's "prompt" or "messages"
+    prompt: str | list[int] | None = None  # what the engine takes
+    messages: list[dict[str, str]] | None = None  # to be written by the chat template
+    params: SamplingParams | None = None
+    error: str | None = None
+    output: RequestOutput | None = None
+
+    def fail(self, message: str) -> Row:
+        self.error = f"{self.where}: {message}"
+        return self
+
+
+def _sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """SamplingParams fields from the flags, over generate's defaults; a JSONL row's keys go over these."""
+    given = {f: getattr(args, "sampling_seed" if f == "seed" else f) for f in SamplingParams.field_names()}
+    return {**CLI_SAMPLING_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _parse_row(row: Row, obj: Any, defaults: dict[str, Any], chat: bool) -> Row:
+    if not isinstance(obj, dict):
+        return row.fail(f'must be a JSON object with "prompt" or "messages", got {type(obj).__name__}')
+    if unknown := sorted(set(obj) - set(ROW_KEYS) - set(SamplingParams.field_names())):
+        fields_ = ", ".join(SamplingParams.field_names())
+        return row.fail(
+            f"unknown key {unknown[0]!r}; a row holds prompt or messages, id, and any of {fields_}"
+        )
+    if "id" in obj:
+        if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
+            return row.fail(f'"id" must be a string or an integer, got {obj["id"]!r}')
+        row.id = obj["id"]
+    if ("prompt" in obj) == ("messages" in obj):
+        return row.fail('needs exactly one of "prompt" (text or token ids) and "messages" (a chat)')
+    key = "prompt" if "prompt" in obj else "messages"
+    row.echo = {key: obj[key]}
     try:
-        if len(prompts) == 1 and not args.json and not args.input:
-            for delta in llm.stream(prompts[0], params):
-                print(delta, end="", flush=True)
-            print()
-            return 0
-        outs = llm.generate(prompts, params)
-        sink = open(args.output, "w") if args.output else sys.stdout
-        for row, o in zip(rows, outs):
-            rec = {**row, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
-            if o.error:
-                rec["error"] = o.error
-            print(json.dumps(rec) if (args.json or args.input) else o.text, file=sink)
+        row.params = SamplingParams(**{**defaults, **{k: v for k, v in obj.items() if k not in ROW_KEYS}})
+        if key == "messages":
+            row.messages = check_conversation(obj["messages"])
+            return row
+        if isinstance(obj["prompt"], dict):
+            return row.fail('"prompt" must be text or a list of token ids, got an object')
+        _, row.prompt = parse_prompt(obj["prompt"])
+    except RequestError as e:
+        return row.fail(str(e))
+    if chat and not isinstance(row.prompt, str):
+        return row.fail("a token-id prompt cannot take the chat template; give text, or drop --chat")
+    if chat:
+        row.messages, row.prompt = [{"role": "user", "content": row.prompt}], None
+    return row
+
+
+def _read_rows(path: str, defaults: dict[str, Any], chat: bool) -> list[Row]:
+    """One row per non-blank line; a line that is not a good row becomes an error row, the rest run."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise TurnoutError(f"cannot read --input {path}: {e.strerror or e}") from None
+    rows = []
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        row = Row(len(rows), f"line {n}")
+        rows.append(row)
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            row.fail("is not UTF-8 text")
+            continue
+        except (ValueError, RecursionError) as e:
+            row.fail(f"is not JSON ({getattr(e, 'msg', 'nested too deeply')}); write one object per line")
+            continue
+        _parse_row(row, obj, defaults, chat)
+    return rows
+
+
+def _input_rows(args: argparse.Namespace, defaults: dict[str, Any]) -> list[Row]:
+    if args.input and args.prompt:
+        raise TurnoutError("pass prompts with --prompt or in an --input file, not both")
+    if args.input:
+        return _read_rows(args.input, defaults, args.chat)
+    objs = [{"prompt": p} for p in args.prompt] if args.prompt else [DEMO_ROW]
+    return [_parse_row(Row(i, f"prompt {i}"), o, defaults, args.chat) for i, o in enumerate(objs)]
+
+
+def _answer(llm: Any, rows: list[Row], use_tqdm: bool) -> None:
+    for r in rows:
+        if r.error is None and r.messages is not None:
+            try:
+                _, r.prompt = llm.chat_prompt(r.messages)
+            except RequestError as e:
+                r.fail(str(e))
+    todo = [r for r in rows if r.error is None]
+    outs = llm.generate([r.prompt for r in todo], [r.params for r in todo], use_tqdm=use_tqdm)
+    for r, o in zip(todo, outs):
+        r.output = o
+        if o.error:
+            r.fail(o.error)
+
+
+def _stream(llm: Any, row: Row) -> int:
+    if row.messages is not None:
+        _, row.prompt = llm.chat_prompt(row.messages)
+    for delta in llm.stream(row.prompt, row.params):
+        print(delta, end="", flush=True)
+    print()
+    return EXIT_OK
+
+
+def _logprobs_json(positions: list[dict[int, Logprob] | None]) -> list[Any]:
+    return [
+        None
+        if d is None
+        else [
+            {"token_id": t, "logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in d.items()
+        ]
+        for d in positions
+    ]
+
+
+def _completion_json(c: CompletionOutput) -> dict[str, Any]:
+    rec = {
+        "text": c.text,
+        "token_ids": c.token_ids,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+    }
+    if c.logprobs is not None:
+        rec |= {"cumulative_logprob": c.cumulative_logprob, "logprobs": _logprobs_json(c.logprobs)}  # type: ignore[arg-type]
+    return rec
+
+
+def _record(row: Row) -> dict[str, Any]:
+    """The output row: id, the input's prompt or messages, then the first completion (all n in "outputs")."""
+    rec = {"id": row.id, **row.echo}
+    o = row.output
+    if row.error is not None or o is None:
+        return rec | {"text": "", "token_ids": [], "finish_reason": "error", "error": row.error}
+    rec |= _completion_json(o.outputs[0])
+    if len(o.outputs) > 1:
+        rec["outputs"] = [{"index": c.index, **_completion_json(c)} for c in o.outputs]
+    if o.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = _logprobs_json(o.prompt_logprobs)
+    return rec
+
+
+def _jsonl(rows: list[Row], args: argparse.Namespace) -> bool:
+    """JSONL out: asked for, or the input is JSONL, or a row asks logprobs, which plain text cannot show."""
+    logprobs = [(r.params.logprobs, r.params.prompt_logprobs) for r in rows if r.params is not None]
+    return bool(args.output or args.json or args.input) or any(lp != (None, None) for lp in logprobs)
+
+
+def _write(rows: list[Row], args: argparse.Namespace) -> None:
+    if _jsonl(rows, args):  # one object per prompt, in input order
+        sink = open(args.output, "a") if args.output else sys.stdout
+        with sink if args.output else contextlib.nullcontext():
+            for r in rows:
+                print(json.dumps(_record(r)), file=sink)
         if args.output:
-            sink.close()
-            logger.info("wrote %d results to %s", len(outs), args.output)
-        if hasattr(llm.engine, "stats"):
-            logger.info("engine stats: %s", llm.engine.stats())
-        return 1 if any(o.error for o in outs) else 0
-    finally:
-        llm.shutdown()
+            logger.info("wrote %d results to %s", len(rows), args.output)
+        return
+    texts = [c.text for r in rows if r.output is not None for c in r.output.outputs]
+    for r in rows:  # plain text: each answer, a blank line between answers
+        if r.error is not None:
+            print(f"error: {r.error}", file=sys.stderr)
+            continue
+        for c in r.output.outputs:  # type: ignore[union-attr]
+            print(c.text, end="\n\n" if len(texts) > 1 else "\n")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    defaults = _sampling_defaults(args)
+    SamplingParams(**defaults)  # a bad flag value fails before the model loads
+    rows = _input_rows(args, defaults)
+    if args.output:  # an unwritable --output fails before the model loads, too
+        try:
+            open(args.output, "w").close()
+        except OSError as e:
+            raise TurnoutError(f"cannot write --output {args.output}: {e.strerror or e}") from None
+    if any(r.error is None for r in rows):
+        from turnout.llm import LLM
+
+        llm = LLM(config=_config(args))
+        try:
+            one = rows[0].params if len(rows) == 1 and rows[0].error is None else None
+            if one is not None and one.n == 1 and not one.best_of and not _jsonl(rows, args):
+                try:
+                    return _stream(llm, rows[0])  # one plain prompt: text as it comes
+                except RequestError as e:
+                    rows[0].fail(str(e))
+            else:
+                _answer(llm, rows, use_tqdm=True)
+            if hasattr(llm.engine, "stats"):
+                logger.info("engine stats: %s", llm.engine.stats())
+        finally:
+            llm.shutdown()
+    _write(rows, args)
+    return EXIT_ROWS_FAILED if any(r.error for r in rows) else EXIT_OK
 
 
 def _dtype_name(dtype: object) -> str:
@@ -200,47 +391,149 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "") -> None:
         print(indent + "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="turnout", description="LLM inference with plugin-selected backends.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"1234\": -100}}', got {text!r}")
+    return value
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids as N,N,..., got {text!r}") from None
+
+
+def _plugins_parser(sub: Any) -> None:
     pl = sub.add_parser("plugins", help="list installed plugins")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(fn=cmd_plugins)
+
+
+def _explain_parser(sub: Any) -> None:
     ex = sub.add_parser("explain", help="show every candidate of every plugin kind and why one was chosen")
     ex.add_argument("--json", action="store_true")
     _engine_flags(ex)
     ex.set_defaults(fn=cmd_explain)
-    g = sub.add_parser("generate", help="generate text (default: the embedded SmolLM2-135M-Instruct)")
+
+
+def _sampling_flags(g: argparse.ArgumentParser) -> None:
+    """One flag per SamplingParams field (seed is --sampling-seed: --seed is the engine's, as in vLLM)."""
+    s = g.add_argument_group(
+        "sampling (SamplingParams fields; unset flags keep SamplingParams' defaults except temperature and "
+        "max_tokens, and a JSONL row's own keys override these flags)"
+    )
+    bool_flag = dict(action=argparse.BooleanOptionalAction, default=None)
+    s.add_argument("--n", type=int, help="completions per prompt (default 1)")
+    s.add_argument(
+        "--best-of", type=int, help="sample this many, return the n with the best cumulative logprob"
+    )
+    s.add_argument("--max-tokens", type=int, help="default 64 here (SamplingParams: 16)")
+    s.add_argument("--min-tokens", type=int, help="no EOS, stop token or stop string before this many tokens")
+    s.add_argument("--temperature", type=float, help="default 0 = greedy here (SamplingParams: 1.0)")
+    s.add_argument("--top-p", type=float, help="default 1 (off)")
+    s.add_argument("--top-k", type=int, help="default 0 (off)")
+    s.add_argument("--min-p", type=float, help="default 0 (off)")
+    s.add_argument(
+        "--sampling-seed",
+        type=int,
+        help="per-request seed (SamplingParams.seed); the n samples use seed, seed+1, ...",
+    )
+    s.add_argument(
+        "--stop",
+        action="append",
+        help="stop string (repeatable); not in the text unless --include-stop-str-in-output",
+    )
+    s.add_argument(
+        "--stop-token-ids", type=_token_ids, metavar="N,N,...", help="token ids that stop generation"
+    )
+    s.add_argument(
+        "--include-stop-str-in-output", **bool_flag, help="keep the stop string or token in the text"
+    )
+    s.add_argument("--ignore-eos", **bool_flag, help="go on past EOS")
+    s.add_argument("--repetition-penalty", type=float, help="default 1 (off)")
+    s.add_argument("--presence-penalty", type=float, help="default 0 (off)")
+    s.add_argument("--frequency-penalty", type=float, help="default 0 (off)")
+    s.add_argument(
+        "--logit-bias", type=_json_object, metavar="JSON", help="bias per token id, e.g. '{\"1234\": -100}'"
+    )
+    s.add_argument(
+        "--bad-words", action="append", metavar="WORD", help="a word never to generate (repeatable)"
+    )
+    s.add_argument("--logprobs", type=int, help="return the chosen token's logprob and the top N per token")
+    s.add_argument("--prompt-logprobs", type=int, help="return the logprob and top N of every prompt token")
+    s.add_argument(
+        "--skip-special-tokens", **bool_flag, help="leave special tokens out of the text (default on)"
+    )
+
+
+def _generate_parser(sub: Any) -> None:
+    g = sub.add_parser(
+        "generate",
+        help="generate text (default: the embedded SmolLM2-135M-Instruct)",
+        epilog=EXIT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    g.add_argument("--input", help='JSONL file of {"prompt": ...} or {"messages": [...]} objects')
-    g.add_argument("--output", help="write JSONL results here (default: stdout)")
-    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="per-request sampling seed")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    _engine_flags(g, skip=("seed",))  # --seed above is the request's; the engine seed comes from config
+    g.add_argument(
+        "--input",
+        help='JSONL file: per line {"prompt": text or token ids} or {"messages": [...]}, optionally "id" and '
+        "SamplingParams keys for that row",
+    )
+    g.add_argument(
+        "--output", help="write JSONL results here: one object per prompt, in input order (default: stdout)"
+    )
+    g.add_argument("--chat", action="store_true", help="wrap each text prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print JSONL results (as --output writes them)")
+    _sampling_flags(g)
+    _engine_flags(g)
     g.set_defaults(fn=cmd_generate)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # one line, not usage + error
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="turnout",
+        description="LLM inference with plugin-selected backends.",
+        epilog=EXIT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _plugins_parser(sub)
+    _explain_parser(sub)
+    _generate_parser(sub)
+    add_bench_parser(sub)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    level = os.environ.get("TURNOUT_LOG_LEVEL", "INFO").upper()
+    level = envs.LOG_LEVEL.value
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(level)
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # usage errors exit 2 here
     try:
         return args.fn(args)
     except (TurnoutError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Exception as e:  # a bug: one line, the traceback only when asked for
+        logger.debug("internal error", exc_info=True)
+        print(
+            f"internal error: {type(e).__name__}: {e}".splitlines()[0] + " (please report it)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -8,20 +8,20 @@ from typing import Any, Literal
 
 import tomllib
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
+from turnout import envs
 from turnout.errors import ConfigError
 
-ENV_PREFIX = "TURNOUT_"
-# TURNOUT_* variables that are not EngineConfig fields: switches of the core, the bundled plugins and tests.
-# Any other TURNOUT_* name is taken for a config key, so a typo fails loudly.
-ENV_SWITCHES = frozenset({
-    "PLUGINS", "CACHE_DIR", "DEVICE", "LOG_LEVEL",  # core
-    "FUSED_KERNELS", "TRITON_GEMV",  # layers/fused.py, layers/gemv.py
-    "FLASH_ATTN", "FLASH_ATTN_CUDAGRAPH", "FLASHINFER_CUDAGRAPH", "FLASHINFER_PREFILL_BACKEND",
-    "TRITON_PREFILL",  # attention plugins
-    "CONFORMANCE_ERRORS",  # tests/test_attention_conformance.py
-})  # fmt: skip
+ENV_PREFIX = envs.PREFIX
 
 
 class EngineConfig(BaseModel):
@@ -33,14 +33,21 @@ class EngineConfig(BaseModel):
     model: str | None = Field(None, description="HF-style folder; None = embedded SmolLM2-135M-Instruct")
     tokenizer: str | None = Field(None, description="tokenizer folder; None = the model folder")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        "auto", description="auto = float32 on CPU, the checkpoint's dtype (or bfloat16) on GPU"
+        "auto",
+        description="auto = on GPU the checkpoint's dtype (bfloat16 for a float32 one); on CPU bfloat16 "
+        "for a bfloat16 checkpoint (the embedded model) where the CPU has native bf16 (AVX512-BF16 or "
+        "AMX), else float32",
     )
     # limits
     max_model_len: int | None = Field(None, ge=1, description="None = the model's max_position_embeddings")
     max_num_seqs: int = Field(256, ge=1, description="requests running in one step at most")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="token budget of one step; None = fit to the device (turnout explain says)"
+    )
     # KV cache
-    block_size: int = Field(16, ge=1, description="tokens per KV-cache block")
+    block_size: int | None = Field(
+        None, ge=1, description="tokens per KV-cache block; None = the chosen attention backend's preference"
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of GPU memory to use")
     cpu_kv_cache_bytes: int = Field(1 << 30, ge=1 << 20, description="KV-cache bytes on CPU")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="force this many KV blocks")
@@ -48,6 +55,7 @@ class EngineConfig(BaseModel):
     # selection
     attention_backend: str = Field("auto", description="attention backend name, or auto")
     executor: str = Field("auto", description="executor name, or auto")
+    moe_kernel: str = Field("auto", description="MoE models: expert kernel name (triton, torch), or auto")
     # parallelism
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
@@ -57,6 +65,15 @@ class EngineConfig(BaseModel):
         description="schedule step N+1 while step N runs on the device; None = on with CUDA where the "
         "executor supports it",
     )
+    enable_expert_parallel: bool = Field(
+        False, description="MoE models: partition the experts over the tp x dp ranks (all-to-all dispatch)"
+    )
+    data_parallel_rank: int = Field(
+        0, ge=0, description="this replica's index; the data-parallel front sets it"
+    )
+    data_parallel_master_port: int | None = Field(
+        None, ge=1, le=65535, description="rendezvous port of replicas that share expert parallelism"
+    )
     rpc_timeout: float = Field(
         300, gt=0, description="seconds to wait for a worker's answer before giving up"
     )
@@ -65,6 +82,12 @@ class EngineConfig(BaseModel):
     cudagraph_capture_sizes: list[int] | None = Field(None, description="None = vLLM's default sizes")
     enforce_eager: bool = Field(False, description="never capture graphs")
     seed: int = Field(0, description="global seed for unseeded sampling")
+    # requests
+    max_logprobs: int = Field(20, ge=0, description="the most logprobs / prompt_logprobs a request may ask")
+
+    _sources: dict[str, str] = PrivateAttr(
+        default_factory=dict
+    )  # field -> "file", "env", "flag" or "argument"
 
     @field_validator("cudagraph_capture_sizes")
     @classmethod
@@ -73,29 +96,58 @@ class EngineConfig(BaseModel):
             raise ValueError("must be a non-empty list of positive integers")
         return sorted(set(v)) if v else v
 
+    @field_validator("data_parallel_rank")
+    @classmethod
+    def _dp_rank(cls, v: int, info: ValidationInfo) -> int:
+        if v >= (size := info.data.get("data_parallel_size", 1)):
+            raise ValueError(f"must be below data_parallel_size {size}")
+        return v
+
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks a MoE model's experts are partitioned over: tp x dp with enable_expert_parallel, else 1."""
+        return self.tensor_parallel_size * self.data_parallel_size if self.enable_expert_parallel else 1
+
+    @property
+    def expert_parallel_spans_dp(self) -> bool:
+        """The replicas share one process group and step together, each joining every all-to-all."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    def source(self, name: str) -> str:
+        """Where the value of field `name` came from: default, file, env, flag (CLI) or argument (API)."""
+        return self._sources.get(name, "default")
+
+    def with_sources(self, sources: dict[str, str]) -> EngineConfig:
+        self._sources = {**self._sources, **sources}
+        return self
+
     @classmethod
-    def load(cls, config_file: str | Path | None = None, **overrides: Any) -> EngineConfig:
-        """Merge the four sources; any unknown key or bad value raises ConfigError naming its source."""
+    def load(
+        cls, config_file: str | Path | None = None, *, origin: str = "argument", **overrides: Any
+    ) -> EngineConfig:
+        """Merge the four sources; any unknown key or bad value raises ConfigError naming its source.
+        `origin` names where the overrides came from ("flag" from the CLI), as source() reports it."""
         merged: dict[str, Any] = {}
         sources: dict[str, str] = {}
+        kinds: dict[str, str] = {}
         layers = [
-            (_read_file(Path(config_file)) if config_file else {}, f"config file {config_file}"),
-            (_read_env(), "environment"),
-            ({k: v for k, v in overrides.items() if v is not None}, "arguments"),
+            (_read_file(Path(config_file)) if config_file else {}, f"config file {config_file}", "file"),
+            (_read_env(), "environment", "env"),
+            ({k: v for k, v in overrides.items() if v is not None}, "arguments", origin),
         ]
-        for values, source in layers:
+        for values, source, kind in layers:
             for key, value in values.items():
                 if key not in cls.model_fields:
                     raise ConfigError(
                         f"unknown key '{key}' in {source}; valid keys: {', '.join(cls.model_fields)}"
                     )
-                merged[key], sources[key] = value, source
+                merged[key], sources[key], kinds[key] = value, source, kind
         try:
-            return cls(**merged)
+            return cls(**merged).with_sources(kinds)
         except ValidationError as e:
             raise ConfigError(_describe(e, sources)) from None
 
@@ -119,10 +171,12 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 
 def _read_env() -> dict[str, Any]:
-    """TURNOUT_<FIELD>=value; values are parsed as YAML scalars/lists (so 'true', '2', '[1, 2]' work)."""
+    """TURNOUT_<FIELD>=value; values are parsed as YAML scalars/lists (so 'true', '2', '[1, 2]' work).
+    Switches declared in turnout.envs or by a plugin's turnout_env_vars are not fields."""
     out = {}
+    switches = envs.registry() if any(k.startswith(ENV_PREFIX) for k in os.environ) else {}
     for key, raw in os.environ.items():
-        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX) :] not in ENV_SWITCHES:
+        if key.startswith(ENV_PREFIX) and key not in switches:
             field = key[len(ENV_PREFIX) :].lower()
             out[field] = yaml.safe_load(raw) if raw else None
     return out

@@ -1,4 +1,4 @@
-"""Tensor/pipeline-parallel state of this process. Uniproc leaves the defaults: rank 0 of 1."""
+"""Tensor/pipeline/expert-parallel state of this process. Uniproc leaves the defaults: rank 0 of 1."""
 
 from __future__ import annotations
 
@@ -17,6 +17,13 @@ class ParallelState:
     pp_size: int = 1
     tp_group: Any = None
     pp_group: Any = None
+    # data-parallel replicas in this process group: more than 1 only where expert parallelism spans them
+    dp_rank: int = 0
+    dp_size: int = 1
+    # expert parallelism: the tp x dp ranks of a stage, ep_rank = dp_rank * tp + tp_rank (1 rank without it)
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: Any = None
 
     @property
     def is_first_pp(self) -> bool:
@@ -30,16 +37,35 @@ class ParallelState:
 _state = ParallelState()
 
 
-def init_parallel_groups(rank: int, world_size: int, tp_size: int) -> ParallelState:
-    """After init_process_group: rank = pp_rank * tp + tp_rank; one TP group per stage, one PP group per TP
-    rank. Every rank creates every group, in the same order, as torch.distributed requires."""
-    tp, pp = tp_size, world_size // tp_size
-    pp_rank, tp_rank = divmod(rank, tp)
-    if pp == 1:
-        return ParallelState(tp_rank, tp, 0, 1, dist.group.WORLD, None)
-    tp_groups = [dist.new_group(list(range(p * tp, (p + 1) * tp))) for p in range(pp)]
-    pp_groups = [dist.new_group(list(range(t, world_size, tp))) for t in range(tp)]
-    return ParallelState(tp_rank, tp, pp_rank, pp, tp_groups[pp_rank], pp_groups[tp_rank])
+def init_parallel_groups(
+    rank: int, world_size: int, tp_size: int, dp_size: int = 1, expert_parallel: bool = False
+) -> ParallelState:
+    """After init_process_group: rank = (dp_rank * pp + pp_rank) * tp + tp_rank; one TP group per replica and
+    stage, one PP group per replica and TP rank, and with expert_parallel one EP group per stage over every
+    replica's TP ranks. Every rank creates every group, in the same order, as torch.distributed requires."""
+    per_dp = world_size // dp_size
+    tp, pp = tp_size, per_dp // tp_size
+    dp_rank, local = divmod(rank, per_dp)
+    pp_rank, tp_rank = divmod(local, tp)
+    at = lambda d, p, t: d * per_dp + p * tp + t  # the global rank of (replica, stage, TP rank)
+    dps, pps, tps = range(dp_size), range(pp), range(tp)
+    state = ParallelState(tp_rank, tp, pp_rank, pp, dist.group.WORLD, None, dp_rank, dp_size)
+    if dp_size > 1 or pp > 1:
+        tp_groups = [dist.new_group([at(d, p, t) for t in tps]) for d in dps for p in pps]
+        state.tp_group = tp_groups[dp_rank * pp + pp_rank]
+    if pp > 1:
+        pp_groups = [dist.new_group([at(d, p, t) for p in pps]) for d in dps for t in tps]
+        state.pp_group = pp_groups[dp_rank * tp + tp_rank]
+    if expert_parallel:
+        state.ep_rank, state.ep_size = dp_rank * tp + tp_rank, dp_size * tp
+        if dp_size == 1:
+            state.ep_group = state.tp_group
+        elif pp == 1:
+            state.ep_group = dist.group.WORLD
+        else:
+            ep_groups = [dist.new_group([at(d, p, t) for d in dps for t in tps]) for p in pps]
+            state.ep_group = ep_groups[pp_rank]
+    return state
 
 
 def get_parallel_state() -> ParallelState:
@@ -81,3 +107,18 @@ def pp_recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     x = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(x, src=_pp_peer(-1), group=_state.pp_group)
     return x
+
+
+def ep_exchange_counts(send: torch.Tensor) -> torch.Tensor:
+    """send [ep] int64, the rows this rank sends to each EP rank -> the rows each EP rank sends here."""
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=_state.ep_group)
+    return recv
+
+
+def ep_all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[int]) -> torch.Tensor:
+    """x holds send_splits[r] rows for EP rank r, in rank order; returns recv_splits[r] rows from each rank r,
+    in rank order. all_to_all_single with uneven splits runs on gloo (CPU) as on NCCL."""
+    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=_state.ep_group)
+    return out

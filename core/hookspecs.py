@@ -1,22 +1,26 @@
 """Every turnout hook spec. Plugins implement them with `@turnout.hookimpl`.
 
-Lifecycle: specs are called once at engine start-up, during selection. The core calls each plugin's
-implementation separately, so every candidate is tagged with the plugin that offered it; one plugin
-raising does not hide the others. Results of all plugins are concatenated into one candidate list,
-and selection (turnout.selection) picks from it and explains every rejection.
+Lifecycle: the specs are called at engine start-up, during selection (and again in a worker process where
+the driver's selection does not travel), never per step. The core calls each plugin's implementation
+separately, so every candidate is tagged with the plugin that offered it, and one plugin raising does not
+hide the others: it becomes one invalid candidate whose reason is the exception. Selection
+(`turnout.selection`) then picks among all plugins' candidates and keeps the reason for every rejection;
+`turnout explain` prints them.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING
 
 import pluggy
 
 if TYPE_CHECKING:
-    from turnout.attention.backend import AttentionBackend
-    from turnout.executor.base import ExecutorSpec
-    from turnout.graphs.modes import GraphPolicy
-    from turnout.models.registry import ModelArchitecture
+    from turnout.attention import AttentionBackend
+    from turnout.envs import EnvVar
+    from turnout.executor import ExecutorSpec
+    from turnout.graphs import GraphPolicy
+    from turnout.models import ModelArchitecture
     from turnout.platform import Platform
 
 PROJECT = "turnout"
@@ -24,37 +28,98 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
+class Priority(enum.IntEnum):
+    """Named tiers for a candidate's `priority`. Under "auto" the valid candidate with the highest priority
+    wins, ties by candidate name, then by plugin name; a candidate named in the config wins if it is valid.
+    Any int works; these tiers are the reference points the bundled plugins use.
+
+    The order "auto" follows on each platform, set by the tiers below and nowhere else:
+
+    - attention, CUDA (sm80+): flash_attn FIRST > flashinfer SECOND > triton THIRD (vLLM's order on Hopper)
+    - attention, CPU: cpu DEFAULT > triton under TRITON_INTERPRET=1 TESTING (a test aid, never preferred)
+    - executors, any platform: uniproc FIRST > ray SECOND > multiproc THIRD; their checks leave one valid
+      in most cases (uniproc for one rank, multiproc for ranks on this node, ray beyond it or at RAY_ADDRESS)
+    - models and graph policies: DEFAULT. A third-party architecture above DEFAULT replaces a bundled one.
+    - MoE kernels (the core's list, layers/moe.py, no hook): triton FIRST on CUDA > torch DEFAULT; triton
+      under TRITON_INTERPRET=1 off CUDA TESTING
+    """
+
+    FIRST = 30
+    SECOND = 20
+    THIRD = 10
+    DEFAULT = 0
+    TESTING = -1
+
+
 @hookspec
 def turnout_attention_backends(platform: Platform) -> list[AttentionBackend]:
-    """Attention backends this plugin offers on `platform`.
+    """Return the attention backends this plugin offers.
 
-    Combine: all plugins' lists are concatenated. Return backends even when their kernel library is
-    missing: `check()` turns the ImportError into a reason, so users see why a backend is not chosen.
-    The highest-priority backend whose `check()` is empty wins unless the config names one.
+    :param platform: the hardware probed once at start-up (device type and count, compute capability,
+        dtypes with hardware support).
+
+    Return every backend the plugin has, even one whose kernel library is missing or that cannot serve this
+    platform: its `check(ctx)` turns that into reasons, so users see why it is not chosen. Import the kernel
+    library lazily (in `import_error()`), never at module import. An empty list offers nothing.
+
+    Combine: all plugins' lists are concatenated. A backend named by `attention_backend` must be valid, or
+    start-up fails with its reasons; under "auto" the valid backend with the highest priority wins (see
+    `Priority`), ties by name, then by plugin name.
     """
 
 
 @hookspec
 def turnout_model_architectures() -> list[ModelArchitecture]:
-    """Model classes keyed by the HF `architectures` name in a checkpoint's config.json.
+    """Return the model architectures this plugin provides.
 
-    Combine: concatenated; for one architecture name, the highest priority wins, ties by plugin name.
+    Each `ModelArchitecture(name, "package.module:Class", priority)` maps an HF `architectures` name of a
+    checkpoint's config.json to a class, imported only when chosen. The class must implement
+    `turnout.models.CausalLM`: built as `Class(hf_config)` under the engine's default dtype and device, with
+    `forward(input_ids, positions, intermediate)`, `compute_logits(hidden)` and `load_weights(weights)`
+    returning the names it loaded, and its attention through the core `Attention` layer. An empty list
+    provides nothing.
+
+    Combine: concatenated; the architectures whose name matches the checkpoint's are valid, and among them
+    the highest priority wins, ties by plugin name, so a third party at a higher priority replaces a
+    bundled class.
     """
 
 
 @hookspec
 def turnout_executors() -> list[ExecutorSpec]:
-    """Executors (how workers are started and driven).
+    """Return the executors (how worker ranks are started and driven) this plugin offers.
 
-    Combine: concatenated; among executors whose `check()` is empty, the highest priority wins
-    unless the config names one.
+    Each `ExecutorSpec` names a class implementing `turnout.executor.Executor`, imported only when chosen,
+    and a `check(ctx)` that returns every reason it cannot run `ctx` (world size, platform, whether the user
+    named it), empty if it can. An executor whose ranks run in processes of their own declares
+    `in_process=False`: only those serve data parallelism on CUDA. Such executors build their ranks with
+    `turnout.executor`'s rank bootstrap (`plan_ranks`, `RankWorker`) and add only their transport.
+    An empty list offers nothing.
+
+    Combine: concatenated; an executor named by `executor` must be valid, otherwise the valid one with the
+    highest priority wins, ties by name, then by plugin name.
     """
 
 
 @hookspec
 def turnout_graph_policies() -> list[GraphPolicy]:
-    """CUDA-graph policies, selected by name through `cudagraph_mode`.
+    """Return the CUDA-graph policies this plugin offers, selected by name through `cudagraph_mode`.
 
-    Combine: concatenated; names must be unique, and a later duplicate is rejected with a reason.
-    The chosen policy is then downgraded to what the attention backend supports.
+    A policy maps a batch (token count, uniform decode or not) to a runtime mode; override
+    `GraphPolicy.runtime_mode` for size-dependent rules. An empty list offers nothing.
+
+    Combine: concatenated; names must be unique, and a later duplicate is rejected with a reason. The chosen
+    policy is then downgraded to what the chosen attention backend can replay.
+    """
+
+
+@hookspec
+def turnout_env_vars() -> list[EnvVar]:
+    """Return the environment switches this plugin reads, each a `turnout.EnvVar(name, parse, default, doc)`.
+
+    A TURNOUT_<NAME> variable that no plugin declares (and the core does not, in `turnout.envs`) is taken
+    for an EngineConfig field, so an undeclared switch of yours fails as an unknown config key. Read a
+    switch's `.value` when your component starts, never per step. An empty list declares nothing.
+
+    Combine: concatenated with the core's switches into one registry (`turnout.envs.registry()`).
     """

@@ -1,8 +1,9 @@
-"""The Python API: LLM(...).generate(prompts, sampling_params)."""
+"""The Python API, in vLLM's shape: LLM(...).generate(prompts, sampling_params) and .chat(messages, ...)."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -12,27 +13,35 @@ from tqdm.auto import tqdm
 
 from turnout.config import EngineConfig
 from turnout.engine.llm_engine import LLMEngine
+from turnout.engine.request import Request, TokenLogprobs
 from turnout.errors import RequestError
-from turnout.outputs import CompletionOutput, RequestOutput
-from turnout.sampling_params import SamplingParams
+from turnout.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from turnout.prompts import (
+    Conversation,
+    ParsedPrompt,
+    Prompt,
+    as_prompt_list,
+    check_conversation,
+    parse_prompt,
+)
+from turnout.sampling_params import SEED_LIMIT, SamplingParams
 from turnout.selection import Selection
 
 logger = logging.getLogger("turnout")
-Prompt = str | list[int]
 
 
 class LLM:
-    """LLM(model=None, config=None, **overrides). No model = the embedded SmolLM2-135M-Instruct.
-    `config` is an EngineConfig or a path to a TOML/YAML file; overrides are EngineConfig fields."""
+    """LLM(model=None, config=None, **overrides). No model = the embedded SmolLM2-135M-Instruct; a model is
+    an HF-style folder or a .gguf file (converted once into a cached folder). `config` is an EngineConfig
+    or a path to a TOML/YAML file; overrides are EngineConfig fields."""
 
     def __init__(
         self, model: str | None = None, config: EngineConfig | str | Path | None = None, **overrides: Any
     ):
         if isinstance(config, EngineConfig):
-            cfg = config.model_copy(
-                update={k: v for k, v in {"model": model, **overrides}.items() if v is not None}
-            )
-            cfg = EngineConfig(**cfg.model_dump())  # re-validate the merged values
+            given = {k: v for k, v in {"model": model, **overrides}.items() if v is not None}
+            cfg = EngineConfig(**config.model_copy(update=given).model_dump())  # re-validate the merge
+            cfg.with_sources({**config._sources, **dict.fromkeys(given, "argument")})
         else:
             cfg = EngineConfig.load(config, model=model, **overrides)
         self.config = cfg
@@ -43,10 +52,36 @@ class LLM:
         else:
             self.engine = LLMEngine(cfg)
         self.tokenizer = self.engine.tokenizer
+        logger.info("selected %s", self.engine.selection.summary())
+        self.request_counter = itertools.count()  # request ids are unique over this LLM's life
+        self._token_text: dict[int, str] = {}
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
+    # ---- prompts ----
+    def apply_chat_template(
+        self, messages: Conversation, chat_template: str | None = None, add_generation_prompt: bool = True
+    ) -> str:
+        """The conversation as the model's chat template writes it; RequestError if it is malformed."""
+        check_conversation(messages)
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except Exception as e:  # the template is the model's code (jinja): any failure is this request's
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RequestError(f"the chat template cannot render this conversation: {first}") from None
+
+    def chat_prompt(self, messages: Conversation, **template: Any) -> ParsedPrompt:
+        """(text, token ids) of a conversation: the template writes the special tokens, so none are added."""
+        text = self.apply_chat_template(messages, **template)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- generation ----
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -55,35 +90,95 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. A bad prompt gets an output with .error set and
         no tokens; the other prompts run as if it were not there."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        parsed: list[ParsedPrompt | RequestError] = []
+        for p in as_prompt_list(prompts):
+            try:
+                parsed.append(parse_prompt(p))
+            except RequestError as e:
+                parsed.append(e)
+        return self._generate(parsed, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them,
+        each written by the tokenizer's chat template (or chat_template). One RequestOutput each."""
+        if not isinstance(messages, (list, tuple)):
+            raise RequestError(
+                f"messages must be a list of messages or of conversations, got {type(messages).__name__}"
+            )
+        one = not messages or not isinstance(messages[0], (list, tuple))
+        parsed: list[ParsedPrompt | RequestError] = []
+        for conv in [messages] if one else messages:
+            try:
+                parsed.append(
+                    self.chat_prompt(
+                        list(conv), chat_template=chat_template, add_generation_prompt=add_generation_prompt
+                    )
+                )  # type: ignore[arg-type]
+            except RequestError as e:
+                parsed.append(e)
+        return self._generate(parsed, sampling_params, use_tqdm)
+
+    def _generate(
+        self,
+        prompts: list[ParsedPrompt | RequestError],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
-            raise ValueError(
+            raise RequestError(
                 f"got {len(prompts)} prompts but {len(params_list)} sampling params; pass one or one each"
             )
-        results = [
-            RequestOutput(str(i), p if isinstance(p, str) else None, []) for i, p in enumerate(prompts)
-        ]
+        results = [RequestOutput(str(next(self.request_counter)), None, []) for _ in prompts]
         pending: dict[str, tuple[int, int]] = {}  # engine req id -> (prompt index, sample index)
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
-                self._add(i, prompt, sp, results[i], pending)
+                if isinstance(prompt, RequestError):
+                    results[i].error = str(prompt)
+                    logger.error("request %d rejected: %s", i, prompt)
+                elif not isinstance(sp, SamplingParams):
+                    results[i].error = f"sampling params must be SamplingParams, got {type(sp).__name__}"
+                else:
+                    results[i].prompt = prompt[0]
+                    self._add(i, prompt[1], sp, results[i], pending)
             self._run(pending, results, use_tqdm)
         finally:
             for req_id in pending:  # interrupted: leave the engine clean
                 self.engine.abort(req_id)
                 self.engine.pop_finished(req_id)
+        for r, sp in zip(results, params_list):
+            if r.outputs:
+                _keep_best(r, sp)
         return results
 
-    def _add(self, i: int, prompt: Prompt, sp: SamplingParams, result: RequestOutput, pending: dict) -> None:
+    def _add(
+        self, i: int, prompt: str | list[int], sp: SamplingParams, result: RequestOutput, pending: dict
+    ) -> None:
+        """best_of (else n) engine requests, seeds seed, seed + 1, ...; ranking best_of needs each one's
+        chosen-token logprobs, so those are asked for even where the caller did not."""
         added = []
+        num = sp.best_of or sp.n
+        logprobs = 0 if sp.logprobs is None and num > sp.n else sp.logprobs
         try:
-            for k in range(sp.n):
-                seed = None if sp.seed is None else sp.seed + k
-                req = self.engine.add_request(prompt, dataclasses.replace(sp, n=1, seed=seed))
+            for k in range(num):
+                seed = None if sp.seed is None else (sp.seed + k) % SEED_LIMIT
+                sub = dataclasses.replace(
+                    sp,
+                    n=1,
+                    best_of=None,
+                    seed=seed,
+                    logprobs=logprobs,
+                    prompt_logprobs=sp.prompt_logprobs if k == 0 else None,
+                )
+                req = self.engine.add_request(prompt, sub, f"{result.request_id}-{k}")
                 added.append(req.req_id)
                 pending[req.req_id] = (i, k)
             result.prompt_token_ids = req.prompt_token_ids
@@ -102,8 +197,13 @@ class LLM:
                 if s.finished and s.req.req_id in pending:
                     i, k = pending.pop(s.req.req_id)
                     req, text = self.engine.pop_finished(s.req.req_id)
-                    results[i].outputs.append(_completion(k, req, text))
+                    results[i].outputs.append(self._completion(k, req, text))
                     results[i].num_cached_tokens = max(results[i].num_cached_tokens, req.num_cached_tokens)
+                    if req.params.prompt_logprobs is not None:
+                        results[i].prompt_logprobs = [
+                            None,
+                            *self._logprobs(req.prompt_token_ids[1:], req.prompt_logprobs),
+                        ]
                     bar.update(1)
         bar.close()
         for r in results:
@@ -111,7 +211,9 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text as it is generated, for one prompt."""
-        req = self.engine.add_request(prompt, dataclasses.replace(sampling_params or SamplingParams(), n=1))
+        _, engine_prompt = parse_prompt(prompt)
+        sp = dataclasses.replace(sampling_params or SamplingParams(), n=1, best_of=None)
+        req = self.engine.add_request(engine_prompt, sp, f"{next(self.request_counter)}-0")
         req.stream = True
         try:
             while True:
@@ -125,6 +227,33 @@ class LLM:
             self.engine.abort(req.req_id)
             self.engine.pop_finished(req.req_id)
 
+    # ---- outputs ----
+    def _completion(self, index: int, req: Request, text: str) -> CompletionOutput:
+        asked = req.params.logprobs is not None
+        return CompletionOutput(
+            index,
+            text,
+            list(req.output_token_ids),
+            req.finish_reason,
+            req.stop_reason,
+            req.cumulative_logprob if asked else None,
+            self._logprobs(req.output_token_ids, req.logprobs) if asked else None,
+        )
+
+    def _logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> SampleLogprobs:
+        """vLLM's shape: per position {token id: Logprob}, the chosen token first, then the top N."""
+        out = []
+        for tok, (lp, rank, top) in zip(token_ids, entries):
+            d = {tok: Logprob(lp, rank, self._text_of(tok))}
+            d.update({t: Logprob(v, r, self._text_of(t)) for r, (t, v) in enumerate(top, 1)})
+            out.append(d)
+        return out
+
+    def _text_of(self, token_id: int) -> str:
+        if (text := self._token_text.get(token_id)) is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
     @property
     def selection(self) -> Selection:
         return self.engine.selection
@@ -133,7 +262,13 @@ class LLM:
         self.engine.shutdown()
 
 
-def _completion(index: int, req: Any, text: str) -> CompletionOutput:
-    lp = req.logprobs if req.params.logprobs is not None else None
-    top = req.top_logprobs if req.params.logprobs is not None else None
-    return CompletionOutput(index, text, list(req.output_token_ids), req.finish_reason, lp, top)
+def _keep_best(result: RequestOutput, sp: SamplingParams) -> None:
+    """best_of > n: the n completions with the highest cumulative logprob, re-indexed."""
+    if (sp.best_of or sp.n) <= sp.n:
+        return
+    best = sorted(result.outputs, key=lambda c: -(c.cumulative_logprob or 0.0))[: sp.n]
+    for j, c in enumerate(best):
+        c.index = j
+        if sp.logprobs is None:
+            c.logprobs = None
+    result.outputs = best

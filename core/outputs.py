@@ -1,8 +1,19 @@
-"""What generate returns: one RequestOutput per prompt, holding n CompletionOutputs."""
+"""What generate returns: one RequestOutput per prompt, holding n CompletionOutputs (vLLM's shapes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float  # under log_softmax of the raw model logits
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]  # per position: token id -> Logprob (the chosen one and the top N)
+PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; None for the first
 
 
 @dataclass
@@ -11,8 +22,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", "error"
-    logprobs: list[float] | None = None  # chosen token's logprob per step, when asked
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs, when logprobs were asked
+    logprobs: SampleLogprobs | None = None
 
 
 @dataclass
@@ -23,6 +35,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None  # set when this request was rejected; the others still ran
+    prompt_logprobs: PromptLogprobs | None = None
+    finished: bool = True
 
     @property
     def text(self) -> str:

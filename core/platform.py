@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from turnout import envs
+
 
 @dataclass(frozen=True)
 class Platform:
@@ -48,7 +50,7 @@ def _cpu_has_bf16() -> bool:
 @functools.cache
 def current_platform() -> Platform:
     """Probe once. TURNOUT_DEVICE=cpu forces the CPU even where CUDA exists."""
-    if torch.cuda.is_available() and os.environ.get("TURNOUT_DEVICE", "").lower() != "cpu":
+    if torch.cuda.is_available() and envs.DEVICE.value != "cpu":
         props = torch.cuda.get_device_properties(0)
         cap = (props.major, props.minor)
         dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if cap >= (8, 0) else ())

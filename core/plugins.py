@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
@@ -15,7 +14,7 @@ from typing import Any
 
 import pluggy
 
-from turnout import hookspecs
+from turnout import envs, hookspecs
 
 logger = logging.getLogger("turnout")
 ENTRY_POINT_GROUP = "turnout"
@@ -49,7 +48,7 @@ class PluginManager:
         self.unmatched_allow: list[str] = []
 
     def load_entry_points(self) -> None:
-        allow = _allow_list()
+        allow = envs.PLUGINS.value
         seen = set()
         for ep in md.entry_points(group=ENTRY_POINT_GROUP):
             if ep.name in seen:
@@ -96,13 +95,6 @@ class PluginManager:
 
     def listing(self) -> list[PluginInfo]:
         return sorted(self.infos.values(), key=lambda i: i.name)
-
-
-def _allow_list() -> set[str] | None:
-    raw = os.environ.get("TURNOUT_PLUGINS")
-    if raw is None:
-        return None
-    return {n.strip() for n in raw.split(",") if n.strip()}
 
 
 _manager: PluginManager | None = None

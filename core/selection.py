@@ -3,6 +3,7 @@ the reason for every rejection so `turnout explain` can show it."""
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,9 +13,11 @@ import torch
 
 from turnout.attention.backend import AttentionBackend, AttentionContext
 from turnout.config import EngineConfig
+from turnout.defaults import fit_defaults
 from turnout.errors import ConfigError, SelectionError
 from turnout.executor.base import ExecutorContext, ExecutorSpec
-from turnout.graphs.modes import GraphPolicy, downgrade
+from turnout.graphs.modes import GraphPolicy, RuntimeMode, downgrade
+from turnout.layers.moe import MoEContext, describe_placement, graph_blocker, moe_kernels, num_experts
 from turnout.models.info import ModelInfo
 from turnout.models.registry import ModelArchitecture
 from turnout.platform import Platform, current_platform
@@ -27,6 +30,14 @@ KIND_LABELS = {
     "model": "model architecture",
     "executor": "executor",
     "graph": "graph policy",
+    "moe": "MoE kernel",
+}
+CONFIG_KEYS = {  # what names the candidate to use
+    "attention": "attention_backend",
+    "model": "the checkpoint's architectures",
+    "executor": "executor",
+    "graph": "cudagraph_mode",
+    "moe": "moe_kernel",
 }
 
 
@@ -36,7 +47,7 @@ class Candidate:
     name: str
     plugin: str
     priority: int
-    reasons: list[str]
+    reasons: list[str]  # why it cannot serve; empty: valid
     obj: Any = None
     chosen: bool = False
 
@@ -44,9 +55,23 @@ class Candidate:
     def valid(self) -> bool:
         return not self.reasons
 
+    @property
+    def rank(self) -> tuple[int, str, str]:
+        """The sort key of the hookspecs' promise: highest priority first, ties by name, then by plugin."""
+        return -self.priority, self.name, self.plugin
+
     def as_dict(self) -> dict[str, Any]:
         keys = ("name", "plugin", "priority", "valid", "reasons", "chosen")
         return {k: getattr(self, k) for k in keys}
+
+
+class Loss(enum.Enum):
+    """Why a valid candidate was not chosen."""
+
+    NOT_REQUESTED = "not requested"  # the config named another
+    PRIORITY = "lower priority"
+    NAME = "same priority, its name sorts after"
+    PLUGIN = "same name and priority, its plugin sorts after"
 
 
 @dataclass
@@ -60,29 +85,52 @@ class Choice:
     def obj(self) -> Any:
         return self.chosen.obj
 
+    def loss(self, c: Candidate) -> Loss | None:
+        """Why valid candidate c lost to the chosen one; None for the chosen and for invalid ones."""
+        w = self.chosen
+        if c is w or not c.valid:
+            return None
+        if c.name != self.requested and self.requested != "auto":
+            return Loss.NOT_REQUESTED
+        if c.priority != w.priority:
+            return Loss.PRIORITY
+        return Loss.NAME if c.name != w.name else Loss.PLUGIN
+
+    def why_lost(self, c: Candidate) -> str:
+        """loss(c) in words, e.g. "priority -5 < cpu 0"; empty where c did not lose."""
+        w, loss = self.chosen, self.loss(c)
+        winner = w.name if w.name != c.name else f"plugin {w.plugin}"
+        if loss is Loss.NOT_REQUESTED:
+            return f"not requested ({CONFIG_KEYS[self.kind]} = {self.requested})"
+        if loss is Loss.PRIORITY:
+            return f"priority {c.priority} < {winner} {w.priority}"
+        if loss is Loss.NAME:
+            return f"priority {c.priority} = {winner} {w.priority}; '{w.name}' sorts first"
+        if loss is Loss.PLUGIN:
+            return f"priority {c.priority} = {winner} {w.priority}; '{w.plugin}' sorts first"
+        return ""
+
 
 def choose(kind: str, candidates: list[Candidate], requested: str = "auto") -> Choice:
-    """An explicit request must be valid; otherwise the highest priority valid candidate, ties by name."""
+    """An explicit request must be valid; among the valid candidates it names, or among all valid ones
+    under "auto", the highest priority wins, ties by name, then by plugin name."""
     label = KIND_LABELS[kind]
-    valid = sorted((c for c in candidates if c.valid), key=lambda c: (-c.priority, c.name))
-    options = ", ".join(c.name for c in valid) or "none"
+    valid = sorted((c for c in candidates if c.valid), key=lambda c: c.rank)
+    options = ", ".join(dict.fromkeys(c.name for c in valid)) or "none"
     if requested != "auto":
         named = [c for c in candidates if c.name == requested]
         if not named:
             known = ", ".join(sorted({c.name for c in candidates})) or "none"
             raise SelectionError(f"unknown {label} '{requested}'; installed: {known}; valid here: {options}")
-        ok = [c for c in named if c.valid]
-        if not ok:
+        if not any(c.valid for c in named):
             why = "; ".join(r for c in named for r in c.reasons)
             raise SelectionError(f"{label} '{requested}' cannot be used: {why}; valid here: {options}")
-        winner = ok[0]
-    elif valid:
-        winner = valid[0]
-    else:
+        valid = [c for c in valid if c.name == requested]
+    if not valid:
         rejected = "; ".join(f"{c.name}: {', '.join(c.reasons)}" for c in candidates) or "none installed"
         raise SelectionError(f"no usable {label}: {rejected}; install or enable a plugin that provides one")
-    winner.chosen = True
-    return Choice(kind, requested, candidates, winner)
+    valid[0].chosen = True
+    return Choice(kind, requested, candidates, valid[0])
 
 
 def _candidates(
@@ -100,7 +148,7 @@ def _candidates(
                 why = reasons(res.plugin, item)
             except Exception as e:
                 why = [f"check() raised {type(e).__name__}: {e}"]
-            cands.append(Candidate(kind, item.name, res.plugin, item.priority, why, item))
+            cands.append(Candidate(kind, item.name, res.plugin, int(item.priority), why, item))
     return cands
 
 
@@ -115,7 +163,26 @@ def model_candidates(pm: PluginManager, architecture: str) -> list[Candidate]:
 
 
 def executor_candidates(pm: PluginManager, ctx: ExecutorContext) -> list[Candidate]:
-    return _candidates(pm, "turnout_executors", "executor", lambda _, e: e.check(ctx))
+    def check(_: str, e: ExecutorSpec) -> list[str]:
+        if ctx.own_processes and e.in_process:
+            return [OWN_PROCESSES, *e.check(ctx)]
+        return e.check(ctx)
+
+    return _candidates(pm, "turnout_executors", "executor", check)
+
+
+OWN_PROCESSES = (
+    "runs the model in the engine's process, but data_parallel_size > 1 on CUDA needs each replica's "
+    "ranks in processes of their own"
+)
+
+
+def choose_executor(pm: PluginManager, config: EngineConfig, platform: Platform) -> Choice:
+    """Data parallelism on CUDA gives each replica its own GPUs through CUDA_VISIBLE_DEVICES while its
+    processes start: only an executor whose ranks run outside the engine's process (in_process=False) can."""
+    own = config.data_parallel_size > 1 and platform.is_cuda
+    ctx = ExecutorContext(platform, config.world_size, config.executor != "auto", own)
+    return choose("executor", executor_candidates(pm, ctx), config.executor)
 
 
 def graph_candidates(pm: PluginManager) -> list[Candidate]:
@@ -128,6 +195,18 @@ def graph_candidates(pm: PluginManager) -> list[Candidate]:
         return []
 
     return _candidates(pm, "turnout_graph_policies", "graph", unique)
+
+
+def moe_candidates(ctx: MoEContext) -> list[Candidate]:
+    """The core's MoE kernels (layers/moe.py), checked like attention backends; a plugin cannot add one."""
+    cands = []
+    for k in moe_kernels(ctx):
+        try:
+            why = k.check(ctx)
+        except Exception as e:
+            why = [f"check() raised {type(e).__name__}: {e}"]
+        cands.append(Candidate("moe", k.name, "turnout", int(k.priority), why, k))
+    return cands
 
 
 @dataclass
@@ -146,6 +225,13 @@ class Selection:
     notes: list[str] = field(default_factory=list)
     async_scheduling: bool = False  # as it runs: step N+1 is scheduled while step N is on the device
     async_scheduling_note: str = ""  # why it is on or off
+    fitted: dict[str, tuple[Any, str]] = field(default_factory=dict)  # turnout.defaults: (value, why)
+    moe: Choice | None = None  # MoE models only
+    experts: dict[str, Any] | None = None  # MoE models: the experts each rank holds (describe_placement)
+
+    def apply(self, config: EngineConfig) -> EngineConfig:
+        """config with every setting it left unset replaced by its fitted value."""
+        return config.model_copy(update={k: v for k, (v, _) in self.fitted.items()})
 
     @property
     def backend(self) -> AttentionBackend:
@@ -161,12 +247,22 @@ class Selection:
 
     @property
     def choices(self) -> list[Choice]:
-        return [self.attention, self.model, self.executor, self.graph]
+        return [self.attention, self.model, self.executor, self.graph] + ([self.moe] if self.moe else [])
+
+    def summary(self) -> str:
+        """One line: the chosen backend, model, executor and graph mode, each with its plugin."""
+        a, m, e, g = (c.chosen for c in self.choices[:4])
+        graph = g.name if g.name == self.effective_graph.name else f"{g.name} -> {self.effective_graph.name}"
+        return (
+            f"attention {a.name} ({a.plugin}), model {m.name} ({m.plugin}), executor {e.name} ({e.plugin}), "
+            f"graph mode {graph}, {self.platform.device_type} {str(self.dtype).removeprefix('torch.')}"
+        ) + (f", MoE kernel {self.moe.chosen.name}" if self.moe else "")
 
 
 def select_all(
     config: EngineConfig, info: ModelInfo, pm: PluginManager | None = None, platform: Platform | None = None
 ) -> Selection:
+    info.check_parallel(config.tensor_parallel_size, config.pipeline_parallel_size)  # before any process
     pm = pm or get_plugin_manager()
     platform = platform or current_platform()
     dtype = info.resolve_dtype(config.dtype, platform)
@@ -175,21 +271,30 @@ def select_all(
     )
     attention = choose("attention", attention_candidates(pm, actx), config.attention_backend)
     model = _choose_model(pm, info.architecture)
-    ectx = ExecutorContext(platform, config.world_size, config.executor != "auto")
-    executor = choose("executor", executor_candidates(pm, ectx), config.executor)
+    executor = choose_executor(pm, config, platform)
     graph = choose("graph", graph_candidates(pm), config.cudagraph_mode)
     backend: AttentionBackend = attention.obj
     effective, note = downgrade(
         graph.obj, backend.cudagraph_support, backend.name, platform.device_type, config.enforce_eager
     )
+    moe = _choose_moe(config, info, platform, dtype)
+    if moe and effective.uses_graphs and (why := graph_blocker(moe.obj, config.expert_parallel_size)):
+        effective, note = GraphPolicy("NONE", RuntimeMode.NONE, RuntimeMode.NONE), why
     if note:  # expected on CPU; worth a warning only where graphs could have run
         level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
         logger.log(level, "cudagraph_mode %s -> %s: %s", graph.chosen.name, effective.name, note)
-    sel = Selection(platform, info, dtype, attention, model, executor, graph, effective, note)
-    sel.async_scheduling, sel.async_scheduling_note = resolve_async_scheduling(
-        config.async_scheduling, platform, executor.obj
-    )
-    return sel
+    fitted = fit_defaults(config, platform, backend)
+    async_on, async_note = resolve_async_scheduling(config.async_scheduling, platform, executor.obj)
+    if config.async_scheduling is None:
+        fitted["async_scheduling"] = (async_on, async_note)
+    experts = None
+    if moe is not None:
+        tp, dp, ep = config.tensor_parallel_size, config.data_parallel_size, config.enable_expert_parallel
+        experts = describe_placement(info.hf_config, tp, dp, ep)
+    return Selection(
+        platform, info, dtype, attention, model, executor, graph, effective, note,
+        fitted=fitted, moe=moe, experts=experts, async_scheduling=async_on, async_scheduling_note=async_note,
+    )  # fmt: skip
 
 
 def resolve_async_scheduling(
@@ -227,6 +332,7 @@ def worker_handoff(
             "attention_backend": selection.attention.chosen.name,
             "executor": selection.executor.chosen.name,
             "cudagraph_mode": selection.graph.chosen.name,
+            **({"moe_kernel": selection.moe.chosen.name} if selection.moe else {}),
         }
     )
     try:
@@ -248,6 +354,22 @@ def selection_from_payload(config: EngineConfig, payload: bytes | None) -> Selec
             logger.warning("selection did not unpickle (%s: %s); selecting again", type(e).__name__, e)
     assert config.model is not None
     return select_all(config, ModelInfo.from_dir(config.model))
+
+
+def _choose_moe(
+    config: EngineConfig, info: ModelInfo, platform: Platform, dtype: torch.dtype
+) -> Choice | None:
+    n, ep = num_experts(info.hf_config), config.expert_parallel_size
+    if not n:
+        for key, unset in (("enable_expert_parallel", False), ("moe_kernel", "auto")):
+            if getattr(config, key) != unset:
+                raise ConfigError(f"{key} is set, but {info.architecture} has no experts; unset it")
+        return None
+    if ep > n:
+        raise ConfigError(
+            f"{n} experts do not split over {ep} expert-parallel ranks (tp x dp); use fewer ranks"
+        )
+    return choose("moe", moe_candidates(MoEContext(platform, dtype)), config.moe_kernel)
 
 
 def _choose_model(pm: PluginManager, architecture: str) -> Choice:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On the offline GPU test machine: install the few pure-Python dependencies the image lacks (carried as
-# wheels in .device-deps/, made here by scripts/fetch-device-deps.sh), then the core and every plugin.
+# On a GPU machine without a package index whose image already holds torch and triton: install the few
+# pure-Python dependencies it lacks from wheels in .device-deps/ (scripts/fetch-device-deps.sh downloads
+# them), then the core and every plugin, editable and without touching the image's torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --find-links .device-deps pydantic gguf 2>&1 | grep -v WARNING || true

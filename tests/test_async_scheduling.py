@@ -1,7 +1,8 @@
 """Async scheduling (step N+1 scheduled before step N's tokens reach the host) against the sync engine as the
-reference: the same tokens, finish reasons, text and logprobs, request by request, under EOS and stop
-tokens, stop strings, max_tokens and max_model_len, chunked prefill, preemption, prefix-cache hits, seeded
-sampling, penalties and aborts. On the CPU nothing overlaps, but every step of the logic is the same."""
+reference: the same tokens, finish and stop reasons, text and logprobs with their ranks, request by request,
+under EOS and stop tokens, stop strings, max_tokens and max_model_len, chunked prefill, preemption,
+prefix-cache hits, seeded sampling, penalties, min_tokens, bad words, logit_bias, prompt logprobs and aborts.
+On the CPU nothing overlaps, but every step of the logic is the same."""
 
 from __future__ import annotations
 
@@ -46,19 +47,50 @@ def _prompts(n: int = 18) -> list[list[int]]:
     ]
 
 
+def _logprobs(rows) -> list[list[tuple[int, int | None, float]]] | None:
+    """(token, rank, logprob) of every entry, position by position; None where none were asked."""
+    return (
+        None
+        if rows is None
+        else [sorted((t, lp.rank, lp.logprob) for t, lp in (d or {}).items()) for d in rows]
+    )
+
+
 def _run(path, prompts, params, **cfg) -> tuple[list[tuple], dict]:
     llm = LLM(str(path), **{**SMALL, **cfg})
     try:
         outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.engine.stats()
         res = [
-            (c.token_ids, c.finish_reason, c.text, c.logprobs, c.top_logprobs)
+            (
+                c.token_ids,
+                c.finish_reason,
+                c.stop_reason,
+                c.text,
+                _logprobs(c.logprobs),
+                _logprobs(o.prompt_logprobs),
+            )
             for o in outs
             for c in o.outputs
         ]
         return res, stats
     finally:
         llm.shutdown()
+
+
+def _assert_same(got: list[tuple], ref: list[tuple], params) -> None:
+    """Tokens, finish and stop reasons, text exactly; logprobs' tokens and ranks exactly, values to 1e-4."""
+    for i, (r, g) in enumerate(zip(ref, got, strict=True)):
+        assert g[:4] == r[:4], f"request {i} ({params[i]})"
+        for want, have in zip(r[4:], g[4:]):
+            if want is None:
+                assert have is None, i
+                continue
+            assert [[(t, k) for t, k, _ in row] for row in have] == [
+                [(t, k) for t, k, _ in row] for row in want
+            ], i
+            flat = lambda rows: [lp for row in rows for _, _, lp in row]
+            assert flat(have) == pytest.approx(flat(want), abs=1e-4), i
 
 
 def _mixed_params(free: list[list[int]], tok) -> list[SamplingParams]:
@@ -107,11 +139,7 @@ def test_async_equals_sync_token_for_token(eos_model):
     prompts, params = _prompts(), _mixed_params(free, tok)
     ref, ref_stats = _run(path, prompts, params, async_scheduling=False)
     got, stats = _run(path, prompts, params, async_scheduling=True)
-    for i, (r, g) in enumerate(zip(ref, got, strict=True)):
-        assert g[:3] == r[:3], f"request {i} ({params[i]})"
-        if r[3] is not None:
-            assert g[3] == pytest.approx(r[3], abs=1e-4), i
-            assert [[t for t, _ in row] for row in g[4]] == [[t for t, _ in row] for row in r[4]], i
+    _assert_same(got, ref, params)
     reasons = {(i % 6, r[1]) for i, r in enumerate(ref)}
     assert {(1, "stop"), (2, "stop"), (3, "stop"), (0, "length"), (5, "length")} <= reasons
     for s in (ref_stats, stats):  # the workload did preempt and hit the prefix cache, and leaked no block
@@ -140,6 +168,77 @@ def test_penalties_read_the_previous_step(tiny_llama):
     ref, _ = _run(tiny_llama, prompts, sp, async_scheduling=False)
     got, _ = _run(tiny_llama, prompts, sp, async_scheduling=True)
     assert [g[0] for g in got] == [r[0] for r in ref]
+
+
+@pytest.fixture(scope="module")
+def free_runs(tiny_llama) -> tuple[list[list[int]], list[list[int]]]:
+    """_prompts(12) and their greedy runs of 20 tokens."""
+    prompts = _prompts(12)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    return prompts, [r[0] for r in _run(tiny_llama, prompts, sp, async_scheduling=False)[0]]
+
+
+def _async_equals_sync(path, prompts, params) -> list[tuple]:
+    ref, _ = _run(path, prompts, params, async_scheduling=False)
+    got, _ = _run(path, prompts, params, async_scheduling=True)
+    _assert_same(got, ref, params)
+    return ref
+
+
+def test_min_tokens_counts_the_token_in_flight(tiny_llama, free_runs):
+    """min_tokens needs only how many tokens are out, the one in flight included: a stop token first met
+    exactly at min_tokens ends the request there; one met earlier is masked."""
+    prompts, free = free_runs
+    params, ends = [], []
+    for i, run in enumerate(free):
+        if i % 2:
+            params.append(SamplingParams(temperature=0, max_tokens=20, min_tokens=6, stop_token_ids=[run[1]]))
+            continue
+        j = next(j for j in range(3, len(run)) if run[j] not in run[:j])
+        ends.append((i, j))
+        params.append(SamplingParams(temperature=0, max_tokens=20, min_tokens=j, stop_token_ids=[run[j]]))
+    ref = _async_equals_sync(tiny_llama, prompts, params)
+    for i, j in ends:
+        assert ref[i][0] == free[i][: j + 1] and ref[i][1:3] == ("stop", free[i][j]), i
+    assert all(len(ref[i][0]) >= 6 for i in range(1, len(free), 2))
+
+
+def test_bad_words_read_the_previous_step(tiny_llama, free_runs):
+    """A two-token bad word needs the token before it, so a step that samples for the request is read before
+    the next is scheduled; the reference never produces the pair its greedy run had."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    prompts, free = free_runs
+    params, pairs = [], []
+    for i, run in enumerate(free):
+        k = next(k for k in range(2 + i % 4, len(run) - 1) if min(run[k : k + 2]) >= 3)  # no special token
+        word = tok.decode(run[k : k + 2])
+        assert tok.encode(word, add_special_tokens=False) == run[k : k + 2]
+        pairs.append(run[k : k + 2])
+        params.append(SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, bad_words=[word]))
+    ref = _async_equals_sync(tiny_llama, prompts, params)
+    for (out, *_), pair in zip(ref, pairs):
+        assert all(out[t : t + 2] != pair for t in range(len(out) - 1))
+
+
+def test_logit_bias_and_logprobs_with_ranks(tiny_llama, free_runs):
+    prompts, free = free_runs
+    params = [
+        SamplingParams(
+            temperature=0.8, seed=i, max_tokens=20, ignore_eos=True, logit_bias={run[1]: -100.0, run[2]: 2.0},
+            logprobs=3 if i % 2 else 0, prompt_logprobs=2 if i % 3 == 0 else None,
+        )
+        for i, run in enumerate(free)
+    ]  # fmt: skip
+    ref = _async_equals_sync(tiny_llama, prompts, params)
+    for i, (out, _, _, _, lps, prompt_lps) in enumerate(ref):
+        assert free[i][1] not in out
+        assert len(lps) == len(out)
+        for t, row in zip(out, lps):
+            ranks = {tk: k for tk, k, _ in row}
+            assert t in ranks and ranks[t] >= 1 and len(row) >= params[i].logprobs
+        assert (prompt_lps is not None and len(prompt_lps) == len(prompts[i])) == (i % 3 == 0)
 
 
 def test_prefix_cache_holds_generated_tokens(tiny_llama):
@@ -234,6 +333,23 @@ def test_async_scheduling_off_on_cpu_by_default_and_refused_where_unsupported(ti
     assert off.async_scheduling is False and "multiproc" in off.async_scheduling_note
 
 
+def test_explain_shows_async_scheduling_and_why(tiny_llama, capsys):
+    from turnout.cli import main
+
+    settings = {}
+    for flags in ([], ["--async-scheduling"], ["--no-async-scheduling"]):
+        assert main(["explain", "--model", str(tiny_llama), "--json", *flags]) == 0
+        settings[tuple(flags)] = json.loads(capsys.readouterr().out)["settings"]["async_scheduling"]
+    assert settings[()] == {
+        "value": False,
+        "source": "fitted: off: auto, no device runs beside the host on the CPU",
+    }
+    assert settings[("--async-scheduling",)] == {"value": True, "source": "flag"}
+    assert settings[("--no-async-scheduling",)] == {"value": False, "source": "flag"}
+    assert main(["explain", "--model", str(tiny_llama)]) == 0
+    assert "fitted: off: auto" in capsys.readouterr().out.split("engine settings", 1)[1]
+
+
 def test_env_switch(monkeypatch):
     monkeypatch.setenv("TURNOUT_ASYNC_SCHEDULING", "1")
     assert EngineConfig.load().async_scheduling is True
@@ -294,7 +410,7 @@ def test_block_tables_written_incrementally_match_the_lists():
     """Against a table built from scratch each step: appends, a preemption's new list, a list that is new
     every step (as through a pipe), released rows taken again, and growth in rows and width."""
     from turnout.engine.scheduler import ScheduledRequest
-    from turnout.worker.model_runner import BlockTables
+    from turnout.worker.block_table import BlockTables
 
     rng = random.Random(0)
     tables = BlockTables()

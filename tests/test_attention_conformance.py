@@ -1,14 +1,15 @@
 """One conformance suite for every installed attention backend (entry-point group `turnout`).
 
 Each case draws a random paged step (attention_reference.make_case), poisons every cache slot that
-holds no token with NaN, runs build_metadata + forward, and checks:
+holds no token with NaN, gives the backend the step's AttentionSpec (setup), runs build_metadata + forward,
+and checks:
   - the output against a float64 reference by ||out - ref|| / ||ref||, and that it is finite;
   - the cache bit for bit: k, v written exactly at slot_mapping, every other slot (poison included)
     untouched;
   - that q, k, v were not modified.
 Off CUDA, Triton backends run under TRITON_INTERPRET=1, which is set only while the backends are
 discovered (and their libraries imported) and while this module's tests run (triton imports more of
-itself lazily), so the rest of the test session does not see it.
+itself lazily), so the other test modules do not see it.
 TURNOUT_PLUGINS=name[,name] limits the suite to those entry points, as it limits the engine.
 The CPU run uses small shapes; the `gpu` cases run the full product with larger ones.
 """
@@ -23,7 +24,7 @@ import random
 import pytest
 import torch
 
-from turnout.attention import AttentionBackend, AttentionContext, AttentionLayerSpec, CudagraphSupport
+from turnout.attention import AttentionBackend, AttentionContext, AttentionSpec, CudagraphSupport
 from turnout.platform import current_platform
 
 from attention_reference import KINDS, make_case
@@ -111,10 +112,10 @@ def _run(be: AttentionBackend, batch: str, gqa: int, head: int, dtype: torch.dty
     rng = random.Random(f"{seed}-{batch}-{gqa}-{head}-{dtype}-{bs}")
     c = make_case(rng, gqa=gqa, head_size=head, dtype=dtype, block_size=bs, kinds=kinds, pad_tokens=pad,
                   decode_first=decode_first, device=DEVICE, **shape)  # fmt: skip
-    layer = AttentionLayerSpec(0, c.q.shape[1], c.num_kv_heads, head, c.scale)
+    be.setup(AttentionSpec(c.q.shape[1], c.num_kv_heads, head, dtype, bs, c.scale, num_layers=1))
     inputs = [x.clone() for x in (c.q, c.k, c.v)]
     c.meta.backend_data = be.build_metadata(c.meta)
-    out = be.forward(layer, c.q, c.k, c.v, c.kv_cache, c.meta)
+    out = be.forward(c.q, c.k, c.v, c.kv_cache, c.meta)
     n, m = c.meta.num_actual_tokens, c.meta
     where = f"{be.name} {batch}: {c.kinds}, seq_lens={m.seq_lens.tolist()} cu={m.query_start_loc.tolist()}"
     assert out.shape == c.q.shape and out.dtype == dtype, where
@@ -193,7 +194,7 @@ def test_cudagraph_replay(be: AttentionBackend) -> None:
     c = make_case(random.Random(4), gqa=4, head_size=128, dtype=torch.bfloat16, block_size=bs, kinds=kinds,
                   pad_tokens=pad, device=DEVICE, **LARGE)  # fmt: skip
     m = c.meta
-    layer = AttentionLayerSpec(0, c.q.shape[1], c.num_kv_heads, 128, c.scale)
+    be.setup(AttentionSpec(c.q.shape[1], c.num_kv_heads, 128, torch.bfloat16, bs, c.scale, num_layers=1))
     real = {f: getattr(m, f).clone() for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_table")}
     b, t = m.num_reqs, c.q.shape[0]
     cu = torch.arange(b + 1, device=DEVICE) * (m.num_actual_tokens // b)  # dummy: equal queries, no context
@@ -206,10 +207,10 @@ def test_cudagraph_replay(be: AttentionBackend) -> None:
     m.max_query_len = int(m.seq_lens.max())  # max_seq_len stays the real one: an upper bound, as in capture
     m.backend_data = be.build_metadata(m)
     cache0 = c.kv_cache.clone()
-    be.forward(layer, c.q, c.k, c.v, c.kv_cache, m)  # warm-up: compile outside the capture
+    be.forward(c.q, c.k, c.v, c.kv_cache, m)  # warm-up: compile outside the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = be.forward(layer, c.q, c.k, c.v, c.kv_cache, m)
+        out = be.forward(c.q, c.k, c.v, c.kv_cache, m)
     for f, x in real.items():
         getattr(m, f).copy_(x)
     m.max_query_len, m.max_seq_len = host

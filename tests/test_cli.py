@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
+
+from turnout.models.info import ModelInfo
 
 from fake_dist import make_dist, naive_backend_source
 
@@ -100,21 +105,23 @@ def test_generate_input_jsonl(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "args, needle",
+    "args, rc, needle",
     [
-        (["--prompt", ""], "empty prompt"),
-        (["--prompt", "w1", "--temperature", "-1"], "temperature must be >= 0"),
-        (["--prompt", "w1", "--top-p", "0"], "top_p must be in (0, 1]"),
-        (["--prompt", "w1", "--max-tokens", "0"], "max_tokens must be >= 1"),
-        (["--prompt", " ".join(["w1"] * 600)], "shorten the prompt or raise max_model_len"),
-        (["--prompt", "w1", "--block-size", "0"], "'block_size' in arguments"),
+        (["--prompt", ""], 1, "prompt 0: empty prompt"),  # a prompt that fails is a failed row
+        (["--prompt", "w1", "--temperature", "-1"], 2, "temperature must be >= 0"),
+        (["--prompt", "w1", "--temperature", "inf"], 2, "temperature must be finite"),
+        (["--prompt", "w1", "--top-p", "0"], 2, "top_p must be in (0, 1]"),
+        (["--prompt", "w1", "--max-tokens", "0"], 2, "max_tokens must be >= 1"),
+        (["--prompt", "w1", "--stop", ""], 2, "stop holds an empty string"),
+        (["--prompt", " ".join(["w1"] * 600)], 1, "shorten the prompt or raise max_model_len"),
+        (["--prompt", "w1", "--block-size", "0"], 2, "'block_size' in arguments"),
     ],
 )
-def test_generate_bad_input_one_line_error(tiny_llama, args, needle):
+def test_generate_bad_input_one_line_error(tiny_llama, args, rc, needle):
     p = run("generate", "--model", str(tiny_llama), *args, check=False)
-    assert p.returncode == 2
+    assert p.returncode == rc
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and needle in last
+    assert last.startswith("error: ") and needle in last and "Traceback" not in p.stderr
 
 
 def test_generate_missing_weights(tiny_llama, tmp_path):
@@ -165,3 +172,148 @@ def test_pip_installed_third_party_backend_is_listed_explained_and_chosen(tiny_l
     with_naive = json.loads(run(*args, "--config", str(cfg), env=env).stdout)
     with_cpu = json.loads(run(*args, env=env).stdout)
     assert with_naive["token_ids"] == with_cpu["token_ids"] and len(with_cpu["token_ids"]) == 6
+
+
+# ---- the front door on the embedded model: real invocations ----
+
+
+def test_output_is_jsonl_also_for_one_prompt(tmp_path):
+    out = tmp_path / "out.jsonl"
+    run("generate", "--chat", "--prompt", "Say hi.", "--max-tokens", "4", "--output", str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["id"] == 0 and rows[0]["prompt"] == "Say hi."
+    assert rows[0]["finish_reason"] in ("stop", "length") and 0 < len(rows[0]["token_ids"]) <= 4
+    assert isinstance(rows[0]["text"], str)
+
+
+JSONL_ROWS = [
+    '{"prompt": "Count from 1 to 5.", "max_tokens": 3, "ignore_eos": true}',
+    '{"prompt": 42}',
+    '{"prompt": null}',
+    "this is not json",
+    '{"messages": "not a list"}',
+    '{"messages": [{"role": "user"}]}',
+    '{"prompt": [1, 2, 3]}',
+    '{"prompt": "Hi", "temprature": 0.5}',
+    '{"id": "count", "messages": [{"role": "user", "content": "Count from 1 to 5."}], '
+    '"max_tokens": 16, "stop": ["3"]}',
+    "",
+    '{"prompt": "Count from 1 to 5.", "max_tokens": 14}',
+    '{"prompt": "Name a color.", "temperature": 1.0, "seed": 7, "max_tokens": 5, "n": 2, "logprobs": 1}',
+    '{"prompt": "Hi", "seed": "abc"}',
+    '{"prompt": "Hi", "temperature": Infinity}',
+]
+
+
+def test_jsonl_rows_apply_their_settings_and_fail_alone(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(JSONL_ROWS) + "\n")
+    p = run("generate", "--chat", "--input", str(inp), "--output", str(out), check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [0, 1, 2, 3, 4, 5, 6, 7, "count", 9, 10, 11, 12]
+    errors = {r["id"]: r.get("error") for r in rows}
+    assert [k for k, e in errors.items() if e is None] == [0, "count", 9, 10]
+    expect = {
+        1: "line 2: a prompt is text",
+        2: "line 3: a prompt is text",
+        3: "line 4: is not JSON",
+        4: "line 5: messages must be a non-empty list",
+        5: 'line 6: message 0 needs a "content" string',
+        6: "line 7: a token-id prompt cannot take the chat template",
+        7: "line 8: unknown key 'temprature'",
+        11: "line 13: invalid SamplingParams: seed must be an integer",
+        12: "line 14: invalid SamplingParams: temperature must be finite",
+    }
+    assert all(errors[k].startswith(v) for k, v in expect.items()), errors
+    assert all(r["finish_reason"] == "error" and r["token_ids"] == [] for r in rows if r.get("error"))
+    by = {r["id"]: r for r in rows}
+    assert len(by[0]["token_ids"]) == 3 and by[0]["finish_reason"] == "length"  # max_tokens 3, not 64
+    assert "3" not in by["count"]["text"] and (by["count"]["finish_reason"], by["count"]["stop_reason"]) == (
+        "stop",
+        "3",
+    )
+    assert "\n" in by[9]["text"] and len(by[9]["token_ids"]) == 14  # several lines, one JSON row
+    assert len(by[10]["outputs"]) == 2 and all(
+        len(c["logprobs"]) == len(c["token_ids"]) for c in by[10]["outputs"]
+    )
+
+
+def test_tp2_on_the_embedded_model_is_refused_before_any_worker():
+    for cmd in (["explain"], ["generate", "--prompt", "hi"]):
+        p = run(*cmd, "--tensor-parallel-size", "2", check=False)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 2 and "Traceback" not in p.stderr and "multiproc: 2 ranks" not in p.stderr
+        assert last.startswith("error: model ") and "does not divide the model's 9 attention heads" in last
+
+
+# ---- in process: parsing, help text, explain's settings ----
+
+
+def test_every_sampling_field_has_a_flag_and_seeds_are_split():
+    from turnout import cli
+    from turnout.sampling_params import SamplingParams
+
+    args = cli.build_parser().parse_args(["generate", "--seed", "5", "--sampling-seed", "7", "--stop", "a"])
+    assert cli._config(args).seed == 5  # --seed is the engine's, as in vLLM
+    assert cli._sampling_defaults(args) == {"temperature": 0.0, "max_tokens": 64, "seed": 7, "stop": ["a"]}
+    dests = {a.dest for a in cli.build_parser()._subparsers._group_actions[0].choices["generate"]._actions}
+    missing = [
+        f for f in SamplingParams.field_names() if ("sampling_seed" if f == "seed" else f) not in dests
+    ]
+    assert not missing
+
+
+def test_help_states_exit_codes_defaults_and_dtype():
+    from turnout import cli
+    from turnout.config import EngineConfig
+    from turnout.platform import Platform
+    from turnout.sampling_params import SamplingParams
+
+    gen = cli.build_parser()._subparsers._group_actions[0].choices["generate"]
+    text = " ".join(gen.format_help().split())
+    for code in sorted(cli.EXIT_CODES):
+        assert re.search(rf"exit codes:.* {code} ", text), code
+    for name, value in cli.CLI_SAMPLING_DEFAULTS.items():  # said plainly, and true of SamplingParams
+        flag = re.search(
+            rf"--{name.replace('_', '-')} \S+ default (\S+) .*?\(SamplingParams: ([\d.]+)\)", text
+        )
+        assert float(flag.group(1)) == value and float(flag.group(2)) == getattr(SamplingParams(), name)
+    assert "on CPU bfloat16 for a bfloat16 checkpoint" in text and "else float32" in text
+    info = ModelInfo(Path("m"), {"torch_dtype": "bfloat16"})
+    for bf16, want in ((True, torch.bfloat16), (False, torch.float32)):
+        cpu = Platform("cpu", "cpu", 1, None, 0, native_bf16=bf16)
+        assert info.resolve_dtype(EngineConfig().dtype, cpu) == want
+
+
+def test_explain_shows_settings_and_their_source(tiny_llama, tmp_path, monkeypatch, capsys):
+    from turnout import cli
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("block_size = 32\nmax_num_seqs = 4\n")
+    monkeypatch.setenv("TURNOUT_MAX_MODEL_LEN", "128")
+    argv = ["explain", "--json", "--model", str(tiny_llama), "--config", str(cfg), "--max-num-seqs", "8"]
+    assert cli.main(argv) == 0
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    assert settings["max_num_seqs"] == {"value": 8, "source": "flag"}
+    assert settings["block_size"] == {"value": 32, "source": "file"}
+    assert settings["max_model_len"] == {"value": 128, "source": "env"}
+    assert settings["max_num_batched_tokens"] == {"value": 2048, "source": "fitted: CPU: short steps"}
+    assert settings["enable_prefix_caching"] == {"value": True, "source": "default"}
+    assert set(settings) == set(cli.EngineConfig.model_fields)
+    assert cli.main(argv[:1] + argv[2:]) == 0
+    out = capsys.readouterr().out
+    assert "engine settings" in out and re.search(r"max_num_seqs +8 +flag", out)
+
+
+def test_file_errors_fail_before_the_model_loads(tmp_path, capsys):
+    from turnout import cli
+
+    assert cli.main(["generate", "--input", str(tmp_path / "missing.jsonl")]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: cannot read --input {tmp_path / 'missing.jsonl'}: No such file or directory"
+    )
+    assert cli.main(["generate", "--prompt", "x", "--output", str(tmp_path / "no" / "o.jsonl")]) == 2
+    assert "cannot write --output" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt", "x", "--input", str(tmp_path / "x")]) == 2

@@ -13,7 +13,7 @@ def test_defaults_are_documented():
     assert (cfg.attention_backend, cfg.executor, cfg.block_size, cfg.enable_prefix_caching) == (
         "auto",
         "auto",
-        16,
+        None,  # fitted to the chosen backend: turnout.defaults
         True,
     )
     assert all(f.description or f.annotation is int for f in EngineConfig.model_fields.values())

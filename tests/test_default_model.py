@@ -81,7 +81,9 @@ def test_bad_request_fails_alone(llm):
     lp = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)[
         0
     ].outputs[0]
-    assert len(lp.logprobs) == 3 and all(len(t) == 2 and t[0][1] >= t[1][1] for t in lp.top_logprobs)
+    assert len(lp.logprobs) == 3 and all(tok in d for tok, d in zip(lp.token_ids, lp.logprobs))
+    tops = [sorted(d.values(), key=lambda x: x.rank)[:2] for d in lp.logprobs]
+    assert all([a.rank, b.rank] == [1, 2] and a.logprob >= b.logprob for a, b in tops)
 
 
 @pytest.mark.slow

@@ -216,9 +216,36 @@ def test_gemv_silu_mul_prologue(dtype: torch.dtype, tile: tuple[int, int, int] |
         assert torch.equal(y, gemv.gemv(fused.silu_and_mul(gate_up), w, tile=tile))  # the same rounding
 
 
-def test_decoder_layer_gemv_path_matches_the_kernel_by_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Qwen3 decoder layer at decode size: _forward_gemv (norms and SiLU-and-mul inside the GEMVs) against
-    forward's path of a kernel per op. Each token is a one-token sequence: its attention output is its v."""
+def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Every kernel a layer launches from now on, as (kernel, rows, out features, options), in order."""
+    calls: list[tuple] = []
+
+    def spy(module, name, describe):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls.append(describe(*args, **kwargs))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    def gemv_call(x, w, bias=None, tile=None, *, norm=None, residual=None, residual_out=None, silu_mul=False):
+        opts = ("norm" if norm else "") + ("+residual" if residual is not None else "") + ("silu" * silu_mul)
+        return ("gemv", x.shape[0], w.shape[0], opts)
+
+    spy(gemv, "gemv", gemv_call)
+    spy(F, "linear", lambda x, w, b=None: ("linear", x.shape[0], w.shape[0], ""))
+    spy(fused, "rms_norm", lambda x, w, eps, r=None, ro=None: ("rms_norm", x.shape[0], x.shape[-1], ""))
+    spy(fused, "qk_norm_rope", lambda qkv, pos, hq, hkv, *a: ("qk_norm_rope", qkv.shape[0], hq + hkv, ""))
+    spy(fused, "silu_and_mul", lambda x: ("silu_and_mul", x.shape[0], x.shape[1] // 2, ""))
+    return calls
+
+
+def test_decoder_layer_picks_kernels_in_its_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3 decoder layer at decode size, with the GEMV routing on and off. Its layers pick the kernels:
+    on, both RMSNorms run in the prologue of the GEMV after them and SiLU-and-mul in down_proj's (four GEMVs
+    and the fused q/k norm + rotary); off, a kernel per op. Both give the same result to a few ulps. Each
+    token is a one-token sequence: its attention output is its v."""
     from turnout.layers.attention import ForwardContext, forward_context
     from turnout.models.decoder import DecoderLayer
 
@@ -226,23 +253,47 @@ def test_decoder_layer_gemv_path_matches_the_kernel_by_kernel_path(monkeypatch: 
     cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
            "intermediate_size": 160, "rms_norm_eps": 1e-6, "max_position_embeddings": 64}  # fmt: skip
     torch.manual_seed(0)
-    layer = DecoderLayer(cfg, 0, qkv_bias=False, qk_norm=True).to(DEV, dtype)
+    layer = DecoderLayer(cfg, qkv_bias=False, qk_norm=True).to(DEV, dtype)
     for p in layer.parameters():
         p.data = (torch.randn_like(p, dtype=torch.float32) / p.shape[-1] ** 0.5 + (p.dim() == 1)).to(dtype)
     monkeypatch.setattr(fused, "enabled", lambda x: True)  # the fused kernels on CPU too (interpreter)
-    monkeypatch.setenv("TURNOUT_TRITON_GEMV", "0")  # forward: no GEMV routing, F.linear (cuBLAS)
-    gemv.switched_on.cache_clear()
+    if DEV == "cpu":  # route as on CUDA, for CPU tensors (the kernels run in the interpreter)
 
-    def one_token_attention(spec, q, k, v):  # [T, H, D] -> [T, H D]: softmax over one key is 1
-        return v.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1).reshape(q.shape[0], -1)
+        def enabled_as_on_cuda(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
+            half = x.dtype in (torch.float16, torch.bfloat16) and (w is None or w.dtype == x.dtype)
+            return x.dim() == 2 and x.shape[0] <= gemv.MAX_M and half and gemv.switched_on()
+
+        monkeypatch.setattr(gemv, "enabled", enabled_as_on_cuda)
+    calls = _record_launches(monkeypatch)
+
+    def one_token_attention(layer_idx, q, k, v):  # [T, H, D] -> [T, H D]: softmax over one key is 1
+        calls.append(("attention", q.shape[0], q.shape[1], ""))
+        return v.repeat_interleave(q.shape[1] // k.shape[1], dim=1).reshape(q.shape[0], -1)
 
     ctx = ForwardContext(backend=None, meta=None, kv_caches=[], hole=one_token_attention)  # type: ignore[arg-type]
     pos = torch.tensor([5, 9], device=DEV)
     x = torch.randn(2, 64, device=DEV, dtype=dtype)
+    qkv_n, inter = (4 + 2 * 2) * 32, 160
+    g, a = "gemv", "attention"
+    gemv_path = [(g, 2, qkv_n, "norm+residual"), ("qk_norm_rope", 2, 6, ""), (a, 2, 4, ""),
+                 (g, 2, 64, ""), (g, 2, 2 * inter, "norm+residual"), (g, 2, 64, "silu")]  # fmt: skip
+    lin = "linear"
+    per_op = [("rms_norm", 2, 64, ""), (lin, 2, qkv_n, ""), ("qk_norm_rope", 2, 6, ""), (a, 2, 4, ""),
+              (lin, 2, 64, ""), ("rms_norm", 2, 64, ""), (lin, 2, 2 * inter, ""),
+              ("silu_and_mul", 2, inter, ""), (lin, 2, 64, "")]  # fmt: skip
     with forward_context(ctx):
         for residual in (None, torch.randn(2, 64, device=DEV, dtype=dtype)):
+            first = [(c[0], c[1], c[2], c[3].replace("norm+residual", "norm")) for c in gemv_path[:1]]
+            calls.clear()
+            out, res = layer(pos, x, residual)
+            assert calls == (gemv_path if residual is not None else first + gemv_path[1:])
+            monkeypatch.setenv("TURNOUT_TRITON_GEMV", "0")  # every matmul to F.linear (cuBLAS)
+            gemv.switched_on.cache_clear()
+            calls.clear()
             ref_out, ref_res = layer(pos, x, residual)
-            out, res = layer._forward_gemv(pos, x, residual)
+            assert calls == per_op
+            monkeypatch.delenv("TURNOUT_TRITON_GEMV")
+            gemv.switched_on.cache_clear()
             assert torch.equal(res, ref_res)
             assert _ulps_apart(out, ref_out, 4)  # two norms' sums in another order, then two matmuls
             assert not torch.equal(out, torch.zeros_like(out))

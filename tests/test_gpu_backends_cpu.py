@@ -1,6 +1,6 @@
 """The FlashInfer and FlashAttention plugins, CPU side: they load without their libraries, say precisely why
-they cannot serve, and their torch helpers (paged indices, the KV write) are right. Their kernels run in the
-GPU conformance suite (test_attention_conformance.py)."""
+they cannot serve, and the torch helpers they use (paged indices, turnout.attention's KV write) are right.
+Their kernels run in the GPU conformance suite (test_attention_conformance.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from turnout.attention import AttentionContext, AttentionMetadata, CudagraphSupport
+from turnout.attention import AttentionContext, AttentionMetadata, CudagraphSupport, store_kv
 from turnout.platform import Platform
 from turnout.plugins import PluginManager
 
@@ -54,7 +54,7 @@ def test_plugins_load_through_entry_points():
     info = {i.name: i for i in pm.listing()}
     for name, dist in (("flashinfer", "turnout-flashinfer"), ("flash_attn", "turnout-flash-attn")):
         assert (info[name].status, info[name].distribution) == ("loaded", dist)
-        assert info[name].hooks == ["turnout_attention_backends"]
+        assert info[name].hooks == ["turnout_attention_backends", "turnout_env_vars"]
     backends = {
         b.name: b for res in pm.call_each("turnout_attention_backends", platform=H200) for b in res.value
     }
@@ -68,10 +68,11 @@ def test_plugins_import_without_their_libraries():
     assert out.split() == ["False", "False"]
 
 
-def test_cpu_platform_is_refused_without_importing(flashinfer, flash_attn):
-    for be in (flashinfer, flash_attn):
+def test_cpu_platform_is_refused_without_importing(flashinfer):
+    on_cpu = fa_backend.FlashAttnBackend(CPU)
+    for be in (flashinfer, on_cpu):
         assert be.check(ctx(CPU)) == ["needs device cuda, have cpu"]
-    assert flash_attn.probe is None  # the library was not even looked for
+    assert on_cpu.probe == fa_backend.Probe(None, "needs a CUDA device")  # no library was looked for
 
 
 @pytest.mark.skipif(not NO_FLASHINFER, reason="flashinfer is installed here")
@@ -124,21 +125,19 @@ def test_flashinfer_takes_any_block_size(flashinfer):
     assert flashinfer.cudagraph_support == CudagraphSupport.UNIFORM_DECODE  # static decode wrappers
 
 
-def test_flash_attn_path_constraints(flash_attn):
-    fa2, fa4 = fa_backend.Probe("fa2"), fa_backend.Probe("fa4")
-    flash_attn.use(fa2)
-    assert (flash_attn.block_size_multiple, flash_attn.cudagraph_support) == (
-        256,
-        CudagraphSupport.UNIFORM_BATCH,
-    )
-    assert fa_backend.path_reasons("fa2", ctx(block=16, head=100)) == [
-        "FA2 paged KV needs block_size a multiple of 256, got 16",
+def test_flash_attn_path_constraints():
+    """The library found fixes the declared capabilities once, at construction; check() changes nothing."""
+    fa2 = fa_backend.FlashAttnBackend(H200, fa_backend.Probe("fa2"))
+    assert (fa2.block_size_multiple, fa2.cudagraph_support) == (256, CudagraphSupport.UNIFORM_BATCH)
+    before = dict(vars(fa2))
+    assert fa2.check(ctx(block=16, head=100)) == [
+        "block_size 16 is not a multiple of 256",
         "FA2 needs head size a multiple of 8 up to 256, got 100",
     ]
-    assert fa_backend.path_reasons("fa2", ctx(block=512, head=96)) == []
-    flash_attn.use(fa4)
-    assert (flash_attn.block_size_multiple, flash_attn.min_capability) == (1, (9, 0))
-    assert flash_attn.cudagraph_support == CudagraphSupport.ALWAYS  # FULL graphs verified on the H200
+    assert fa2.check(ctx(block=512, head=96)) == [] and vars(fa2) == before
+    fa4 = fa_backend.FlashAttnBackend(H200, fa_backend.Probe("fa4"))
+    assert (fa4.block_size_multiple, fa4.min_capability) == (1, (9, 0))
+    assert fa4.cudagraph_support == CudagraphSupport.ALWAYS  # a FULL capture replays like eager
     for head in (64, 96, 128, 256):
         assert fa_backend.path_reasons("fa4", ctx(head=head, block=1)) == []
     assert fa_backend.path_reasons("fa4", ctx(head=72)) == [
@@ -173,12 +172,9 @@ def test_paged_indices_match_a_loop(block):
     assert last.tolist() == [s - (n - 1) * block if n else 0 for s, n in zip(seq_lens, pages)]
 
 
-@pytest.mark.parametrize(
-    "store_kv", [fi_backend.store_kv, fa_backend.store_kv], ids=["flashinfer", "flash_attn"]
-)
 @pytest.mark.parametrize("capturing", [False, True])
 @pytest.mark.parametrize("slots", [[5, 9, 2, 30], [5, -1, 9, -1, -1], [-1, -1, -1]])
-def test_store_kv_writes_exactly_the_valid_slots(store_kv, capturing, slots):
+def test_store_kv_writes_exactly_the_valid_slots(capturing, slots):
     """The eager path and the graph-safe path (used while capturing) leave the same cache."""
     t, hkv, d = len(slots), 2, 8
     slot_t = torch.tensor(slots)
@@ -241,15 +237,16 @@ def test_metadata_routes_uniform_decode_and_everything_else(flashinfer, flash_at
         _meta([1, 7, 1], [5, 0, 30]),
         _meta([3, 1], [0, 4], pad=3),
     )
-    for be in (flashinfer, flash_attn):  # no plan yet: nothing imports the library
-        md = [be.build_metadata(m) for m in (decode, mixed, padded)]
+    # FlashInfer routes before it plans (planning needs the library); flash_attn's metadata is all torch
+    for build in (fi_backend.FlashInferMetadata.route, flash_attn.build_metadata):
+        md = [build(m) for m in (decode, mixed, padded)]
         assert [x.decode for x in md] == [True, False, False]
         assert md[0].store_rows is None and md[2].store_rows.tolist() == [0, 1, 2, 3]
-    assert [flashinfer.build_metadata(m).rows for m in (decode, mixed, padded)] == [3, 9, 4]
+    assert [fi_backend.FlashInferMetadata.route(m).rows for m in (decode, mixed, padded)] == [3, 9, 4]
     assert flash_attn.build_metadata(mixed).cu_seqlens_k.tolist() == [0, 6, 13, 44]
 
 
-def test_cudagraph_level_from_the_environment(monkeypatch: pytest.MonkeyPatch, flash_attn) -> None:
+def test_cudagraph_level_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """TURNOUT_FLASHINFER_CUDAGRAPH / TURNOUT_FLASH_ATTN_CUDAGRAPH replace a declared level (to try a capture
     on a new library version, or to turn graphs off); a bad value is one line naming the variable."""
     from turnout.errors import ConfigError
@@ -257,11 +254,10 @@ def test_cudagraph_level_from_the_environment(monkeypatch: pytest.MonkeyPatch, f
     monkeypatch.setenv("TURNOUT_FLASHINFER_CUDAGRAPH", "never")
     assert fi_backend.FlashInferBackend().cudagraph_support == CudagraphSupport.NEVER
     monkeypatch.setenv("TURNOUT_FLASH_ATTN_CUDAGRAPH", "NEVER")
-    flash_attn.use(fa_backend.Probe("fa4"))
-    assert flash_attn.cudagraph_support == CudagraphSupport.NEVER
+    fa4 = fa_backend.Probe("fa4")
+    assert fa_backend.FlashAttnBackend(H200, fa4).cudagraph_support == CudagraphSupport.NEVER
     monkeypatch.delenv("TURNOUT_FLASH_ATTN_CUDAGRAPH")
-    flash_attn.use(fa_backend.Probe("fa4"))
-    assert flash_attn.cudagraph_support == CudagraphSupport.ALWAYS
+    assert fa_backend.FlashAttnBackend(H200, fa4).cudagraph_support == CudagraphSupport.ALWAYS
     monkeypatch.setenv("TURNOUT_FLASHINFER_CUDAGRAPH", "sometimes")
     with pytest.raises(ConfigError, match=r"_CUDAGRAPH='SOMETIMES' is not .* NEVER, UNIFORM_DECODE"):
         fi_backend.FlashInferBackend()

@@ -18,9 +18,10 @@ TEST_TEXT = {
 }
 
 
-def test_there_are_four_plugin_kinds():
+def test_the_four_plugin_kinds_and_env_switches():
     assert SPECS == [
         "turnout_attention_backends",
+        "turnout_env_vars",
         "turnout_executors",
         "turnout_graph_policies",
         "turnout_model_architectures",
@@ -29,11 +30,23 @@ def test_there_are_four_plugin_kinds():
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_spec_is_typed_documented_and_prefixed(spec: str):
+    """pytest's standard: typed; the docstring says what to return, what empty means, how results combine,
+    and has a :param: line per argument."""
     fn = getattr(hookspecs, spec)
     sig = inspect.signature(fn)
+    doc = inspect.getdoc(fn) or ""
     assert sig.return_annotation is not inspect.Signature.empty, f"{spec} has no return type"
     assert all(p.annotation is not inspect.Parameter.empty for p in sig.parameters.values())
-    assert "Combine:" in (fn.__doc__ or ""), f"{spec}'s docstring must say how results combine"
+    assert doc.startswith("Return "), f"{spec}'s docstring must open with what to return"
+    assert "An empty list" in doc, f"{spec}'s docstring must say what an empty result means"
+    assert "Combine:" in doc, f"{spec}'s docstring must say how results combine"
+    for name in sig.parameters:
+        assert f":param {name}:" in doc, f"{spec}'s docstring has no :param {name}:"
+
+
+def test_model_spec_names_the_class_contract():
+    doc = inspect.getdoc(hookspecs.turnout_model_architectures) or ""
+    assert "CausalLM" in doc and "load_weights" in doc and "compute_logits" in doc
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -114,7 +114,7 @@ def test_matches_uniproc(
     llm = LLM(str(tiny_llama), executor="ray", tensor_parallel_size=tp, pipeline_parallel_size=pp, **KW)
     ex = llm.engine.executor
     try:
-        assert llm.selection.executor.chosen.name == "ray" and not ex.in_process
+        assert llm.selection.executor.chosen.name == "ray" and not llm.selection.executor_spec.in_process
         assert _tokens(llm) == reference
         assert len(set(ex.pids)) == 2 and all(map(alive, ex.pids))
         assert len(set(ex.collective_rpc("kv_bytes_per_block"))) == 1

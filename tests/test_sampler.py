@@ -245,9 +245,13 @@ def test_logprobs_raw_distribution(dtype: torch.dtype) -> None:
     logits = (torch.randn(B, V) * 4).to(dtype)
     out = run(logits, params, None, [[1, 2, 3]] * B, [[4, 5, 5]] * B)
     ref = torch.log_softmax(logits.double(), -1)  # [B, V]
-    assert out.logprobs is not None and out.top_logprobs is not None
+    assert out.logprobs is not None and out.top_logprobs is not None and out.ranks is not None
     for i, sp in enumerate(params):
-        assert out.logprobs[i] == pytest.approx(ref[i, out.token_ids[i]].item(), abs=1e-4)
+        if sp.logprobs is None:
+            continue
+        chosen = ref[i, out.token_ids[i]].item()
+        assert out.logprobs[i] == pytest.approx(chosen, abs=1e-4)
+        assert out.ranks[i] == sum(v >= chosen - 1e-9 for v in ref[i].tolist())  # 1 = the most likely
         top = out.top_logprobs[i]
         assert len(top) == (sp.logprobs or 0)
         if top:
@@ -288,6 +292,93 @@ def test_mixed_batch_rows_behave_as_alone() -> None:
         if sp.seed is not None or sp.greedy:
             assert go([i])[0] == batched[i], f"row {i} {sp}"
     assert all(0 <= t < V for t in batched[6])
+
+
+def processors_sp(**kw) -> SP:
+    """SamplingParams as the engine hands them over: bad words already token ids, EOS ids set."""
+    bad, eos = kw.pop("bad_ids", []), kw.pop("eos", [])
+    sp = SP(**kw)
+    sp.bad_words_token_ids, sp.eos_token_ids = bad, eos
+    return sp
+
+
+def ref_banned(sp: SP, output: list[int]) -> set[int]:
+    """Brute force: every bad word whose tokens but the last end the output bans its last token; EOS and
+    stop tokens are banned while the output is shorter than min_tokens."""
+    banned = set()
+    for w in sp.bad_words_token_ids:
+        k = len(w) - 1
+        if len(output) >= k and (k == 0 or output[-k:] == w[:-1]):
+            banned.add(w[-1])
+    if len(output) < sp.min_tokens:
+        banned |= set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(sp.eos_token_ids))
+    return banned
+
+
+def ref_processed(logits: list[float], sp: SP, prompt: list[int], output: list[int]) -> list[float]:
+    x = [NEG if t in ref_banned(sp, output) else v for t, v in enumerate(logits)]
+    for t, b in (sp.logit_bias or {}).items():
+        x[t] += b
+    return ref_penalised(x, sp, prompt, output)
+
+
+def test_logit_bias_bad_words_min_tokens_greedy_match_reference() -> None:
+    B, V = 64, 40
+    logits = torch.randn(B, V) * 2
+    params, prompts, outputs = [], [], []
+    for i in range(B):
+        top = logits[i].topk(3).indices.tolist()
+        kind = i % 4
+        params.append(
+            processors_sp(
+                temperature=0,
+                logit_bias={top[0]: -random.uniform(3, 9), random.randrange(V): random.uniform(0, 4)}
+                if kind in (0, 3)
+                else None,
+                bad_ids=[[top[0]], [5, top[1]], [7, 8, top[2]]] if kind in (1, 3) else [],
+                min_tokens=4 if kind in (2, 3) else 0,
+                eos=[top[0]],
+                stop_token_ids=[top[1]] if kind == 2 else [],
+                repetition_penalty=1.3 if i % 8 == 3 else 1.0,
+            )
+        )
+        prompts.append(random.choices(range(V), k=5))
+        outputs.append(random.choice([[], [5], [1, 5], [7, 8], [3, 7, 8], [1, 2, 3, 4, 5]]))
+    ref = [ref_processed(logits[i].double().tolist(), params[i], prompts[i], outputs[i]) for i in range(B)]
+    expect = [max(range(V), key=r.__getitem__) for r in ref]
+    out = run(logits, params, None, prompts, outputs)
+    assert out.token_ids == expect
+    changed = sum(a != b for a, b in zip(logits.argmax(-1).tolist(), expect))
+    assert changed >= B // 2  # the processors move most argmaxes: the test has teeth
+
+
+def test_processors_then_sampling_frequencies() -> None:
+    V, n = 10, 100_000
+    logits = torch.randn(V, generator=gen(11)) * 1.5
+    sp = processors_sp(
+        temperature=0.9,
+        top_k=7,
+        logit_bias={0: 1.5, 3: -2.0, 9: 0.7},
+        bad_ids=[[4], [6, 2], [8, 5]],  # 5 is banned after 8; 2 is not banned (the output ends in 1)
+        min_tokens=5,
+        eos=[1],
+    )
+    output = [3, 8]
+    p, _ = ref_probs(ref_processed(logits.double().tolist(), sp, [], output), T=0.9, top_k=7)
+    assert p[4] == p[5] == p[1] == 0 and p[2] > 0
+    tokens = run(logits.expand(n, -1).contiguous(), [sp] * n, None, [[]] * n, [output] * n).token_ids
+    check_freq(tokens, p)
+
+
+def test_logprobs_are_raw_even_with_processors() -> None:
+    """logit_bias and bans change what is drawn, not the reported logprobs (vLLM's raw logprobs)."""
+    logits = torch.randn(2, 30)
+    sp = processors_sp(temperature=0, logit_bias={3: 50.0}, bad_ids=[[int(logits[0].argmax())]], logprobs=2)
+    out = run(logits, [sp, sp])
+    ref = torch.log_softmax(logits.double(), -1)
+    assert out.token_ids == [3, 3]
+    assert out.logprobs == pytest.approx(ref[:, 3].tolist(), abs=1e-5)
+    assert [t for t, _ in out.top_logprobs[0]] == ref[0].topk(2).indices.tolist()
 
 
 @pytest.mark.gpu

@@ -7,13 +7,14 @@ import types
 import pytest
 import torch
 
-from turnout import hookimpl
+from turnout import Priority, hookimpl
 from turnout.attention import AttentionBackend, AttentionContext
 from turnout.config import EngineConfig
 from turnout.errors import SelectionError
+from turnout.executor import ExecutorContext
 from turnout.models.info import ModelInfo
 from turnout.platform import Platform
-from turnout.selection import Candidate, choose, select_all
+from turnout.selection import OWN_PROCESSES, Candidate, Loss, choose, choose_executor, select_all
 
 from fake_dist import naive_backend_source
 
@@ -29,6 +30,11 @@ def test_highest_priority_valid_wins_ties_by_name():
     c = choose("attention", _cands(("b", 5, []), ("a", 5, []), ("z", 9, ["nope"]), ("c", 1, [])))
     assert c.chosen.name == "a" and c.chosen.chosen
     assert [x.chosen for x in c.candidates] == [False, True, False, False]
+
+
+def test_explicit_choice_among_same_named_candidates_goes_by_priority_then_plugin():
+    cands = [Candidate("attention", "x", p, prio, []) for p, prio in (("p1", 0), ("p3", 7), ("p2", 7))]
+    assert choose("attention", cands, "x").chosen.plugin == "p2"
 
 
 def test_explicit_invalid_choice_names_reasons_and_options():
@@ -52,7 +58,7 @@ def test_explicit_valid_lower_priority_choice_is_honoured():
 def test_backend_check_reasons():
     class B(AttentionBackend):
         name, dtypes, head_sizes, block_size_multiple = "b", (torch.bfloat16,), (64, 128), 256
-        min_capability = (9, 0)
+        device_types, min_capability = ("cuda",), (9, 0)
 
     ctx = AttentionContext(H200, torch.float32, 80, 8, 3, 16)
     reasons = B().check(ctx)
@@ -153,3 +159,95 @@ def test_auto_dtype_rules(tiny_llama):
     assert bf16.resolve_dtype("auto", CPU) == torch.float32  # no native bf16: float32
     assert info.resolve_dtype("auto", H200) == torch.bfloat16  # GPUs run float32 checkpoints in bf16
     assert bf16.resolve_dtype("float16", H200) == torch.float16  # explicit wins
+
+
+class _Qwen3Elsewhere:
+    """A third-party plugin that provides Qwen3ForCausalLM too (the bundled class, at its own priority)."""
+
+    def __init__(self, priority: int) -> None:
+        self.priority = priority
+
+    @hookimpl
+    def turnout_model_architectures(self):
+        from turnout.models import ModelArchitecture
+
+        return [ModelArchitecture("Qwen3ForCausalLM", "turnout_qwen3.model:Qwen3ForCausalLM", self.priority)]
+
+
+def test_third_party_architecture_at_higher_priority_wins(register_plugin, plugin_manager, tiny_qwen3):
+    """The hookspec's promise: among plugins offering one architecture the highest priority wins, ties by
+    plugin name. zzz_models sorts after qwen3 and registers after it, so only its priority can win."""
+    info = ModelInfo.from_dir(tiny_qwen3)
+    register_plugin(_Qwen3Elsewhere(50), "zzz_models")
+    sel = select_all(EngineConfig(), info, plugin_manager, CPU)
+    assert (sel.model.chosen.plugin, sel.model.chosen.priority) == ("zzz_models", 50)
+    bundled = next(c for c in sel.model.candidates if c.plugin == "qwen3")
+    assert sel.model.why_lost(bundled) == "priority 0 < plugin zzz_models 50"
+
+
+def test_architecture_tie_goes_to_the_plugin_name(register_plugin, plugin_manager, tiny_qwen3):
+    info = ModelInfo.from_dir(tiny_qwen3)
+    register_plugin(_Qwen3Elsewhere(0), "zzz_models")
+    sel = select_all(EngineConfig(), info, plugin_manager, CPU)
+    assert sel.model.chosen.plugin == "qwen3"
+    late = next(c for c in sel.model.candidates if c.plugin == "zzz_models")
+    assert sel.model.why_lost(late) == "priority 0 = plugin qwen3 0; 'qwen3' sorts first"
+    register_plugin(_Qwen3Elsewhere(0), "aaa_models")
+    assert select_all(EngineConfig(), info, plugin_manager, CPU).model.chosen.plugin == "aaa_models"
+
+
+class _AnotherCpu:
+    @hookimpl
+    def turnout_attention_backends(self, platform):
+        from turnout_cpu.backend import CPUAttentionBackend
+
+        class FasterCpu(CPUAttentionBackend):
+            priority = 50
+
+        return [FasterCpu()]
+
+
+def test_a_named_backend_offered_twice_goes_to_higher_priority(register_plugin, plugin_manager, tiny_llama):
+    register_plugin(_AnotherCpu(), "zzz_cpu")
+    cfg = EngineConfig(attention_backend="cpu")
+    sel = select_all(cfg, ModelInfo.from_dir(tiny_llama), plugin_manager, CPU)
+    assert (sel.attention.chosen.name, sel.attention.chosen.plugin) == ("cpu", "zzz_cpu")
+
+
+def test_why_each_valid_candidate_lost(register_plugin, plugin_manager, tiny_llama):
+    register_plugin(_module(naive_backend_source(priority=-5)), "naive_plugin")
+    info = ModelInfo.from_dir(tiny_llama)
+    att = select_all(EngineConfig(), info, plugin_manager, CPU).attention
+    why = {c.name: att.why_lost(c) for c in att.candidates}
+    assert why["naive"] == "priority -5 < cpu 0" and why["cpu"] == ""
+    assert att.loss(next(c for c in att.candidates if c.name == "naive")) is Loss.PRIORITY
+    assert all(why[c.name] == "" for c in att.candidates if not c.valid)  # they have reasons instead
+    att = select_all(EngineConfig(attention_backend="naive"), info, plugin_manager, CPU).attention
+    cpu = next(c for c in att.candidates if c.name == "cpu")
+    assert att.why_lost(cpu) == "not requested (attention_backend = naive)"
+    ties = choose("attention", _cands(("b", 5, []), ("a", 5, [])))
+    assert ties.why_lost(ties.candidates[0]) == "priority 5 = a 5; 'a' sorts first"
+
+
+def test_the_documented_order_per_platform(plugin_manager):
+    """turnout.Priority's table: flash_attn > flashinfer > triton on CUDA; uniproc > ray > multiproc."""
+    from turnout.selection import attention_candidates, executor_candidates
+
+    ctx = AttentionContext(H200, torch.bfloat16, 128, 16, 8, 16)
+    prio = {c.name: c.priority for c in attention_candidates(plugin_manager, ctx)}
+    assert prio["flash_attn"] == Priority.FIRST and prio["flashinfer"] == Priority.SECOND
+    assert prio["triton"] == Priority.THIRD and prio["cpu"] == Priority.DEFAULT
+    prio = {c.name: c.priority for c in executor_candidates(plugin_manager, ExecutorContext(CPU, 2, False))}
+    assert prio["uniproc"] > prio["ray"] > prio["multiproc"]
+
+
+def test_data_parallel_on_cuda_needs_an_executor_with_processes_of_its_own(plugin_manager):
+    gpus = Platform("cuda", "H200", 4, (9, 0), 141 << 30)
+    dp2 = EngineConfig(data_parallel_size=2)
+    choice = choose_executor(plugin_manager, dp2, gpus)
+    assert choice.chosen.name == "multiproc" and not choice.chosen.obj.in_process
+    uni = next(c for c in choice.candidates if c.name == "uniproc")
+    assert uni.reasons == [OWN_PROCESSES]
+    with pytest.raises(SelectionError, match="'uniproc' cannot be used: runs the model in the engine's"):
+        choose_executor(plugin_manager, dp2.model_copy(update={"executor": "uniproc"}), gpus)
+    assert choose_executor(plugin_manager, dp2, CPU).chosen.name == "uniproc"  # replicas share this process

@@ -3,15 +3,22 @@ tokens afterwards, every KV block free, no prefix-cache entry or statistic, no p
 
 from __future__ import annotations
 
+import pytest
+
 from turnout import LLM, SamplingParams
 
 PROMPTS = [[5, 9, 14, 3, 7], list(range(40, 75)), [11] * 20]
 
 
-def test_warm_up_leaves_no_trace(tiny_llama):
-    kw = dict(dtype="float32", max_model_len=64, enforce_eager=True, attention_backend="cpu")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_warm_up_leaves_no_trace(tiny_llama, async_scheduling):
+    """With async scheduling too, where a step is in flight while the warm-up's requests finish."""
+    kw = dict(
+        dtype="float32", max_model_len=64, enforce_eager=True, attention_backend="cpu",
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    cold = LLM(str(tiny_llama), **kw)
+    cold = LLM(str(tiny_llama), **{**kw, "async_scheduling": False})  # the reference: sync
     expected = [o.token_ids for o in cold.generate(PROMPTS, params, use_tqdm=False)]
 
     llm = LLM(str(tiny_llama), **kw)
@@ -20,5 +27,7 @@ def test_warm_up_leaves_no_trace(tiny_llama):
     bm = engine.scheduler.bm
     assert bm.num_free_blocks == bm.num_blocks
     assert engine.stats()["prefix_cache_queries"] == 0 and not engine.requests
-    assert not engine.executor.worker.runner.generators  # the seeded warm-up request's generator is gone
+    runner = engine.executor.worker.runner
+    assert not runner.generators  # the seeded warm-up request's generator is gone
+    assert not runner.block_tables.rows and runner._last_sampled is None and engine._in_flight is None
     assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected

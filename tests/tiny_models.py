@@ -27,7 +27,7 @@ def make_tiny_model(
     path: Path, arch: str = "llama", num_kv_heads: int = 2, seed: int = 0, **overrides
 ) -> Path:
     """Write config.json + model.safetensors (float32) + tokenizer for a 2-layer random model."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=TOKENIZER_VOCAB,
@@ -43,8 +43,9 @@ def make_tiny_model(
         tie_word_embeddings=False,
     )
     common.update(overrides)
-    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config}[arch]
-    if arch == "qwen3":
+    configs = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}
+    cls = configs[arch]
+    if arch in ("qwen3", "qwen3_moe"):
         common.setdefault("head_dim", 16)
     config = cls(**common)
     torch.manual_seed(seed)

@@ -1,24 +1,28 @@
 """Attention backends: capabilities for selection, a paged KV layout, and forward.
 
-Shapes used throughout (T = tokens in the step, B = requests in the step):
-  q: [T, num_heads, head_size]        k, v: [T, num_kv_heads, head_size]
-  slot_mapping: [T] int64             slot = block_id * block_size + offset, -1 writes nowhere
-  query_start_loc: [B + 1] int32      cu_seqlens of the queries
-  seq_lens: [B] int32                 tokens in the KV cache after this step (context + query)
-  block_table: [B, max_blocks] int32  block ids of each request, padded with 0
-Query token i of request b sits at position seq_lens[b] - query_len[b] + i and attends causally to
-every cached token up to and including that position.
+A backend's life on one worker: `check(ctx)` during selection; `setup(spec)` once, after the model is built
+and before the KV cache is sized; then per step `build_metadata(meta)` once and `forward` once per layer.
+
+Shapes (T = tokens in the step, B = requests in the step, H / Hkv / D from the AttentionSpec):
+  q: [T, H, D]                         k, v: [T, Hkv, D]
+  kv_cache: kv_cache_shape(...)        default [2, num_blocks, block_size, Hkv, D]: keys, then values
+  slot_mapping: [T] int64              slot = block_id * block_size + offset; -1 writes nowhere
+  query_start_loc: [B + 1] int32       cu_seqlens of the queries
+  seq_lens: [B] int32                  tokens in the KV cache after this step (context + query)
+  block_table: [B, max_blocks] int32   block ids of each request, padded with 0
+Query token i of request b sits at position seq_lens[b] - query_len[b] + i and attends causally to every
+cached token up to and including that position.
 """
 
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from turnout.envs import EnvVar
 from turnout.errors import ConfigError
 from turnout.platform import Platform
 
@@ -32,22 +36,21 @@ class CudagraphSupport(enum.IntEnum):
     ALWAYS = 3  # any batch
 
     @classmethod
-    def from_env(cls, name: str, default: CudagraphSupport) -> CudagraphSupport:
-        """A backend's declared level, or the one the environment variable `name` sets (to try a capture on
-        a new library version, or to turn graphs off around a backend)."""
-        value = os.environ.get(name, "").strip().upper()
+    def from_env(cls, var: EnvVar[str], default: CudagraphSupport) -> CudagraphSupport:
+        """A backend's declared level, or the one its declared switch `var` sets (to try a capture on a new
+        library version, or to turn graphs off around a backend)."""
+        value = var.value.strip().upper()
         if not value:
             return default
         if value not in cls.__members__:
-            raise ConfigError(
-                f"{name}={value!r} is not a CUDA-graph support level; use one of {', '.join(cls.__members__)}"
-            )
+            levels = ", ".join(cls.__members__)
+            raise ConfigError(f"{var.name}={value!r} is not a CUDA-graph support level; use one of {levels}")
         return cls[value]
 
 
 @dataclass(frozen=True)
 class AttentionContext:
-    """What selection knows when it asks a backend whether it can serve."""
+    """What selection knows when it asks a backend whether it can serve: the model's head counts."""
 
     platform: Platform
     dtype: torch.dtype
@@ -58,17 +61,36 @@ class AttentionContext:
 
 
 @dataclass(frozen=True)
-class AttentionLayerSpec:
-    layer_idx: int
-    num_heads: int
-    num_kv_heads: int
+class AttentionSpec:
+    """What every attention layer on this rank runs, given to the chosen backend once by `setup`. Every
+    layer shares it: one KV cache shape, one scale."""
+
+    num_heads: int  # query heads on this rank: the model's / tensor_parallel_size
+    num_kv_heads: int  # KV heads on this rank: the model's / tensor_parallel_size, at least 1 (replicated)
     head_size: int
-    scale: float
+    dtype: torch.dtype  # of q, k, v, the output and the KV cache
+    block_size: int  # tokens per KV block
+    scale: float  # softmax scale, head_size ** -0.5 for the bundled models
+    num_layers: int  # attention layers on this rank (this pipeline stage's)
 
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step by the model runner, shared by every layer."""
+    """One step's batch, built once by the model runner and shared by every layer.
+
+    Row order: requests keep the scheduler's order, which is not sorted by query length. Decode rows (one
+    query token) may sit anywhere; num_decode_tokens counts only the leading run of them.
+
+    Cache contents: of request b, positions [0, seq_lens[b]) are cached once this step's k, v are written.
+    Every other slot a block_table row reaches (the rest of the last block, and block 0 in the padding) is
+    undefined: stale keys of a freed request, or NaN in the conformance tests. A backend must keep those
+    slots out of its sums (a masked score times NaN is still NaN), never just weight them by zero.
+
+    CUDA-graph padding: under a FULL graph T and B are the captured sizes. Padded tokens (rows from
+    num_actual_tokens on) have slot -1; their output rows are discarded and may hold anything. Padded
+    requests run one token with seq_len 1 (uniform decode) or no token (other batches). While a graph is
+    captured the host ints (max_query_len, max_seq_len) are upper bounds of what a replay will see.
+    """
 
     slot_mapping: torch.Tensor  # [T] int64
     query_start_loc: torch.Tensor  # [B + 1] int32
@@ -77,8 +99,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_actual_tokens: int  # T without graph padding
-    num_decode_tokens: int = 0  # requests running exactly one token (they come first when ordered)
-    backend_data: Any = None  # whatever the backend's build_metadata returned
+    num_decode_tokens: int = 0  # leading rows that run exactly one token
+    backend_data: Any = None  # what the backend's build_metadata returned for this step
 
     @property
     def num_reqs(self) -> int:
@@ -95,23 +117,38 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Base class. Subclasses set the class attributes and implement kv_cache_shape and forward."""
+    """Base class. A subclass declares name, device_types and dtypes (there are no defaults: a backend that
+    forgot them would be refused on some platform without saying why) and implements forward."""
 
     name: ClassVar[str]
     priority: ClassVar[int] = 0
-    device_types: ClassVar[tuple[str, ...]] = ("cuda",)
-    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+    device_types: ClassVar[tuple[str, ...]]  # e.g. ("cuda",), ("cpu", "cuda")
+    dtypes: ClassVar[tuple[torch.dtype, ...]]  # the CPU runs float32 unless it has native bfloat16
     head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any head size
     block_size_multiple: ClassVar[int] = 1  # block_size must be a multiple of this
-    min_capability: ClassVar[tuple[int, int] | None] = None
+    preferred_block_size: int = 16  # block_size where the config leaves it unset; a multiple of the above
+    min_capability: ClassVar[tuple[int, int] | None] = None  # CUDA compute capability
     cudagraph_support: ClassVar[CudagraphSupport] = CudagraphSupport.NEVER
+
+    _spec: AttentionSpec | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.forward is AttentionBackend.forward:
+            return  # an intermediate base class
+        missing = [a for a in ("name", "device_types", "dtypes") if not hasattr(cls, a)]
+        if missing:
+            raise TypeError(
+                f"attention backend {cls.__name__} must declare {', '.join(missing)}, e.g. name = "
+                '"mine", device_types = ("cpu", "cuda"), dtypes = (torch.float32, torch.bfloat16)'
+            )
 
     def import_error(self) -> str | None:
         """Import the heavy library; return why it is unusable, or None. Called only when checked."""
         return None
 
     def check(self, ctx: AttentionContext) -> list[str]:
-        """Every reason this backend cannot serve ctx; empty means it can."""
+        """Every reason this backend cannot serve ctx; empty means it can. A query: it changes nothing."""
         p = ctx.platform
         reasons = []
         if p.device_type not in self.device_types:
@@ -124,7 +161,7 @@ class AttentionBackend:
             reasons.append(f"dtype {str(ctx.dtype).removeprefix('torch.')} unsupported (supports {ok})")
         if self.head_sizes is not None and ctx.head_size not in self.head_sizes:
             reasons.append(f"head size {ctx.head_size} unsupported (supports {list(self.head_sizes)})")
-        if ctx.block_size % self.block_size_multiple:
+        if ctx.block_size is not None and ctx.block_size % self.block_size_multiple:
             reasons.append(f"block_size {ctx.block_size} is not a multiple of {self.block_size_multiple}")
         if ctx.num_heads % ctx.num_kv_heads:
             reasons.append(f"num_heads {ctx.num_heads} not divisible by num_kv_heads {ctx.num_kv_heads}")
@@ -132,16 +169,27 @@ class AttentionBackend:
             reasons.append(err)
         return reasons
 
+    def setup(self, spec: AttentionSpec) -> None:
+        """Called once per worker before the KV cache is sized, the first build_metadata and the first
+        forward. Override to allocate or plan what depends on shapes, and call super().setup(spec). A later
+        call with another spec replaces it (tests reuse one backend for many shapes)."""
+        self._spec = spec
+
+    @property
+    def spec(self) -> AttentionSpec:
+        if self._spec is None:
+            raise RuntimeError(f"attention backend {self.name}: setup(spec) must be called before any step")
+        return self._spec
+
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
-        """Shape of one layer's KV cache tensor."""
+        """Shape of one layer's KV cache tensor, in spec.dtype. Its size must grow linearly in num_blocks."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def build_metadata(self, meta: AttentionMetadata) -> Any:
         """Once per step, before the forward: plan kernels, precompute indices. Stored in backend_data.
 
         For FULL CUDA graphs the runner calls it on static metadata buffers before capture and again
-        before every replay: whatever tensors forward reads must then be updated in place, not replaced.
-        While a graph is captured, meta's host ints (max_query_len, max_seq_len) are upper bounds."""
+        before every replay: whatever tensors forward reads must then be updated in place, not replaced."""
         return None
 
     def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
@@ -149,12 +197,12 @@ class AttentionBackend:
 
     def forward(
         self,
-        layer: AttentionLayerSpec,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # this layer's, kv_cache_shape(...)
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Write k, v into kv_cache at meta.slot_mapping, then attend. Returns [T, num_heads, head_size]."""
+        """Write k, v into kv_cache at meta.slot_mapping (skipping -1), then attend with spec.scale.
+        Returns [T, H, D]; must not modify q, k or v."""
         raise NotImplementedError

@@ -1,5 +1,6 @@
-"""Writing k and v into the default paged layout through slot_mapping, in plain torch: shared by the
-backends whose libraries do not write the cache themselves."""
+"""The KV write of the default layout, in plain torch, for backends whose attention library does not write
+the cache itself. Per step: rows = valid_rows(meta.slot_mapping) in build_metadata (it syncs once); per
+layer: store_kv(kv_cache, k, v, meta.slot_mapping, rows, capturing) before attending."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ def store_kv(
     rows: torch.Tensor | None,  # [n] the rows with slot >= 0, None when all are
     capturing: bool,
 ) -> None:
-    """Eagerly, index_copy_ the valid rows. While a graph is captured the valid rows are unknown, so every
+    """kv_cache[0] and kv_cache[1] get k and v at every slot >= 0; no other slot changes. capturing: a CUDA
+    graph is being captured (torch.cuda.is_current_stream_capturing()); the path taken then reads nothing
+    on the host.
+
+    Eagerly, index_copy_ the valid rows. While a graph is captured the valid rows are unknown, so every
     row is written: a -1 row repeats a valid row's write (same slot, same value), or rewrites slot 0 with
     its own value when no row is valid. The captured kernels then serve any later slot_mapping."""
     hkv, d = kv_cache.shape[-2:]

@@ -4,17 +4,21 @@ Each replica has its own scheduler, KV cache and executor; a new request goes to
 fewest unfinished requests. The front speaks LLMEngine's request API (add_request, step, abort,
 pop_finished), so `LLM` drives it unchanged.
 
-On CUDA replica i owns GPUs [i * world_size, (i + 1) * world_size): its executor must start its own
-processes (multiproc), which are spawned while CUDA_VISIBLE_DEVICES names only those GPUs. On the CPU the
-replicas may run in this process (uniproc). Replicas whose model runs in other processes step in threads,
-in-process ones one after another (they share the forward context).
+On CUDA replica i owns GPUs [i * world_size, (i + 1) * world_size): its executor's ranks are started while
+CUDA_VISIBLE_DEVICES names only those GPUs, so selection admits only executors whose ranks run in processes
+of their own (ExecutorSpec.in_process False). On the CPU the replicas may run in this process. Replicas
+whose model runs in other processes step in threads, in-process ones one after another (they share the
+forward context).
+
+With enable_expert_parallel the replicas' ranks form one process group instead, and a MoE model's experts
+are split over all tp x dp of them (`_start_together`); every replica steps while any has work.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -22,8 +26,9 @@ from turnout.config import EngineConfig
 from turnout.engine.llm_engine import LLMEngine, StepOutput
 from turnout.engine.request import Request
 from turnout.errors import ConfigError, RequestError
-from turnout.outputs import CompletionOutput, RequestOutput
+from turnout.executor.rank import free_port
 from turnout.platform import current_platform
+from turnout.plugins import get_plugin_manager
 from turnout.sampling_params import SamplingParams
 
 
@@ -32,16 +37,19 @@ class DataParallelEngine:
         self.config = config
         self.engines: list[LLMEngine] = []
         try:
-            for i in range(config.data_parallel_size):
-                with _visible_devices(i, config):
-                    self.engines.append(LLMEngine(_replica_config(config)))
+            if config.expert_parallel_spans_dp:
+                self.engines = _start_together(config)
+            else:
+                for i in range(config.data_parallel_size):
+                    with _visible_devices(i, config):
+                        self.engines.append(LLMEngine(config))
         except BaseException:
             self.shutdown()
             raise
         first = self.engines[0]
         self.tokenizer, self.selection, self.info = first.tokenizer, first.selection, first.info
         self.max_model_len = min(e.max_model_len for e in self.engines)
-        threaded = all(not getattr(e.executor, "in_process", True) for e in self.engines)
+        threaded = not self.selection.executor_spec.in_process
         self._pool = ThreadPoolExecutor(len(self.engines), "turnout-dp") if threaded else None
         self._owner: dict[str, LLMEngine] = {}
         self._ids = itertools.count()
@@ -86,23 +94,6 @@ class DataParallelEngine:
             raise
         return [s for outs in steps for s in outs]
 
-    def generate(
-        self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams]
-    ) -> list[RequestOutput]:
-        """One completion per prompt (params.n is not expanded), in prompt order; LLM.generate does more."""
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        pending = {r.req_id for r in reqs}
-        while pending:
-            pending -= {s.req.req_id for s in self.step() if s.finished}
-        outs = []
-        for i, (prompt, r) in enumerate(zip(prompts, reqs)):
-            req, text = self.pop_finished(r.req_id)
-            text_prompt = prompt if isinstance(prompt, str) else None
-            done = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason)
-            outs.append(RequestOutput(str(i), text_prompt, req.prompt_token_ids, [done]))
-        return outs
-
     def shutdown(self) -> None:
         for e in self.engines:
             e.shutdown()
@@ -110,16 +101,39 @@ class DataParallelEngine:
             self._pool.shutdown(wait=False)
 
 
-def _replica_config(config: EngineConfig) -> EngineConfig:
-    """On CUDA a replica's ranks must live in their own processes, so each sees only its GPUs."""
-    if not current_platform().is_cuda:
-        return config
-    if config.executor == "uniproc":
+def _start_together(config: EngineConfig) -> list[LLMEngine]:
+    """Replicas that share expert parallelism form one process group: every replica steps when any has
+    work (an idle one runs a dummy step), so each must run in worker processes stepped in threads, and they
+    start together, as each replica's ranks wait for all the others'. Their ranks see every GPU: global
+    rank = device index."""
+    n, ws = config.data_parallel_size, config.world_size
+    if config.pipeline_parallel_size > 1:
         raise ConfigError(
-            "data_parallel_size > 1 on CUDA needs workers in their own processes; "
-            "use executor=multiproc (or auto), not uniproc"
+            "enable_expert_parallel with data_parallel_size > 1 runs without pipeline stages; "
+            "set pipeline_parallel_size 1 or unset enable_expert_parallel"
         )
-    return config if config.executor != "auto" else config.model_copy(update={"executor": "multiproc"})
+    if config.executor not in ("auto", "multiproc"):
+        raise ConfigError(
+            f"enable_expert_parallel with data_parallel_size > 1 needs executor=multiproc (or auto), "
+            f"not {config.executor}: the replicas share one process group"
+        )
+    platform = current_platform()
+    if platform.is_cuda and n * ws > platform.device_count:
+        raise ConfigError(
+            f"data_parallel_size {n} x world size {ws} needs {n * ws} GPUs, have {platform.device_count}; "
+            "lower data_parallel_size or tensor_parallel_size"
+        )
+    pinned = {"executor": "multiproc", "data_parallel_master_port": free_port()}
+    configs = [config.model_copy(update={**pinned, "data_parallel_rank": i}) for i in range(n)]
+    get_plugin_manager()  # loaded once, before the threads that select
+    with ThreadPoolExecutor(n, "turnout-dp-start") as pool:
+        futures = [pool.submit(LLMEngine, c) for c in configs]
+    engines = [f.result() for f in futures if f.exception() is None]
+    if len(engines) < n:
+        for e in engines:
+            e.shutdown()
+        raise next(f.exception() for f in futures if f.exception() is not None)
+    return engines
 
 
 @contextmanager

@@ -7,6 +7,7 @@ N+1 overlaps N's forward on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -21,6 +22,7 @@ from transformers import AutoTokenizer
 from turnout.config import EngineConfig
 from turnout.engine.block_manager import BlockManager
 from turnout.engine.detokenizer import Detokenizer
+from turnout.engine.main_guard import check_main_guard
 from turnout.engine.request import Request
 from turnout.engine.scheduler import Scheduler, SchedulerOutput
 from turnout.errors import ConfigError, RequestError, TurnoutError
@@ -35,11 +37,12 @@ logger = logging.getLogger("turnout")
 
 
 def resolve_model_dir(config: EngineConfig) -> str:
-    if config.model:
-        return config.model
-    from turnout.loader.default_model import default_model_path
+    """The HF-style folder to load: config.model, a cached conversion of a .gguf file, or the default."""
+    from turnout.loader.default_model import default_model_path, gguf_model_path
 
-    return str(default_model_path())
+    if config.model and config.model.endswith(".gguf"):
+        return str(gguf_model_path(config.model))
+    return config.model or str(default_model_path())
 
 
 @dataclass
@@ -56,7 +59,7 @@ class LaunchedStep:
     out: SchedulerOutput
     requests: dict[str, Request]  # held: the engine may pop an id, or reuse it, before the step is read
     read: Callable[[], ModelRunnerOutput]  # waits for the sampled tokens
-    feeds_next: bool  # a penalty of a request here needs this step's tokens in the next step's inputs
+    feeds_next: bool  # its tokens must reach the host before the next step: penalties, bad words
 
 
 class LLMEngine:
@@ -64,19 +67,20 @@ class LLMEngine:
         self.config = config
         model_dir = resolve_model_dir(config)
         self.info = ModelInfo.from_dir(model_dir)
-        if config.pipeline_parallel_size > self.info.num_layers:
-            raise ConfigError(
-                f"pipeline_parallel_size {config.pipeline_parallel_size} exceeds the model's "
-                f"{self.info.num_layers} layers; every stage needs at least one layer"
-            )
         self.selection: Selection = select_all(config, self.info)
+        self.config = config = self.selection.apply(config)
         if self.selection.platform.is_cuda:
             from turnout.loader.default_model import cache_dir
 
             # Triton's compiled kernels live beside turnout's other caches, for every rank this spawns.
             os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
-        self.executor = self.selection.executor_spec.load()(config, self.selection)
+        executor_cls = self.selection.executor_spec.load()
+        if getattr(executor_cls, "start_method", None) == "spawn":
+            check_main_guard(
+                f"a {config.world_size}-rank engine (executor {self.selection.executor.chosen.name})"
+            )
+        self.executor = executor_cls(config, self.selection)
         self.async_scheduling = self.selection.async_scheduling
         self._in_flight: LaunchedStep | None = None
         self.eos_token_ids = self._eos_ids(model_dir)
@@ -179,14 +183,36 @@ class LLMEngine:
             raise RequestError(
                 f"prompt token ids must lie in [0, {vocab}); got {min(token_ids)}..{max(token_ids)}"
             )
+        params = self._accept(params, vocab)
         req_id = req_id or str(next(self._ids))
         if req_id in self.requests:
             raise RequestError(f"request id {req_id} is already in use; pick another")
         req = Request(req_id, token_ids, params, self.eos_token_ids)
         self.requests[req_id] = req
-        self.detok[req_id] = Detokenizer(self.tokenizer)
+        self.detok[req_id] = Detokenizer(self.tokenizer, params.skip_special_tokens)
         self.scheduler.add(req)
         return req
+
+    def _accept(self, params: SamplingParams, vocab: int) -> SamplingParams:
+        """Checks that need the engine, and a copy of params with the engine's EOS and bad-word ids."""
+        cap = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            if (v := getattr(params, name)) is not None and v > cap:
+                raise RequestError(
+                    f"{name}={v} exceeds max_logprobs {cap}; ask for at most {cap}, "
+                    "or raise the engine setting max_logprobs"
+                )
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            if bad := [t for t in ids if t >= vocab]:
+                raise RequestError(f"{name} names token id {bad[0]}, outside the vocabulary [0, {vocab})")
+        params = dataclasses.replace(params)
+        params.eos_token_ids = self.eos_token_ids
+        for word in params.bad_words or []:  # at the start of the text and after a space, as in vLLM
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in params.bad_words_token_ids:
+                    params.bad_words_token_ids.append(ids)
+        return params
 
     def abort(self, req_id: str) -> None:
         if (req := self.requests.get(req_id)) is not None:
@@ -214,14 +240,16 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput) -> LaunchedStep | None:
         if not out.requests:
-            if out.finished_req_ids:  # let workers drop state of aborted requests
+            if self.config.expert_parallel_spans_dp:  # the other replicas' all-to-alls wait for our ranks
+                self.executor.step(out)
+            elif out.finished_req_ids:  # let workers drop state of aborted requests
                 self.executor.execute_model(out)
             return None
         if not self.async_scheduling:  # read at once: no request can leave meanwhile
             res = self.executor.step(out)
             return LaunchedStep(out, self.requests, lambda: res, False)
         reqs = {s.req_id: self.requests[s.req_id] for s in out.requests}
-        feeds_next = any(s.sample and s.params.needs_penalties for s in out.requests)
+        feeds_next = any(s.sample and s.params.needs_output_tokens for s in out.requests)
         return LaunchedStep(out, reqs, self.executor.step_async(out).get, feeds_next)
 
     def _read(self, step: LaunchedStep | None) -> list[StepOutput]:
@@ -229,13 +257,14 @@ class LLMEngine:
         if step is None:
             return []
         res = step.read()
+        for req_id, (first, entries) in res.prompt_logprobs.items():
+            have = step.requests[req_id].prompt_logprobs  # have[j] scores prompt token j + 1
+            if first <= len(have) + 1:  # a recompute after preemption scores tokens again: keep the first
+                have.extend(entries[len(have) + 1 - first :])
         outputs = []
         for req in self.scheduler.update(step.out, res.sampled, step.requests):
-            if res.logprobs:
-                lp, top = res.logprobs.get(req.req_id, (None, None))
-                if lp is not None:
-                    req.logprobs.append(lp)
-                    req.top_logprobs.append(top)
+            if (entry := res.logprobs.get(req.req_id)) is not None:
+                req.logprobs.append(entry)
             # Text is made when read: each step for streams and stop strings, else once at the end.
             wanted = req.stream or req.params.stop or req.is_finished
             delta = self._detokenize(req) if wanted else ""
@@ -243,16 +272,20 @@ class LLMEngine:
         return outputs
 
     def _detokenize(self, req: Request) -> str:
-        d = self.detok[req.req_id]
+        d, p = self.detok[req.req_id], req.params
         out_ids = req.output_token_ids
-        if req.is_finished and out_ids and out_ids[-1] in req.eos_token_ids + req.params.stop_token_ids:
+        if req.is_finished and req.hides_stop_token:
             out_ids = out_ids[:-1]  # vLLM keeps the stop token in token_ids, not in text
         before = len(d.text)
         delta = d.step(out_ids, final=req.is_finished)
-        if req.params.stop and delta and (i := d.find_stop(req.params.stop, len(delta))) is not None:
-            d.text = d.text[:i]
+        if p.stop and delta and len(out_ids) >= p.min_tokens and (hit := d.find_stop(p.stop, len(delta))):
+            i, stop = hit
+            d.text = d.text[: i + len(stop) if p.include_stop_str_in_output else i]
             delta = d.text[before:]
-            self.scheduler.finish(req, "stop")
+            if req.is_finished:  # ended by length or EOS in this very step: the stop string came first
+                req.finish_reason, req.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(req, "stop", stop)
         return delta
 
     def stats(self) -> dict[str, float]:

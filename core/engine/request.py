@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from turnout.sampling_params import SamplingParams
 
+TokenLogprobs = tuple[float, int, list[tuple[int, float]]]  # a token's logprob, its rank, the top N
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -28,9 +30,12 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS
     num_preemptions: int = 0
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # per generated token (logprobs) / prompt token after the first (prompt_logprobs), when asked:
+    # (the token's logprob, its rank, the top N as (token id, logprob))
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     stream: bool = False  # its text is wanted token by token (LLM.stream), not only at the end
 
     @property
@@ -43,6 +48,16 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : start - p + n]
         return self.prompt_token_ids[start : start + n] + self.output_token_ids[: max(0, start + n - p)]
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp for lp, _, _ in self.logprobs)
+
+    @property
+    def hides_stop_token(self) -> bool:
+        """Ended by EOS or a stop token id: that token stays in output_token_ids but not in the text."""
+        stopped_by_token = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+        return stopped_by_token and not self.params.include_stop_str_in_output
 
     @property
     def is_finished(self) -> bool:

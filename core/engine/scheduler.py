@@ -39,8 +39,9 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's own list: the scheduler only appends to it or replaces it
     sample: bool  # this step reaches the end of the known tokens, so a new token is sampled
     params: SamplingParams
-    prompt_token_ids: list[int]  # filled only when penalties need them
-    output_token_ids: list[int]
+    prompt_token_ids: list[int]  # filled only when params.needs_history
+    output_token_ids: list[int]  # the same; may lack tokens still in flight (async scheduling)
+    num_output_tokens: int = 0  # tokens generated before the one this step samples, in-flight ones too
 
 
 @dataclass
@@ -98,7 +99,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            cached = self.bm.find_cached(req)
+            # prompt logprobs need every prompt position computed, so such requests skip the prefix cache
+            cached = self.bm.find_cached(req) if req.params.prompt_logprobs is None else []
             num_cached = len(cached) * self.bm.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.bm.allocate(req, n, cached):
@@ -126,7 +128,7 @@ class Scheduler:
         if sample:
             req.num_output_placeholders += 1
             req.sample_row, self._num_sample_rows = self._num_sample_rows, self._num_sample_rows + 1
-        pen = req.params.needs_penalties
+        pen = req.params.needs_history
         return ScheduledRequest(
             req.req_id,
             tokens,
@@ -136,6 +138,7 @@ class Scheduler:
             req.params,
             req.prompt_token_ids if pen else [],
             req.output_token_ids if pen else [],
+            len(req.output_token_ids) + req.num_output_placeholders - sample,
         )
 
     def _ends_by_length(self, req: Request, in_flight: int) -> bool:
@@ -170,18 +173,21 @@ class Scheduler:
                 got.append(req)
             self.bm.cache_full_blocks(req)  # after the append: a launched step may already compute its KV
             if tok is not None and (reason := self._stop_reason(req)):
-                self.finish(req, reason)
+                self.finish(req, *reason)
         return got
 
-    def _stop_reason(self, req: Request) -> str | None:
-        tok, p = req.output_token_ids[-1], req.params
-        if (not p.ignore_eos and tok in req.eos_token_ids) or tok in p.stop_token_ids:
-            return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
+    def _stop_reason(self, req: Request) -> tuple[str, int | None] | None:
+        """(finish_reason, stop_reason): EOS and stop tokens count only from min_tokens on."""
+        tok, p, n = req.output_token_ids[-1], req.params, len(req.output_token_ids)
+        if n >= p.min_tokens and not p.ignore_eos and tok in req.eos_token_ids:
+            return "stop", None
+        if n >= p.min_tokens and tok in p.stop_token_ids:
+            return "stop", tok
+        if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length", None
         return None
 
-    def finish(self, req: Request, reason: str) -> None:
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         if req.is_finished:
             return
         if req in self.running:
@@ -189,5 +195,5 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.bm.free_request(req)
-        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED, reason, stop_reason
         self.finished_ids.append(req.req_id)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from turnout.hookspecs import Priority
 from turnout.platform import Platform
 
 if TYPE_CHECKING:
@@ -19,27 +20,19 @@ class ExecutorContext:
     platform: Platform
     world_size: int  # tensor_parallel_size * pipeline_parallel_size
     explicit: bool  # the user named this executor
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """What one worker process of a multi-process executor needs to join the others."""
-
-    rank: int  # pp_rank * tp_size + tp_rank
-    world_size: int
-    tp_size: int
-    init_method: str  # tcp://<host>:<port>, picked free by the driver
-    output_rank: int  # the rank whose sampled tokens travel back: first TP rank of the last stage
-    threads: int  # torch CPU threads of this process
-    log_level: int
+    own_processes: bool = False  # ranks must run outside the engine's process (data parallelism on CUDA)
 
 
 @dataclass(frozen=True)
 class ExecutorSpec:
     name: str
     target: str  # "package.module:ExecutorClass", imported only when chosen
-    priority: int = 0
+    priority: int = Priority.DEFAULT
     check: Callable[[ExecutorContext], list[str]] = field(default=lambda ctx: [])
+    # The model runs in the engine's own process. False: the ranks live in processes of their own, so a
+    # DataParallelEngine may step this executor in a thread, and it can serve data parallelism on CUDA
+    # (each replica's processes see only that replica's GPUs).
+    in_process: bool = True
     supports_async_scheduling: bool = False  # the executor implements step_async
 
     def load(self) -> type[Executor]:
@@ -48,12 +41,8 @@ class ExecutorSpec:
 
 
 class Executor:
-    """Implementations: __init__(config, selection) builds the workers and their KV caches."""
-
-    num_blocks: int
-    in_process: bool = (
-        True  # False: the model runs in other processes (DataParallelEngine steps it in a thread)
-    )
+    """Implementations: __init__(config, selection) builds the workers; the engine then sizes and allocates
+    their KV caches through collective_rpc."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Run the forward for this step; logits stay on the workers until sample_tokens."""

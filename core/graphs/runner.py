@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from turnout.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from turnout.attention.backend import AttentionBackend, AttentionMetadata
 from turnout.errors import TurnoutError
 from turnout.graphs.dispatcher import Dispatch, GraphDispatcher
 from turnout.graphs.modes import RuntimeMode
@@ -33,7 +33,7 @@ logger = logging.getLogger("turnout")
 
 @dataclass
 class _Hole:
-    spec: AttentionLayerSpec
+    layer_idx: int
     q: torch.Tensor  # [N, H, D], written by the graph before it
     k: torch.Tensor
     v: torch.Tensor
@@ -88,7 +88,7 @@ class GraphRunner:
         torch.cuda.synchronize(dev)
         # graphs allocate from the caching allocator's pool: its growth is their memory. Each capture starts
         # with empty_cache(), so release the cached free blocks first, or the baseline counts them and a
-        # capture can "use" negative memory (-0.37 GiB on the H200, 2026-11-30).
+        # capture can seem to use negative memory.
         torch.cuda.empty_cache()
         reserved0, t0 = torch.cuda.memory_reserved(dev), time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
@@ -155,13 +155,11 @@ class GraphRunner:
         meta.backend_data = self.backend.build_metadata(meta)
         pw = _Piecewise()
 
-        def hole(spec: AttentionLayerSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def hole(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pw.graphs[-1].capture_end()
-            pw.holes.append(_Hole(spec, q, k, v))
+            pw.holes.append(_Hole(layer_idx, q, k, v))
             out = self._attn_out(n, q.shape[1] * q.shape[2], q)
-            out.copy_(
-                self.backend.forward(spec, q, k, v, self.kv_caches[spec.layer_idx], meta).reshape(n, -1)
-            )
+            out.copy_(self.backend.forward(q, k, v, self.kv_caches[layer_idx], meta).reshape(n, -1))
             pw.graphs.append(torch.cuda.CUDAGraph())
             pw.graphs[-1].capture_begin(pool=self.pool)
             return out
@@ -208,9 +206,7 @@ class GraphRunner:
         for graph, h in zip(pw.graphs, pw.holes + [None]):
             graph.replay()
             if h is not None:
-                o = self.backend.forward(
-                    h.spec, h.q[:t], h.k[:t], h.v[:t], self.kv_caches[h.spec.layer_idx], step_meta
-                )
+                o = self.backend.forward(h.q[:t], h.k[:t], h.v[:t], self.kv_caches[h.layer_idx], step_meta)
                 self.attn_out[:t].copy_(o.reshape(t, -1))
         return pw.output[:t]
 

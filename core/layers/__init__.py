@@ -1,0 +1,32 @@
+"""Layers for model plugins: tensor-parallel linears and embeddings, norms, rotary embedding, activation,
+the Attention layer that calls the chosen backend, and FusedMoE, the experts of a sparse MoE block (with
+expert parallelism). Each picks its own kernel for the device and batch; FusedMoE gets the one chosen at
+start-up."""
+
+from turnout.layers.activation import SiluAndMul
+from turnout.layers.attention import Attention
+from turnout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from turnout.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from turnout.layers.moe import FusedMoE, num_experts
+from turnout.layers.norm import RMSNorm
+from turnout.layers.rotary import RotaryEmbedding
+
+__all__ = [
+    "Attention",
+    "ColumnParallelLinear",
+    "FusedMoE",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "VocabParallelEmbedding",
+    "num_experts",
+]

@@ -1,7 +1,8 @@
 """The Attention layer: projections are the model's, the paged attention itself is the chosen backend's.
 
-The model runner publishes the step's metadata and KV caches through `forward_context`; every layer reads
-it, so models never see backends. This is also where piecewise CUDA graphs put their hole.
+The model runner finds every Attention layer by walking the model's modules (`bind_attention_layers`),
+numbers them, and publishes each step's metadata and KV caches through `forward_context`; every layer
+reads it, so models never see backends. This is also where piecewise CUDA graphs put their hole.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turnout.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from turnout.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
+from turnout.errors import TurnoutError
 
 
 @dataclass
 class ForwardContext:
     backend: AttentionBackend
     meta: AttentionMetadata
-    kv_caches: list[torch.Tensor]  # one per layer of this rank, indexed by local layer idx
+    kv_caches: list[torch.Tensor]  # one per Attention layer of this rank, indexed by its layer_idx
     # set while piecewise CUDA graphs are captured: attention becomes a hole between two graphs
-    hole: Callable[[AttentionLayerSpec, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    hole: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 _ctx: ForwardContext | None = None
@@ -44,16 +46,44 @@ def get_forward_context() -> ForwardContext:
 
 
 class Attention(nn.Module):
-    def __init__(
-        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_size: int, scale: float
-    ) -> None:
+    """Paged causal attention over q, k, v of this rank's heads (under tensor parallelism, num_heads and
+    num_kv_heads are the per-rank counts). The layer owns no weights."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> None:
         super().__init__()
-        self.spec = AttentionLayerSpec(layer_idx, num_heads, num_kv_heads, head_size, scale)
+        self.num_heads, self.num_kv_heads, self.head_size, self.scale = (
+            num_heads,
+            num_kv_heads,
+            head_size,
+            scale,
+        )
+        self.layer_idx: int | None = None  # set by bind_attention_layers: this layer's KV cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
         ctx = get_forward_context()
         if ctx.hole is not None:
-            return ctx.hole(self.spec, q, k, v)
-        out = ctx.backend.forward(self.spec, q, k, v, ctx.kv_caches[self.spec.layer_idx], ctx.meta)
+            return ctx.hole(self.layer_idx, q, k, v)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta)
         return out.reshape(q.shape[0], -1)
+
+
+def bind_attention_layers(model: nn.Module, dtype: torch.dtype, block_size: int) -> AttentionSpec:
+    """Number the model's Attention layers 0..n-1 in module order (layer i reads and writes kv_caches[i])
+    and return the AttentionSpec they share."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if not layers:
+        raise TurnoutError(
+            f"model {type(model).__name__} has no turnout.layers.Attention layer; "
+            "its attention must call one (see docs/writing-a-plugin.md)"
+        )
+    shapes = {(m.num_heads, m.num_kv_heads, m.head_size, m.scale) for m in layers}
+    if len(shapes) > 1:
+        raise TurnoutError(
+            f"model {type(model).__name__}'s Attention layers differ in (heads, KV heads, head size, "
+            f"scale): {sorted(shapes)}; turnout's paged KV cache needs one shape for every layer"
+        )
+    for i, m in enumerate(layers):
+        m.layer_idx = i
+    heads, kv_heads, head_size, scale = shapes.pop()
+    return AttentionSpec(heads, kv_heads, head_size, dtype, block_size, scale, len(layers))

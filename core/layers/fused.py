@@ -11,23 +11,31 @@ reads, set the decode time. Here each is one kernel:
 
 Every kernel rounds to the activation dtype where the eager torch path does (after the residual add,
 after the norm, after each product of the rotation), so fused and eager agree to about an ulp: the order
-of the float32 sum in the norm and the GPU compiler's fused multiply-adds differ. The layers use them on
-CUDA (TURNOUT_FUSED_KERNELS=0 turns them off); the CPU keeps the torch path, and the tests run these
-kernels under TRITON_INTERPRET=1 against a float64 reference.
+of the float32 sum in the norm and the GPU compiler's fused multiply-adds differ. The layers they replace
+(RMSNorm, RotaryEmbedding, SiluAndMul) call them on CUDA (TURNOUT_FUSED_KERNELS=0 turns them off); the
+CPU keeps the torch path, and the tests run these kernels under TRITON_INTERPRET=1 against a float64
+reference.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import torch
 
+from turnout import envs
+
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether layers use these kernels for x: on CUDA, unless TURNOUT_FUSED_KERNELS=0 (for comparisons)."""
-    return x.is_cuda and os.environ.get("TURNOUT_FUSED_KERNELS", "1") != "0"
+    return x.is_cuda and switched_on()
+
+
+@functools.cache
+def switched_on() -> bool:
+    """TURNOUT_FUSED_KERNELS (default 1), read once: enabled() runs on every layer's call."""
+    return envs.FUSED_KERNELS.value
 
 
 @functools.cache
@@ -120,13 +128,16 @@ def rms_norm(
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N] contiguous; only with 2-D x
+    residual_out: torch.Tensor | None = None,  # [T, N] contiguous: where x + residual goes (default: new)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x) or, with a residual, (RMSNorm(x + residual), x + residual)."""
     kn = _kernels()
     x3 = x if x.dim() == 3 else x.unsqueeze(1)  # [T, H, N]
     t, h, n = x3.shape
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else out
+    res_out = out
+    if residual is not None:
+        res_out = residual_out if residual_out is not None else torch.empty_like(x)
     res = residual if residual is not None else x
     block = kn.next_power_of_2(n)
     if t:

@@ -3,17 +3,19 @@
 At batch 1 a decode step is a stream of weight reads, launched as ~320 small kernels. cuBLAS reads the
 Qwen3-0.6B matmuls at about 20-30% of bandwidth there; this kernel streams w once (each program owns
 BLOCK_N output features and walks K in BLOCK_K chunks, all M rows against each w tile, in float32, rounded
-once at the end as cuBLAS does) and was 1.3x cuBLAS over a batch-1 step's matmuls on the H200
-(benchmarks/results/2026-11-30-h200-gemv.json: 938 vs 1312 us at M=1, 1033 vs 1302 at M=2; cuBLAS wins from
-M=4, so linear() routes only M <= MAX_M here). Its prologue can also do the op before the matmul, which
-saves that op's kernel and launch gap:
+once at the end as cuBLAS does) and takes a batch-1 step's matmuls in 0.7x cuBLAS's time on an H200 at
+M = 1 and 2 (`benchmarks/bench_gemv.py`); cuBLAS wins from M = 4, so linear layers route only
+M <= MAX_M here. Its prologue can also do the op before the matmul, which saves that op's kernel and
+launch gap:
 
 - `norm`: RMSNorm(x [+ residual]) with the rounding of layers/fused.py's rms_norm (program 0 writes
-  x + residual), when one BLOCK_K covers the row;
-- `silu_mul`: x is gate_up [M, 2K]; the GEMV reads silu(gate) * up, rounded as fused.silu_and_mul.
+  x + residual), when one BLOCK_K covers the row. An RMSNorm built with feeds_linear=True hands the
+  next column-parallel linear a PendingNorm instead of running, and that linear passes it here;
+- `silu_mul`: x is gate_up [M, 2K]; the GEMV reads silu(gate) * up, rounded as fused.silu_and_mul. A
+  SiluAndMul built with feeds_linear=True hands the row-parallel linear after it a PendingSiluMul.
 
-With both (models/decoder.py's _forward_gemv) a batch-1 FULL step runs 236 kernels instead of 320, and its
-TPOT fell from 1.89 ms (cuBLAS) to 1.40-1.46 ms on the H200 (results/...-graphs-triton-quick-gemv*).
+With both, a batch-1 FULL step of the shared decoder runs 236 kernels instead of 320, and its TPOT is
+about a quarter lower than with cuBLAS on an H200.
 
 TURNOUT_TRITON_GEMV=0 sends every matmul to F.linear. Tested against float64 under TRITON_INTERPRET=1
 (tests/test_fused.py); `benchmarks/bench_gemv.py` times it against cuBLAS and sweeps its tiles.
@@ -22,10 +24,11 @@ TURNOUT_TRITON_GEMV=0 sends every matmul to F.linear. Tested against float64 und
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import torch
+
+from turnout import envs
 
 MAX_M = 2  # rows routed here by enabled(); the kernel itself takes any M
 NORM_MAX_K = 4096  # a norm prologue holds M_P2 x BLOCK_N x K floats in registers
@@ -34,17 +37,18 @@ NORM_MAX_K = 4096  # a norm prologue holds M_P2 x BLOCK_N x K floats in register
 @functools.cache
 def switched_on() -> bool:
     """TURNOUT_TRITON_GEMV (default 1), read once: enabled() runs on every linear layer's call."""
-    return os.environ.get("TURNOUT_TRITON_GEMV", "1") != "0"
+    return envs.TRITON_GEMV.value
 
 
-def enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear() sends this matmul here: CUDA, fp16/bf16, at most MAX_M rows, not switched off."""
+def enabled(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """Whether a linear layer sends x @ weight^T here: CUDA, fp16/bf16 (weight of the same dtype), at most
+    MAX_M rows, not switched off. Without weight: whether x's rows qualify, for the layers before one."""
     return (
         x.is_cuda
         and x.dim() == 2
         and x.shape[0] <= MAX_M
         and x.dtype in (torch.float16, torch.bfloat16)
-        and weight.dtype == x.dtype
+        and (weight is None or weight.dtype == x.dtype)
         and switched_on()
     )
 
@@ -118,6 +122,7 @@ def gemv(
     *,
     norm: tuple[torch.Tensor, float] | None = None,  # (weight [K], eps): y = RMSNorm(x [+ residual]) @ w^T
     residual: torch.Tensor | None = None,  # [M, K], only with norm
+    residual_out: torch.Tensor | None = None,  # [M, K] contiguous: where x + residual goes (default: new)
     silu_mul: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # y [M, N]; with norm (y, x + residual or x)
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
@@ -125,7 +130,9 @@ def gemv(
     assert residual is None or norm is not None
     x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else x
+    res_out = x
+    if residual is not None:
+        res_out = residual_out if residual_out is not None else torch.empty_like(x)
     res = residual.contiguous() if residual is not None else x
     kern = _kernel()
     block_n, block_k, warps = tile or tiles(m, n, k, norm is not None)

@@ -9,6 +9,8 @@ from torch import nn
 
 from turnout.distributed import get_parallel_state, tp_all_reduce
 from turnout.layers import gemv
+from turnout.layers.activation import PendingSiluMul
+from turnout.layers.norm import PendingNorm
 
 
 def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
@@ -70,7 +72,13 @@ class ColumnParallelLinear(nn.Module):
         n = param.shape[0]
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if isinstance(x, PendingNorm):
+            if gemv.enabled(x.x, self.weight):  # the norm runs in the GEMV's prologue
+                norm = (x.weight, x.eps)
+                return gemv.gemv(x.x, self.weight, self.bias, norm=norm, residual=x.residual,
+                                 residual_out=x.residual_out)[0]  # fmt: skip
+            x = x.materialize()
         return linear(x, self.weight, self.bias, self.packed_weight)
 
 
@@ -130,12 +138,13 @@ class RowParallelLinear(nn.Module):
     def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded)
 
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """silu_mul: x is gate_up [N, 2 in]; the GEMV applies SiLU-and-mul as it reads it (gemv.enabled)."""
-        y = (
-            gemv.gemv(x, self.weight, silu_mul=True)
-            if silu_mul
-            else linear(x, self.weight, None, self.packed_weight)
-        )
+    def forward(self, x: torch.Tensor | PendingSiluMul) -> torch.Tensor:
+        if isinstance(x, PendingSiluMul):
+            if gemv.enabled(x.x, self.weight):  # SiLU-and-mul runs in the GEMV's prologue
+                y = gemv.gemv(x.x, self.weight, silu_mul=True)
+            else:
+                y = linear(x.materialize(), self.weight, None, self.packed_weight)
+        else:
+            y = linear(x, self.weight, None, self.packed_weight)
         y = tp_all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -1,18 +1,42 @@
+"""RMSNorm, computed in float32 and rounded to the activation dtype as HF does."""
+
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from turnout.layers import fused
+from turnout.layers import fused, gemv
+
+
+@dataclass
+class PendingNorm:
+    """RMSNorm(x [+ residual]) that the next linear layer computes in its GEMV's prologue. x + residual goes
+    to residual_out, which the caller already holds: consuming this (the GEMV, or materialize) writes it."""
+
+    x: torch.Tensor  # [M, K]
+    residual: torch.Tensor | None  # [M, K]
+    weight: torch.Tensor  # [K]
+    eps: float
+    residual_out: torch.Tensor  # [M, K]; x itself when residual is None (nothing to add)
+
+    def materialize(self) -> torch.Tensor:
+        if self.residual is None:
+            return fused.rms_norm(self.x, self.weight, self.eps)
+        return fused.rms_norm(self.x, self.weight, self.eps, self.residual, self.residual_out)[0]
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32; with a residual it adds first and returns (normed, new residual).
-    On CUDA one fused kernel (layers/fused.py) does it all."""
+    """RMSNorm over the last dim; with a residual it adds first and returns (normed, new residual).
 
-    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
+    On CUDA one fused kernel (layers/fused.py) does it all. feeds_linear: the output goes straight into a
+    turnout column-parallel linear; at decode sizes (gemv.enabled) the norm then runs in that linear's GEMV
+    prologue, and the output is a PendingNorm that only such a linear accepts."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6, feeds_linear: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.feeds_linear = eps, feeds_linear
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -23,7 +47,11 @@ class RMSNorm(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor | PendingNorm | tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+        if self.feeds_linear and fused.enabled(x) and gemv.enabled(x) and x.shape[-1] <= gemv.NORM_MAX_K:
+            res_out = x if residual is None else torch.empty_like(x)
+            pending = PendingNorm(x, residual, self.weight, self.eps, res_out)
+            return pending if residual is None else (pending, res_out)
         if fused.enabled(x):
             return fused.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:

@@ -1,4 +1,5 @@
-"""Rotary position embedding (HF's rotate-half layout), with Llama 3 frequency scaling."""
+"""Rotary position embedding (HF's rotate-half layout), with Llama 3 frequency scaling, and the per-head
+q/k RMSNorm that Qwen3 applies just before it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from turnout.layers import fused
+from turnout.layers.norm import RMSNorm
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
@@ -41,10 +45,38 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,  # [T]
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        q_norm: RMSNorm | None = None,  # per-head norms applied before the rotation (Qwen3)
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, Hq, D]; k [T, Hkv, D]. Angles are float32; like HF, the rotation itself runs
-        in the activations' dtype."""
+        """Angles are float32; like HF, the rotation itself runs in the activations' dtype. On CUDA, when q
+        and k are views of one packed qkv row (k's heads right after q's), one fused kernel does the norms
+        and the rotation and writes new q and k."""
+        if fused.enabled(q) and (qk := _packed(q, k)) is not None:
+            w = (
+                (q_norm.weight, k_norm.weight, q_norm.eps)
+                if q_norm is not None and k_norm is not None
+                else (None, None, 0.0)
+            )
+            return fused.qk_norm_rope(qk, positions, q.shape[1], k.shape[1], self.cos, self.sin, *w)
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D/2]
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def _packed(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """[T, (Hq + Hkv) D]: the rows of q and k as one strided tensor, when k's heads follow q's in memory
+    with the same row stride (q and k split from one qkv projection); else None."""
+    (t, hq, d), hkv = q.shape, k.shape[1]
+    if k.shape != (t, hkv, d) or q.stride()[1:] != (d, 1) or k.stride()[1:] != (d, 1):
+        return None
+    if k.data_ptr() != q.data_ptr() + hq * d * q.element_size():
+        return None
+    if t > 1 and k.stride(0) != q.stride(0):  # one row has no row stride to agree on
+        return None
+    return q.as_strided((t, (hq + hkv) * d), (q.stride(0) if t > 1 else (hq + hkv) * d, 1))

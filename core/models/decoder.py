@@ -1,19 +1,19 @@
 """The dense pre-norm decoder shared by Llama, Qwen2 and Qwen3: model plugins pick the options.
 
 Options read from the HF config: attention_bias (qkv bias; Qwen2 always), qk_norm (Qwen3's per-head RMSNorm
-on q and k), rope_scaling (llama3), tie_word_embeddings.
+on q and k), rope_scaling (llama3), tie_word_embeddings. The layers choose their kernels (fused norms, the
+decode GEMV with the norm or SiLU-and-mul in its prologue); the model only says which output feeds which.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from turnout.distributed import get_parallel_state
-from turnout.layers import fused, gemv
 from turnout.layers.activation import SiluAndMul
 from turnout.layers.attention import Attention
 from turnout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -23,14 +23,14 @@ from turnout.layers.rotary import RotaryEmbedding
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
         self.head_size = cfg.get("head_dim") or hidden // heads
         self.qkv_proj = QKVParallelLinear(hidden, self.head_size, heads, kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(heads * self.head_size, hidden)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         rope_base = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         self.rotary = RotaryEmbedding(
@@ -38,29 +38,15 @@ class DecoderAttention(nn.Module):
         )
         self.q_norm = RMSNorm(self.head_size, cfg["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, cfg["rms_norm_eps"]) if qk_norm else None
-        scale = self.head_size**-0.5
-        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_size, scale)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attend(positions, self.qkv_proj(x)))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv [T, (H + 2 Hkv) D] -> attention output [T, H D], before o_proj."""
-        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
-        if fused.enabled(qkv):  # one fused kernel for q/k norm and rotary
-            qn, kn = self.q_norm, self.k_norm
-            q, k = fused.qk_norm_rope(
-                qkv, positions, self.num_heads, self.num_kv_heads, self.rotary.cos, self.rotary.sin,
-                qn.weight if qn else None, kn.weight if kn else None, qn.eps if qn else 0.0,
-            )  # fmt: skip
-            return self.attn(q, k, v)
-        q = qkv[:, :q_size].view(-1, self.num_heads, self.head_size)  # [T, H, D]
-        k = qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.attn(q, k, v)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        q, k, v = qkv.split([self.num_heads * self.head_size] + [self.num_kv_heads * self.head_size] * 2, -1)
+        q = q.view(-1, self.num_heads, self.head_size)  # [T, H, D]
+        k, v = k.view(-1, self.num_kv_heads, self.head_size), v.view(-1, self.num_kv_heads, self.head_size)
+        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class DecoderMLP(nn.Module):
@@ -68,29 +54,27 @@ class DecoderMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2)
         self.down_proj = RowParallelLinear(intermediate, hidden)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(feeds_linear=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, layer_idx, qkv_bias, qk_norm)
-        self.mlp = DecoderMLP(cfg["hidden_size"], cfg["intermediate_size"])
-        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        self.self_attn = DecoderAttention(cfg, qkv_bias, qk_norm)
+        self.mlp = mlp if mlp is not None else DecoderMLP(hidden, cfg["intermediate_size"])
+        self.input_layernorm = RMSNorm(hidden, eps, feeds_linear=True)
+        # only the dense MLP's gate_up_proj takes a PendingNorm
+        self.post_attention_layernorm = RMSNorm(hidden, eps, feeds_linear=isinstance(self.mlp, DecoderMLP))
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if (
-            fused.enabled(x)
-            and gemv.enabled(x, self.self_attn.qkv_proj.weight)
-            and x.shape[1] <= gemv.NORM_MAX_K
-        ):
-            return self._forward_gemv(positions, x, residual)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -98,22 +82,6 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-
-    def _forward_gemv(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode batches of at most gemv.MAX_M tokens on CUDA: both RMSNorms run in the prologue of the GEMV
-        after them and SiLU-and-mul in down_proj's, three kernels (and launch gaps) fewer a layer."""
-        attn, mlp, ln1, ln2 = self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm
-        qkv_proj, gate_up_proj = attn.qkv_proj, mlp.gate_up_proj
-        qkv, residual = gemv.gemv(
-            x, qkv_proj.weight, qkv_proj.bias, norm=(ln1.weight, ln1.eps), residual=residual
-        )  # fmt: skip
-        x = attn.o_proj(attn.attend(positions, qkv))
-        gate_up, residual = gemv.gemv(
-            x, gate_up_proj.weight, gate_up_proj.bias, norm=(ln2.weight, ln2.eps), residual=residual
-        )  # fmt: skip
-        return mlp.down_proj(gate_up, silu_mul=True), residual
 
 
 def layer_range(num_layers: int) -> tuple[int, int]:
@@ -125,13 +93,18 @@ def layer_range(num_layers: int) -> tuple[int, int]:
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        qkv_bias: bool,
+        qk_norm: bool,
+        make_mlp: Callable[[int], nn.Module | None] = lambda layer: None,
+    ) -> None:
         super().__init__()
         self.start, self.end = layer_range(cfg["num_hidden_layers"])
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        # layer_idx is the local one: it indexes this rank's list of KV caches
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i - self.start, qkv_bias, qk_norm) for i in range(self.start, self.end)
+            DecoderLayer(cfg, qkv_bias, qk_norm, make_mlp(i)) for i in range(self.start, self.end)
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
@@ -153,7 +126,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """Subclasses set qkv_bias / qk_norm (or derive them from the config) and nothing else."""
+    """A turnout.models.CausalLM. Subclasses set qkv_bias / qk_norm (or derive them from the config); a
+    mixture-of-experts model also overrides make_mlp."""
 
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -169,11 +143,16 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.qkv_bias = bool(cfg.get("attention_bias", self.qkv_bias))
-        self.model = DecoderModel(cfg, self.qkv_bias, self.qk_norm)
+        self.model = DecoderModel(cfg, self.qkv_bias, self.qk_norm, self.make_mlp)
         self.tie = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         if self.tie:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        """The feed-forward block of layer `layer` (its global index): forward(x [T, hidden]) -> [T, hidden].
+        None = the dense DecoderMLP of intermediate_size; a MoE model returns its sparse block."""
+        return None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from turnout.errors import TurnoutError
+from turnout.errors import ConfigError, TurnoutError
 from turnout.platform import Platform
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -62,6 +62,36 @@ class ModelInfo:
     def eos_token_ids(self) -> list[int]:
         eos = self.hf_config.get("eos_token_id")
         return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def parallel_problems(self, tp: int, pp: int) -> list[str]:
+        """Why this model cannot run with tensor_parallel_size tp and pipeline_parallel_size pp; empty if
+        it can. TP splits attention heads and the MLP's intermediate size evenly over its ranks; KV heads
+        split evenly or are replicated (tp a multiple of them). The vocabulary is padded per rank, so it
+        need not divide. PP gives every stage at least one layer."""
+        cfg, why = self.hf_config, []
+        divisors = lambda n: ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        if self.num_heads % tp:
+            why.append(
+                f"tensor_parallel_size {tp} does not divide the model's {self.num_heads} attention heads "
+                f"(use one of {divisors(self.num_heads)})"
+            )
+        elif self.num_kv_heads % tp and tp % self.num_kv_heads:
+            why.append(
+                f"tensor_parallel_size {tp} neither divides nor is a multiple of the model's "
+                f"{self.num_kv_heads} KV heads"
+            )
+        if (inter := cfg.get("intermediate_size")) and inter % tp:
+            why.append(f"tensor_parallel_size {tp} does not divide the MLP's intermediate size {inter}")
+        if pp > self.num_layers:
+            why.append(
+                f"pipeline_parallel_size {pp} exceeds the model's {self.num_layers} layers; "
+                "every stage needs at least one layer"
+            )
+        return why
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        if why := self.parallel_problems(tp, pp):
+            raise ConfigError(f"model {self.path}: {'; '.join(why)}")
 
     def resolve_dtype(self, requested: str, platform: Platform) -> torch.dtype:
         """auto: the checkpoint's dtype. On CUDA a float32 checkpoint runs in bfloat16; on CPU a bfloat16

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from turnout.models.interface import CausalLM
 
 
 @dataclass(frozen=True)
@@ -13,6 +16,7 @@ class ModelArchitecture:
     target: str  # "package.module:ClassName", imported only when chosen
     priority: int = 0
 
-    def load(self) -> type[Any]:
+    def load(self) -> type[CausalLM]:
+        """The class the target names; instances must implement turnout.models.CausalLM."""
         module, _, attr = self.target.partition(":")
         return getattr(importlib.import_module(module), attr)

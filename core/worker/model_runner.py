@@ -1,8 +1,10 @@
 """Turns a SchedulerOutput into tensors, runs the model, samples.
 
-Per step it builds input_ids, positions, slot_mapping, query_start_loc (cu_seqlens), seq_lens and the
-block table, publishes them to the Attention layers through forward_context, and keeps the logits of the
-rows that sample until sample_tokens.
+At start-up it builds the model (a turnout.models.CausalLM), numbers its Attention layers and gives the
+chosen backend their AttentionSpec before anything is sized or run. Per step it builds input_ids,
+positions, slot_mapping, query_start_loc (cu_seqlens), seq_lens and the block table, publishes them to the
+Attention layers through forward_context, and keeps the logits of the rows that sample until
+sample_tokens.
 
 Pipeline parallelism (pp_size > 1): every stage gets the same SchedulerOutput and splits its requests the
 same way into up to pp_size micro-batches of contiguous requests with about equal token counts
@@ -26,17 +28,21 @@ from torch import nn
 from turnout.attention.backend import AttentionBackend, AttentionMetadata
 from turnout.config import EngineConfig
 from turnout.distributed import get_parallel_state, pp_recv, pp_send
+from turnout.engine.request import TokenLogprobs
 from turnout.engine.scheduler import ScheduledRequest, SchedulerOutput
-from turnout.errors import WeightLoadError
+from turnout.errors import TurnoutError, WeightLoadError
 from turnout.graphs.dispatcher import GraphDispatcher, default_capture_sizes
 from turnout.graphs.modes import RuntimeMode
 from turnout.graphs.runner import GraphRunner
-from turnout.layers.attention import ForwardContext, forward_context
+from turnout.layers import moe
+from turnout.layers.attention import ForwardContext, bind_attention_layers, forward_context
 from turnout.layers.linear import pack_linears_for_cpu
 from turnout.loader.weights import iter_safetensors
+from turnout.models.interface import CausalLM
 from turnout.sampling_params import SamplingParams
 from turnout.selection import Selection
-from turnout.worker.sampler import SampledTensors, Sampler
+from turnout.worker import block_table, kv_cache
+from turnout.worker.sampler import SampledTensors, Sampler, gather_logprobs
 
 logger = logging.getLogger("turnout")
 _GREEDY = SamplingParams(temperature=0.0)
@@ -45,15 +51,24 @@ _GREEDY = SamplingParams(temperature=0.0)
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # req id -> new token
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # req id -> (index of the first prompt token scored this step, one entry per prompt token from there)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class AsyncModelRunnerOutput:
     """A step's sampled tokens on their way to the host: the copy is queued behind the step's kernels, and
-    get() waits for that copy alone, so the engine prepares the next step meanwhile."""
+    get() waits for that copy alone, so the engine prepares the next step meanwhile. token_ids: the sampled
+    tokens on the device, which the next step's placeholder inputs take."""
 
-    def __init__(self, sampled: SampledTensors | None = None, reqs: list[ScheduledRequest] = ()) -> None:
-        self.reqs = reqs
+    def __init__(
+        self,
+        sampled: SampledTensors | None = None,
+        reqs: list[ScheduledRequest] = (),
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None,
+    ) -> None:
+        self.reqs, self.prompt_logprobs = reqs, prompt_logprobs or {}
+        self.token_ids = sampled.token_ids if sampled is not None else None
         self.sampled = sampled.to_cpu() if sampled is not None else None
         self.copied: torch.cuda.Event | None = None
         if sampled is not None and sampled.token_ids.is_cuda:
@@ -62,15 +77,17 @@ class AsyncModelRunnerOutput:
 
     def get(self) -> ModelRunnerOutput:
         if self.sampled is None:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=self.prompt_logprobs)
         if self.copied is not None:
             self.copied.synchronize()
         res = self.sampled.host()
-        out = ModelRunnerOutput(dict(zip([r.req_id for r in self.reqs], res.token_ids)))
-        if res.logprobs is not None and res.top_logprobs is not None:
-            for r, lp, top in zip(self.reqs, res.logprobs, res.top_logprobs):
+        out = ModelRunnerOutput(
+            {r.req_id: t for r, t in zip(self.reqs, res.token_ids)}, {}, self.prompt_logprobs
+        )
+        if res.logprobs is not None and res.ranks is not None and res.top_logprobs is not None:
+            for r, lp, rank, top in zip(self.reqs, res.logprobs, res.ranks, res.top_logprobs):
                 if r.params.logprobs is not None:
-                    out.logprobs[r.req_id] = (lp, top)
+                    out.logprobs[r.req_id] = (lp, rank, top)
         return out
 
 
@@ -91,18 +108,21 @@ class ModelRunner:
         self.info = selection.model_info
         self.block_size = config.block_size
         self.model = self._load_model()
+        self.attn_spec = bind_attention_layers(self.model, self.dtype, self.block_size)
+        self.backend.setup(self.attn_spec)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: GraphRunner | None = None
         self._pending: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
+        self._prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         self._staging64 = HostStaging(device, torch.int64)
         self._staging32 = HostStaging(device, torch.int32)
         self._last_sampled: torch.Tensor | None = None  # by sample_tokens_async, for placeholder inputs
         self._staging_fill = HostStaging(device, torch.int64)
-        self.block_tables = BlockTables()
+        self.block_tables = block_table.BlockTables()
 
-    def _load_model(self) -> nn.Module:
+    def _load_model(self) -> CausalLM:
         t0 = time.perf_counter()
         cls = self.selection.architecture.load()
         prev = torch.get_default_dtype()
@@ -112,6 +132,15 @@ class ModelRunner:
                 model = cls(self.info.hf_config)
         finally:
             torch.set_default_dtype(prev)
+        if not isinstance(model, nn.Module) or not isinstance(model, CausalLM):
+            missing = [m for m in ("forward", "compute_logits", "load_weights") if not hasattr(model, m)]
+            raise TurnoutError(
+                f"model class {cls.__module__}.{cls.__qualname__} is not a torch.nn.Module implementing "
+                f"turnout.models.CausalLM (missing: {', '.join(missing) or 'nn.Module'}); "
+                "see docs/writing-a-plugin.md"
+            )
+        if self.selection.moe is not None:
+            moe.bind_kernel(model, self.selection.moe.obj)
         loaded = model.load_weights(iter_safetensors(self.info.path))
         missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
         if missing:
@@ -129,19 +158,15 @@ class ModelRunner:
 
     # ---- KV cache ----
     def kv_bytes_per_block(self) -> int:
-        layers = len(self.model.model.layers)
-        attn = self.model.model.layers[0].self_attn if layers else None
-        kv_heads, head = (attn.num_kv_heads, attn.head_size) if attn else (0, 0)
-        return 2 * layers * self.block_size * kv_heads * head * self.dtype.itemsize
+        return kv_cache.kv_bytes_per_block(self.backend, self.attn_spec)
 
-    def profile_num_blocks(self) -> int:
+    def determine_num_blocks(self) -> int:
         """How many KV blocks fit: cpu_kv_cache_bytes on CPU; on CUDA, what is left of
         gpu_memory_utilization after the weights and the peak of a max-size dummy step."""
         if self.config.num_gpu_blocks_override:
             return self.config.num_gpu_blocks_override
-        per_block = self.kv_bytes_per_block()
         if self.device.type != "cuda":
-            return max(1, self.config.cpu_kv_cache_bytes // per_block)
+            return max(1, kv_cache.blocks_in(self.config.cpu_kv_cache_bytes, self.backend, self.attn_spec))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._dummy_run(self.config.max_num_batched_tokens)
@@ -151,13 +176,13 @@ class ModelRunner:
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes, NCCL
         budget = total * self.config.gpu_memory_utilization - peak - used_elsewhere
         logger.info("memory: total %.1f GiB, peak step %.2f GiB", total / 2**30, peak / 2**30)
-        return max(0, int(budget // per_block))
+        return kv_cache.blocks_in(budget, self.backend, self.attn_spec)
 
     def _dummy_run(self, num_tokens: int) -> None:
         """A prefill of num_tokens over a throwaway KV cache: measures peak activation memory."""
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens))
         per_seq = num_tokens // num_seqs
-        nb = -(-per_seq // self.block_size)
+        nb = block_table.blocks_for(per_seq, self.block_size)
         self.allocate_kv_cache(nb * num_seqs)
         blocks = [list(range(i * nb, (i + 1) * nb)) for i in range(num_seqs)]
         reqs = [
@@ -170,11 +195,7 @@ class ModelRunner:
         self.kv_caches = []
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        attn = self.model.model.layers[0].self_attn
-        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, attn.num_kv_heads, attn.head_size)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers
-        ]
+        self.kv_caches = kv_cache.allocate_kv_caches(self.backend, self.attn_spec, num_blocks, self.device)
 
     def capture_graphs(self, num_blocks: int) -> None:
         policy = self.selection.effective_graph
@@ -186,7 +207,7 @@ class ModelRunner:
         max_len = min(cfg.max_model_len or self.info.max_position_embeddings, num_blocks * self.block_size)
         self.graphs = GraphRunner(
             self.model, self.backend, self.kv_caches, GraphDispatcher(policy, sizes),
-            cfg.max_num_seqs, -(-max_len // self.block_size), max_len,
+            cfg.max_num_seqs, block_table.blocks_for(max_len, self.block_size), max_len,
         )  # fmt: skip
         self.graphs.capture()
 
@@ -199,26 +220,25 @@ class ModelRunner:
         np.cumsum(qlens, out=cu[1:])
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=int(cu[-1]))
         positions = np.repeat(starts - cu[:-1], qlens) + np.arange(cu[-1])  # request i, token j: start_i + j
-        block_table = self.block_tables(reqs)
-        row = np.repeat(np.arange(len(reqs)), qlens)
-        slot_mapping = block_table[row, positions // self.block_size].astype(np.int64) * self.block_size
-        slot_mapping += positions % self.block_size
+        table = self.block_tables(reqs)
+        rows = np.repeat(np.arange(len(reqs)), qlens)
+        slot_mapping = block_table.slot_mapping(table, rows, positions, self.block_size)
         seq_lens = starts + qlens
         sample_reqs = [r for r in reqs if r.sample]
         logits_idx = (cu[1:] - 1)[np.array([r.sample for r in reqs], dtype=bool)]
         ids, pos, slots, lidx = self._staging64([input_ids, positions, slot_mapping, logits_idx])
         if self._last_sampled is not None:  # the previous step sampled without waiting: async scheduling
             self._fill_placeholders(input_ids, ids)
-        cu_d, lens_d, bt = self._staging32([cu.astype(np.int32), seq_lens.astype(np.int32), block_table])
+        cu_d, lens_d, bt = self._staging32([cu.astype(np.int32), seq_lens.astype(np.int32), table])
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=cu_d,
             seq_lens=lens_d,
-            block_table=bt.view(block_table.shape),
+            block_table=bt.view(table.shape),
             max_query_len=int(qlens.max()),
             max_seq_len=int(seq_lens.max()),
             num_actual_tokens=int(cu[-1]),
-            num_decode_tokens=int((qlens == 1).sum()),
+            num_decode_tokens=int(np.argmin(qlens == 1)) if (qlens != 1).any() else len(reqs),
         )
         return StepInputs(ids, pos, meta, lidx, sample_reqs)
 
@@ -227,8 +247,11 @@ class ModelRunner:
         for req_id in out.finished_req_ids:
             self.generators.pop(req_id, None)
         self.block_tables.release(out.finished_req_ids)
-        self._pending = None
+        self._pending, self._prompt_logprobs = None, {}
         if not out.requests:
+            self._last_sampled = None  # the next step is scheduled with every token known: no placeholder
+            if get_parallel_state().dp_size > 1:  # expert parallelism spans the replicas: join their steps
+                moe.dummy_step(self.model)
             return
         if get_parallel_state().pp_size > 1:
             return self._execute_pipeline(out)
@@ -240,6 +263,7 @@ class ModelRunner:
             hidden = self.graphs.run(d, inp.input_ids, inp.positions, inp.meta)
         else:
             hidden = self._forward(inp)
+        self._prompt_logprobs = self.prompt_logprobs(out.requests, hidden)
         if inp.sample_reqs:
             self._pending = (self.model.compute_logits(hidden[inp.logits_indices]), inp.sample_reqs)
 
@@ -261,13 +285,32 @@ class ModelRunner:
             hidden = self._forward(inp, x)
             if not ps.is_last_pp:
                 sends.append((hidden, pp_send(hidden)))  # the tensor stays alive until its send is done
-            elif inp.sample_reqs:
+                continue
+            self._prompt_logprobs |= self.prompt_logprobs(reqs, hidden)
+            if inp.sample_reqs:
                 logits.append(self.model.compute_logits(hidden[inp.logits_indices]))
                 sample_reqs += inp.sample_reqs
         for _, work in sends:
             work.wait()
         if logits:
             self._pending = (torch.cat(logits), sample_reqs)
+
+    def prompt_logprobs(
+        self, reqs: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """For requests that asked prompt_logprobs: position j of this chunk scores prompt token j + 1."""
+        out, row = {}, 0
+        for r in reqs:
+            first, end = r.start_pos + 1, min(r.start_pos + len(r.token_ids), len(r.prompt_token_ids) - 1) + 1
+            if r.params.prompt_logprobs is not None and end > first:
+                logits = self.model.compute_logits(hidden[row : row + end - first])
+                target = torch.tensor(r.prompt_token_ids[first:end], device=logits.device)
+                lps, ranks, tops = gather_logprobs(
+                    logits.float(), target, [r.params.prompt_logprobs] * (end - first)
+                )
+                out[r.req_id] = (first, list(zip(lps, ranks, tops)))
+            row += len(r.token_ids)
+        return out
 
     def _fill_placeholders(self, host_ids: np.ndarray, input_ids: torch.Tensor) -> None:
         """A negative input token, placeholder(k), is row k of the previous step's sampled tokens: it is
@@ -280,33 +323,31 @@ class ModelRunner:
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
         self._last_sampled = None
-        if self._pending is None:
-            return ModelRunnerOutput()
-        logits, reqs = self._pending
-        self._pending = None
-        return AsyncModelRunnerOutput(self._sample(logits, reqs), reqs).get()
+        return self._sample().get()
 
     @torch.inference_mode()
     def sample_tokens_async(self) -> AsyncModelRunnerOutput:
         """sample_tokens without waiting: the tokens also stay on the device, where the next step's
         placeholder inputs take them from."""
-        self._last_sampled = None
+        out = self._sample()
+        self._last_sampled = out.token_ids
+        return out
+
+    def _sample(self) -> AsyncModelRunnerOutput:
+        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, {}
         if self._pending is None:
-            return AsyncModelRunnerOutput()
+            return AsyncModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         logits, reqs = self._pending
         self._pending = None
-        sampled = self._sample(logits, reqs)
-        self._last_sampled = sampled.token_ids
-        return AsyncModelRunnerOutput(sampled, reqs)
-
-    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SampledTensors:
-        return self.sampler.forward(
+        sampled = self.sampler.forward(
             logits,
             [r.params for r in reqs],
             [self._generator(r) for r in reqs],
             [r.prompt_token_ids for r in reqs],
             [r.output_token_ids for r in reqs],
+            [r.num_output_tokens for r in reqs],
         )
+        return AsyncModelRunnerOutput(sampled, reqs, prompt_logprobs)
 
     def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
         if r.params.seed is None or r.params.greedy:
@@ -347,52 +388,6 @@ class HostStaging:
         self.copied = torch.cuda.Event()
         self.copied.record()
         return [dev[off : off + a.size] for a, off in zip(arrays, starts.tolist())]
-
-
-class BlockTables:
-    """The block ids of each request a worker runs, one persistent row each, written incrementally: a step
-    copies only the ids a request gained since its last step. ScheduledRequest.block_ids is the scheduler's
-    own list, which it only appends to (a preemption replaces it), so the list last seen and the count
-    written tell what is new; a list that came through a pipe is new each step and rewrites its row."""
-
-    def __init__(self) -> None:
-        self.table = np.zeros((64, 16), dtype=np.int32)
-        self.rows: dict[str, tuple[int, list[int], int]] = {}  # req id -> (row, list seen, ids written)
-        self.free = list(range(63, -1, -1))
-
-    def __call__(self, reqs: list[ScheduledRequest]) -> np.ndarray:  # [len(reqs), most blocks] int32
-        rows, width = [], 0
-        for r in reqs:
-            ids, n = r.block_ids, len(r.block_ids)
-            row, seen, done = self.rows.get(r.req_id) or (self._take(), None, 0)
-            if seen is not ids or done != n:
-                self._write(row, ids, done if seen is ids else 0)
-                self.rows[r.req_id] = (row, ids, n)
-            rows.append(row)
-            width = max(width, n)
-        return self.table[rows, :width]
-
-    def release(self, req_ids: list[str]) -> None:
-        for req_id in req_ids:
-            if (entry := self.rows.pop(req_id, None)) is not None:
-                self.table[entry[0]] = 0
-                self.free.append(entry[0])
-
-    def _take(self) -> int:
-        if not self.free:
-            n = len(self.table)
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
-            self.free = list(range(2 * n - 1, n - 1, -1))
-        return self.free.pop()
-
-    def _write(self, row: int, ids: list[int], start: int) -> None:
-        if len(ids) > self.table.shape[1]:
-            wider = np.zeros((len(self.table), max(len(ids), 2 * self.table.shape[1])), dtype=np.int32)
-            wider[:, : self.table.shape[1]] = self.table
-            self.table = wider
-        if start == 0:
-            self.table[row] = 0
-        self.table[row, start : len(ids)] = ids[start:]
 
 
 def micro_batches(reqs: list[ScheduledRequest], n: int) -> list[list[ScheduledRequest]]:

@@ -8,6 +8,7 @@ import torch
 
 from turnout.config import EngineConfig
 from turnout.engine.scheduler import SchedulerOutput
+from turnout.layers.moe import FusedMoE
 from turnout.selection import Selection
 from turnout.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, ModelRunnerOutput
 
@@ -20,10 +21,10 @@ class Worker:
         else:
             self.device = torch.device("cpu")
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, selection, self.device)
+        self.runner = ModelRunner(selection.apply(config), selection, self.device)
 
     def determine_num_blocks(self) -> int:
-        return self.runner.profile_num_blocks()
+        return self.runner.determine_num_blocks()
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
@@ -40,6 +41,22 @@ class Worker:
 
     def sample_tokens_async(self) -> AsyncModelRunnerOutput:
         return self.runner.sample_tokens_async()
+
+    def memory_report(self) -> dict[str, Any]:
+        """This rank's share, in bytes: weights (experts' also apart), KV cache and, on CUDA, the peak
+        allocated; and every parameter's shape, which shows what was materialised here."""
+        model = self.runner.model
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        experts = [p for m in model.modules() if isinstance(m, FusedMoE) for p in m.parameters()]
+        report: dict[str, Any] = {
+            "weight_bytes": nbytes(model.parameters()),
+            "expert_weight_bytes": nbytes(experts),
+            "kv_cache_bytes": nbytes(self.runner.kv_caches),
+            "shapes": {n: list(p.shape) for n, p in model.named_parameters()},
+        }
+        if self.device.type == "cuda":
+            report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return report
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self, method)(*args, **kwargs)

@@ -1,45 +1,44 @@
 """A third-party attention backend: per request, gather the paged keys and run explicit softmax.
 
-Slow and simple on purpose; it shows the whole contract: declare capabilities, write the KV cache through
-slot_mapping (skipping -1), attend causally over the cached context.
+Slow and simple on purpose; it shows the whole contract: declare capabilities, find the valid KV rows once
+per step (build_metadata), write the KV cache through slot_mapping with turnout's store_kv, and attend
+causally over the cached context with the spec's scale.
 """
 
 import torch
 
 import turnout
-from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from turnout.attention import AttentionBackend, AttentionMetadata, store_kv, valid_rows
 
 
 class NaiveBackend(AttentionBackend):
     name = "naive"
     priority = -10  # never chosen by "auto" over the built-ins; pick it with attention_backend = "naive"
     device_types = ("cpu", "cuda")
-    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)  # the CPU runs float32 unless it has bf16
+
+    def build_metadata(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        return valid_rows(meta.slot_mapping)  # [n] rows with a slot, or None when every row has one
 
     def forward(
         self,
-        layer: AttentionLayerSpec,
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        t = meta.num_actual_tokens
-        slots = meta.slot_mapping[:t]
-        ok = slots >= 0
+        store_kv(kv_cache, k, v, meta.slot_mapping, meta.backend_data, capturing=False)
         hkv, d = kv_cache.shape[-2:]
-        kv_cache[0].view(-1, hkv, d)[slots[ok]] = k[:t][ok]
-        kv_cache[1].view(-1, hkv, d)[slots[ok]] = v[:t][ok]
         out = torch.zeros_like(q)
         qsl, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-        group = layer.num_heads // layer.num_kv_heads
+        group = self.spec.num_heads // self.spec.num_kv_heads
         for b, seq_len in enumerate(lens):
             qs, qe = qsl[b], qsl[b + 1]
             blocks = meta.block_table[b].long()
             keys = kv_cache[0, blocks].reshape(-1, hkv, d)[:seq_len].repeat_interleave(group, 1)  # [L, H, D]
             vals = kv_cache[1, blocks].reshape(-1, hkv, d)[:seq_len].repeat_interleave(group, 1)
-            scores = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), keys.float()) * layer.scale
+            scores = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), keys.float()) * self.spec.scale
             pos = torch.arange(seq_len - (qe - qs), seq_len, device=q.device)  # query positions
             future = torch.arange(seq_len, device=q.device)[None, None, :] > pos[None, :, None]
             scores.masked_fill_(future, float("-inf"))

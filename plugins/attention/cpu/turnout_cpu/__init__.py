@@ -1,8 +1,7 @@
 """Paged attention in plain torch, for the CPU."""
 
-from turnout import hookimpl
+from turnout import Platform, hookimpl
 from turnout.attention import AttentionBackend
-from turnout.platform import Platform
 
 
 @hookimpl

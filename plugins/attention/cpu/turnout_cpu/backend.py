@@ -2,7 +2,8 @@
 
 Decode rows (one query token) run batched: their block_table rows are gathered into one padded
 [Bd, Hkv, L, D] tensor with a length mask. Prefill rows (chunks, prefix hits) run one request at a
-time with a causal mask offset by the cached context. All indices are built once per step in build_metadata.
+time with a causal mask offset by the cached context. All indices are built once per step in build_metadata,
+from the metadata and the block size of the spec.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata, CudagraphSupport
-from turnout.attention.kv_store import valid_rows
+from turnout import Priority
+from turnout.attention import AttentionBackend, AttentionMetadata, CudagraphSupport, valid_rows
 
 
 @dataclass
@@ -33,15 +34,13 @@ class CPUMetadata:
     decode_lens: torch.Tensor  # [Bd] seq_len of each decode row
     prefills: list[_Prefill]
     store_rows: torch.Tensor | None  # [n] rows with a slot when some slots are -1 (padding), else None
-    decode_slots: torch.Tensor | None = (
-        None  # [Bd * L] cache slots, made by the first layer (needs block size)
-    )
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, L] True = attend, L = longest decode row
+    decode_slots: torch.Tensor  # [Bd * L] cache slot of every key position, L = longest decode row
+    decode_mask: torch.Tensor  # [Bd, 1, 1, L] True = attend
 
 
 class CPUAttentionBackend(AttentionBackend):
     name = "cpu"
-    priority = 0
+    priority = Priority.DEFAULT
     device_types = ("cpu",)
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     cudagraph_support = CudagraphSupport.NEVER
@@ -60,17 +59,18 @@ class CPUAttentionBackend(AttentionBackend):
                 mask = torch.arange(seq_len)[None, :] <= torch.arange(ctx, seq_len)[:, None]
             prefills.append(_Prefill(row, qs, qe, meta.block_table[row].long(), seq_len, mask))
         rows = torch.tensor(decode_rows, dtype=torch.long)
+        blocks, lens = meta.block_table[rows].long(), meta.seq_lens[rows].long()
         return CPUMetadata(
             decode_tokens=meta.query_start_loc[rows].long(),
-            decode_blocks=meta.block_table[rows].long(),
-            decode_lens=meta.seq_lens[rows].long(),
+            decode_blocks=blocks,
+            decode_lens=lens,
             prefills=prefills,
             store_rows=valid_rows(meta.slot_mapping[: meta.num_actual_tokens]),
+            **_decode_slots(blocks, lens, self.spec.block_size),
         )
 
     def forward(
         self,
-        layer: AttentionLayerSpec,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -79,18 +79,19 @@ class CPUAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         md: CPUMetadata = meta.backend_data
         hkv, d = kv_cache.shape[-2:]
+        scale = self.spec.scale
         self._store(kv_cache, k, v, meta, md)
         out = torch.zeros_like(q)
         if len(md.decode_tokens):
             dq = q.index_select(0, md.decode_tokens)
-            out.index_copy_(0, md.decode_tokens, self._decode(dq, kv_cache, md, layer.scale))
+            out.index_copy_(0, md.decode_tokens, self._decode(dq, kv_cache, md, scale))
         for p in md.prefills:
             # index_select, not kv_cache[0, blocks]: advanced indexing is orders of magnitude slower on CPU
             keys = kv_cache[0].index_select(0, p.blocks).reshape(-1, hkv, d)[: p.seq_len].transpose(0, 1)
             vals = kv_cache[1].index_select(0, p.blocks).reshape(-1, hkv, d)[: p.seq_len].transpose(0, 1)
             qq = q[p.q_start : p.q_end].transpose(0, 1)  # [H, q_len, D]
             o = F.scaled_dot_product_attention(
-                qq, keys, vals, attn_mask=p.mask, is_causal=p.mask is None, scale=layer.scale, enable_gqa=True
+                qq, keys, vals, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
             )
             out[p.q_start : p.q_end] = o.transpose(0, 1)
         return out
@@ -111,23 +112,10 @@ class CPUAttentionBackend(AttentionBackend):
         kv_cache[0].view(-1, hkv, d).index_copy_(0, slots, k)
         kv_cache[1].view(-1, hkv, d).index_copy_(0, slots, v)
 
-    @staticmethod
-    def _decode_slots(md: CPUMetadata, block_size: int) -> None:
-        """Once per step: the cache slot of every key position of every decode row, [Bd * L]. Positions
-        past a row's seq_len point at its position 0: a finite value that the mask then ignores (a masked
-        slot still meets the values in the matmul, so it must not hold NaN)."""
-        pos = torch.arange(int(md.decode_lens.max()))
-        valid = pos[None, :] < md.decode_lens[:, None]  # [Bd, L]
-        pos = torch.where(valid, pos, 0)
-        slots = md.decode_blocks.gather(1, pos // block_size) * block_size + pos % block_size
-        md.decode_slots, md.decode_mask = slots.flatten(), valid[:, None, None, :]
-
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: CPUMetadata, scale: float) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D]."""
         bd = md.decode_blocks.shape[0]
         hkv, d = kv_cache.shape[-2:]
-        if md.decode_slots is None:
-            self._decode_slots(md, kv_cache.shape[2])
         keys = kv_cache[0].view(-1, hkv, d).index_select(0, md.decode_slots).view(bd, -1, hkv, d)
         vals = kv_cache[1].view(-1, hkv, d).index_select(0, md.decode_slots).view(bd, -1, hkv, d)
         keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)  # [Bd, Hkv, L, D]
@@ -141,3 +129,14 @@ class CPUAttentionBackend(AttentionBackend):
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [Bd, Hkv, G, L]
         scores.masked_fill_(~md.decode_mask, float("-inf"))
         return torch.matmul(scores.softmax(-1).to(q.dtype), vals).view_as(q)
+
+
+def _decode_slots(blocks: torch.Tensor, lens: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
+    """The cache slot of every key position of every decode row, [Bd * L], and the [Bd, 1, 1, L] mask of
+    the real ones. Positions past a row's seq_len point at its position 0: a finite value that the mask
+    then ignores (a masked slot still meets the values in the matmul, so it must not hold NaN)."""
+    pos = torch.arange(int(lens.max()) if len(lens) else 0)
+    valid = pos[None, :] < lens[:, None]  # [Bd, L]
+    pos = torch.where(valid, pos, 0)
+    slots = blocks.gather(1, pos // block_size) * block_size + pos % block_size
+    return {"decode_slots": slots.flatten(), "decode_mask": valid[:, None, None, :]}

@@ -1,5 +1,6 @@
-"""FlashAttnBackend: paged attention with FlashAttention, through whichever of two libraries fits, chosen when
-the backend is checked (TURNOUT_FLASH_ATTN=2 or 4 forces one):
+"""FlashAttnBackend: paged attention with FlashAttention, through whichever of two libraries fits, found when
+the plugin offers the backend on a CUDA platform (TURNOUT_FLASH_ATTN=2 or 4 forces one). The library found
+fixes the backend's declared block_size_multiple and cudagraph_support for its lifetime:
 
   - FlashAttention-4 (`flash-attn-4`: flash_attn.cute.flash_attn_varlen_func) on compute capability 9.x-11.x
     (its SM80 and SM120 kernels have no paged KV). One call per layer for any batch, with cu_seqlens_q,
@@ -8,12 +9,10 @@ the backend is checked (TURNOUT_FLASH_ATTN=2 or 4 forces one):
     must hold finite values: zeros from allocation or stale keys are fine); other sizes load row by row
     through cp.async. Head sizes: multiples of 16 (the paged loaders refuse padded head dims), up to 256 on
     SM90, up to 128 or exactly 256 on SM100/110. No host lengths are passed (max_seqlen_q/k default to shape
-    bounds), so a launch depends on shapes alone and reads lengths and page ids on the device: ALWAYS. A
-    capture on the H200 had failed (cudaErrorStreamCaptureInvalidated, 2026-11-29) because the shared KV
-    write synchronised with the host (fixed in 86da22d); since then FULL graphs of mixed and decode batches
-    give outputs identical to eager in all five modes, and the conformance replay test passes
-    (benchmarks/results/2026-11-30-h200-graphs-fa4-flashinfer-five-modes.json). TURNOUT_FLASH_ATTN_CUDAGRAPH
-    overrides the level.
+    bounds), so a launch depends on shapes alone and reads lengths and page ids on the device: ALWAYS, given
+    a KV write that does not read the device on the host while captured (store_kv's capture path). The GPU
+    conformance suite replays a FULL capture against eager (test_cudagraph_replay).
+    TURNOUT_FLASH_ATTN_CUDAGRAPH overrides the level.
   - FlashAttention 2 (`flash-attn` 2.x) on SM80+: flash_attn_with_kvcache for uniform-decode batches,
     flash_attn_varlen_func(block_table=...) for the others. Its paged KV needs block_size % 256 == 0; head
     sizes are multiples of 8 up to 256. UNIFORM_BATCH, as vLLM declares FA2: which call (and, for decode,
@@ -29,31 +28,33 @@ query_start_loc[-1] (graph padding) may be left unwritten.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from turnout import Platform, Priority
 from turnout.attention import (
     AttentionBackend,
     AttentionContext,
-    AttentionLayerSpec,
     AttentionMetadata,
+    AttentionSpec,
     CudagraphSupport,
+    store_kv,
+    valid_rows,
 )
-from turnout.attention.kv_store import store_kv, valid_rows
-from turnout.platform import Platform
+from turnout_flash_attn.envs import CUDAGRAPH, FLASH_ATTN
 
 NOT_INSTALLED = "flash_attn is not installed (pip install turnout-flash-attn[fa2] or flash-attn-4 on SM90+)"
 FA2_BLOCK = 256
+FA4_PAGE = 128
 SUPPORT = {"fa4": CudagraphSupport.ALWAYS, "fa2": CudagraphSupport.UNIFORM_BATCH}
 
 
 @dataclass(frozen=True)
 class Probe:
-    """What was found for one compute capability: a usable path, or why there is none."""
+    """What is installed for one compute capability: a usable path, or why there is none."""
 
     path: str | None  # "fa4", "fa2" or None
     error: str | None = None
@@ -143,20 +144,16 @@ def probe(capability: tuple[int, int] | None, force: str = "") -> Probe:
 
 
 def path_reasons(path: str | None, ctx: AttentionContext) -> list[str]:
-    """The constraints that depend on the library: block size (FA2) and head size."""
-    d, bs = ctx.head_size, ctx.block_size
-    reasons = []
-    if path == "fa2":
-        if bs % FA2_BLOCK:
-            reasons.append(f"FA2 paged KV needs block_size a multiple of {FA2_BLOCK}, got {bs}")
-        if d > 256 or d % 8:
-            reasons.append(f"FA2 needs head size a multiple of 8 up to 256, got {d}")
-    elif path == "fa4":
+    """The head sizes the library takes (its block sizes are the declared block_size_multiple)."""
+    d = ctx.head_size
+    if path == "fa2" and (d > 256 or d % 8):
+        return [f"FA2 needs head size a multiple of 8 up to 256, got {d}"]
+    if path == "fa4":
         sm90 = (ctx.platform.capability or (9, 0))[0] == 9
         if d % 16 or not (16 <= d <= 256 if sm90 else d <= 128 or d == 256):
             most = "256" if sm90 else "128 (or exactly 256)"
-            reasons.append(f"FA4 paged KV needs head size a multiple of 16 up to {most}, got {d}")
-    return reasons
+            return [f"FA4 paged KV needs head size a multiple of 16 up to {most}, got {d}"]
+    return []
 
 
 def _cu_seqlens(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -165,46 +162,40 @@ def _cu_seqlens(seq_lens: torch.Tensor) -> torch.Tensor:
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
-    priority = 30  # preferred over FlashInfer (20) and Triton (10), as in vLLM on Hopper
+    priority = Priority.FIRST  # the order per platform: turnout.Priority
     device_types = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
     head_sizes = None  # depends on the library: path_reasons()
-    block_size_multiple = 1  # 256 once FA2 is the path
     min_capability = (8, 0)
-    cudagraph_support = CudagraphSupport.NEVER  # set by the path: SUPPORT
 
-    def __init__(self, platform: Platform | None = None) -> None:
-        self._platform = platform
-        self._probes: dict[tuple, Probe] = {}
-        self.probe: Probe | None = None
-
-    def use(self, p: Probe) -> None:
-        """Adopt a probe result: the path's constraints become this backend's declared ones."""
-        self.probe = p
-        self.block_size_multiple = FA2_BLOCK if p.path == "fa2" else 1
-        self.min_capability = (9, 0) if p.path == "fa4" else (8, 0)
-        level = SUPPORT.get(p.path, CudagraphSupport.NEVER)
-        self.cudagraph_support = CudagraphSupport.from_env("TURNOUT_FLASH_ATTN_CUDAGRAPH", level)
-
-    def _select(self, capability: tuple[int, int] | None) -> Probe:
-        key = (capability, os.environ.get("TURNOUT_FLASH_ATTN", "").strip())
-        if key not in self._probes:
-            self._probes[key] = probe(*key)
-        self.use(self._probes[key])
-        return self._probes[key]
+    def __init__(self, platform: Platform | None = None, found: Probe | None = None) -> None:
+        """found: the library to drive; by default probed here, once, on a CUDA platform."""
+        if found is None:
+            cuda = platform is not None and platform.device_type == "cuda"
+            force = FLASH_ATTN.value
+            found = probe(platform.capability, force) if cuda else Probe(None, "needs a CUDA device")
+        self.probe = found
+        self.block_size_multiple = FA2_BLOCK if found.path == "fa2" else 1
+        # FA4 loads a page of one 128-key tile by TMA; smaller pages load row by row
+        self.preferred_block_size = {"fa2": FA2_BLOCK, "fa4": FA4_PAGE}.get(found.path, 16)
+        if found.path == "fa4":
+            self.min_capability = (9, 0)
+        level = SUPPORT.get(found.path, CudagraphSupport.NEVER)
+        self.cudagraph_support = CudagraphSupport.from_env(CUDAGRAPH, level)
 
     def import_error(self) -> str | None:
-        if self.probe is None:
-            self._select(self._platform.capability if self._platform else None)
         return self.probe.error
 
     def check(self, ctx: AttentionContext) -> list[str]:
-        cuda = ctx.platform.device_type in self.device_types
-        if cuda:
-            self._select(ctx.platform.capability)
-        generic = f"block_size {ctx.block_size} is not a multiple of {self.block_size_multiple}"
-        reasons = [r for r in super().check(ctx) if r != generic]  # path_reasons says it precisely
-        return reasons + (path_reasons(self.probe.path, ctx) if cuda and self.probe else [])
+        reasons = super().check(ctx)
+        if ctx.platform.device_type in self.device_types:
+            reasons += path_reasons(self.probe.path, ctx)
+        return reasons
+
+    def setup(self, spec: AttentionSpec) -> None:
+        if self.probe.path is None:
+            raise RuntimeError(f"flash_attn backend cannot run: {self.probe.error}")
+        super().setup(spec)
 
     def build_metadata(self, meta: AttentionMetadata) -> FlashAttnMetadata:
         rows = valid_rows(meta.slot_mapping)
@@ -212,7 +203,6 @@ class FlashAttnBackend(AttentionBackend):
 
     def forward(
         self,
-        layer: AttentionLayerSpec,
         q: torch.Tensor,  # [T, num_heads, head_size]
         k: torch.Tensor,  # [T, num_kv_heads, head_size]
         v: torch.Tensor,
@@ -220,35 +210,56 @@ class FlashAttnBackend(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         md: FlashAttnMetadata = meta.backend_data
-        p = self.probe if self.probe and self.probe.path else self._select(torch.cuda.get_device_capability())
-        if p.path is None:
-            raise RuntimeError(f"flash_attn backend cannot run: {p.error}")
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         store_kv(kv_cache, k, v, meta.slot_mapping, md.store_rows, capturing)
         kc, vc = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
-        if p.path == "fa4":
-            out = p.varlen(
-                q, kc, vc, cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,
-                page_table=meta.block_table, softmax_scale=layer.scale, causal=True,
-            )  # fmt: skip
-            return out[0] if isinstance(out, tuple) else out  # (out, lse)
+        if self.probe.path == "fa4":
+            return self._fa4(q, kc, vc, meta)
         if md.decode:
-            b = meta.num_reqs
-            o = p.kvcache(
-                q[:b].unsqueeze(1), kc, vc, cache_seqlens=meta.seq_lens, block_table=meta.block_table,
-                softmax_scale=layer.scale, causal=True,
-            ).squeeze(1)  # fmt: skip
-            if b == q.shape[0]:
-                return o
-            out = q.new_zeros(q.shape)
-            out[:b] = o
-            return out
-        # While capturing, bounds that hold for any batch of these shapes; lengths come from the device.
+            return self._fa2_decode(q, kc, vc, meta)
+        return self._fa2_varlen(q, kc, vc, meta, md, capturing)
+
+    def _fa4(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Any batch in one call; lengths and pages are read on the device."""
+        out = self.probe.varlen(
+            q, kc, vc, cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,
+            page_table=meta.block_table, softmax_scale=self.spec.scale, causal=True,
+        )  # fmt: skip
+        return out[0] if isinstance(out, tuple) else out  # (out, lse)
+
+    def _fa2_decode(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Uniform decode: one query token per request, rows [0, B) of q."""
+        b = meta.num_reqs
+        o = self.probe.kvcache(
+            q[:b].unsqueeze(1), kc, vc, cache_seqlens=meta.seq_lens, block_table=meta.block_table,
+            softmax_scale=self.spec.scale, causal=True,
+        ).squeeze(1)  # fmt: skip
+        if b == q.shape[0]:
+            return o
+        out = q.new_zeros(q.shape)
+        out[:b] = o
+        return out
+
+    def _fa2_varlen(
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        meta: AttentionMetadata,
+        md: FlashAttnMetadata,
+        capturing: bool,
+    ) -> torch.Tensor:
+        """Any other batch. While capturing, bounds that hold for any batch of these shapes; lengths come
+        from the device."""
         cu_k = _cu_seqlens(meta.seq_lens) if capturing else md.cu_seqlens_k
         max_k = meta.block_table.shape[1] * kc.shape[1] if capturing else meta.max_seq_len
         # max_seqlen_q == 1 would make FA2 pack GQA heads by reshaping q to [B, ...], which needs T == B;
         # 2 is a valid bound for any batch.
-        return p.varlen(
+        return self.probe.varlen(
             q, kc, vc, meta.query_start_loc, cu_k, max(meta.max_query_len, 2), max_k,
-            softmax_scale=layer.scale, causal=True, block_table=meta.block_table,
+            softmax_scale=self.spec.scale, causal=True, block_table=meta.block_table,
         )  # fmt: skip

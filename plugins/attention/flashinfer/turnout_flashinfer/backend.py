@@ -4,18 +4,18 @@ KV layout: the default [2, num_blocks, block_size, num_kv_heads, head_size]; (kv
 FlashInfer's NHD (k_cache, v_cache) tuple with one page per block, so any block size is a page size. k and v
 are written through slot_mapping in torch (slot -1 writes nowhere) before attention.
 
-One plan per step, not per layer. build_metadata turns seq_lens / block_table into FlashInfer's paged
-indices (kv_indptr, kv_indices, kv_last_page_len: vectorised, fixed shapes) and plans one wrapper:
+One plan per step, not per layer. A plan needs the head counts, head size, dtype, scale and block size:
+the AttentionSpec that setup() receives before the first step. build_metadata turns seq_lens / block_table
+into FlashInfer's paged indices (kv_indptr, kv_indices, kv_last_page_len: vectorised, fixed shapes) and
+plans one wrapper:
   - uniform decode (every request runs one token): a BatchDecodeWithPagedKVCacheWrapper per batch size, made
-    in CUDA-graph mode on fixed index buffers, with tensor cores, FA2 kernels and split-KV off. Its plan then
+    in CUDA-graph mode on fixed index buffers, with tensor cores, FA2 kernels and split-KV off. Its plan
     depends on the batch size alone: lengths and page ids are read on the device.
   - any other batch (the model runner does not reorder requests, so decode rows may sit anywhere): one
     BatchPrefillWithPagedKVCacheWrapper, causal, over every request. Its kernels are FlashInfer's FA2 ones
     too, so prefill and decode share one JIT module per (dtype, head size);
     TURNOUT_FLASHINFER_PREFILL_BACKEND=auto picks FA3 on SM90 instead (faster prefill, a second JIT module).
-plan needs the layer's head counts, head size, dtype and scale and the cache's block size, which the metadata
-does not carry: the backend learns them from its first forward and plans in build_metadata from then on; a
-forward whose layer differs from the plan re-plans (eagerly). All wrappers share one 512 MiB float workspace.
+All wrappers share one 512 MiB float workspace.
 
 CUDA graphs (UNIFORM_DECODE). Capturing a uniform-decode batch needs:
   1. static metadata tensors (slot_mapping, query_start_loc, seq_lens, block_table of a fixed width) that are
@@ -23,26 +23,34 @@ CUDA graphs (UNIFORM_DECODE). Capturing a uniform-decode batch needs:
      padding requests: slot -1, any seq_len >= 0);
   2. prepare_cudagraphs(max_blocks_per_req) once, so the decode wrappers' page-index buffers fit the widest
      block_table; then per captured size build_metadata on the static tensors and one eager forward (JIT
-     compile, plan) before torch.cuda.graph(...);
+     compile) before torch.cuda.graph(...);
   3. nothing per replay: the first attention layer in the graph recomputes the paged indices from seq_lens /
      block_table into the wrapper's fixed buffers. Calling build_metadata before a replay also works (it
      re-plans the same buffers with the same schedule).
 Mixed batches cannot be captured (planning reads lengths on the host): trying raises.
+TURNOUT_FLASHINFER_CUDAGRAPH=NEVER turns graphs around FlashInfer off (PIECEWISE then runs it eagerly in
+the holes).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionMetadata, CudagraphSupport
-from turnout.attention.kv_store import store_kv, valid_rows
+from turnout import Priority
+from turnout.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    CudagraphSupport,
+    store_kv,
+    valid_rows,
+)
+from turnout_flashinfer.envs import CUDAGRAPH, PREFILL_BACKEND
 
-WORKSPACE_BYTES = 512 << 20  # float workspace, shared by every wrapper; 128 MiB overflowed (H200, 2026-11-30)
+WORKSPACE_BYTES = 512 << 20  # float workspace shared by every wrapper; 128 MiB is too small for long prefills
 MIN_VERSION = (0, 6)
 
 
@@ -54,17 +62,6 @@ def _flashinfer() -> ModuleType:
 
 def _version(v: str) -> tuple[int, ...]:
     return tuple(int(p) for p in v.split("+")[0].split(".")[:2] if p.isdigit())
-
-
-class _Spec(NamedTuple):
-    """What a plan is made for: the layer and the cache."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    dtype: torch.dtype
-    scale: float
-    block_size: int
 
 
 @dataclass
@@ -89,10 +86,16 @@ class FlashInferMetadata:
     decode: bool  # uniform decode: the static decode wrapper; otherwise the prefill wrapper
     rows: int  # query rows the wrapper runs: num_reqs (decode) or num_actual_tokens
     store_rows: torch.Tensor | None  # [n] token rows with a slot >= 0; None when every slot is valid
-    spec: _Spec | None = None  # what `wrapper` is planned for; None: not planned yet
-    wrapper: Any = None
+    wrapper: Any = None  # planned for this step by build_metadata
     static: _StaticDecode | None = None
     refreshed: bool = False  # the current capture already recomputes the static page indices
+
+    @classmethod
+    def route(cls, meta: AttentionMetadata) -> FlashInferMetadata:
+        """Which wrapper a step takes and how many rows it runs, before any plan."""
+        decode = meta.uniform_decode
+        rows = meta.num_reqs if decode else meta.num_actual_tokens
+        return cls(decode, rows, valid_rows(meta.slot_mapping))
 
 
 def paged_indices(
@@ -102,7 +105,7 @@ def paged_indices(
     kv_indptr[-1] are real) and kv_last_page_len [B], int32 on the device. Fixed shapes: capturable."""
     b, w = block_table.shape
     dev = seq_lens.device
-    # [B]; the clamp only matters for a plan made on a guessed block size, which forward redoes
+    # [B]; a capture's dummy seq_lens may reach past the table's width: the clamp keeps dst in range
     pages = ((seq_lens + block_size - 1) // block_size).clamp(max=w)
     indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)
     indptr[1:] = torch.cumsum(pages, 0)
@@ -116,23 +119,16 @@ def paged_indices(
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
-    priority = 20  # between FlashAttention (30) and Triton (10), as in vLLM on Hopper
+    priority = Priority.SECOND  # the order per platform: turnout.Priority
     device_types = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
     head_sizes = (64, 128, 256)  # FA3's static_assert (hopper/prefill_sm90.cuh); FA2 builds these too
     block_size_multiple = 1  # a block is a page; FlashInfer takes any page size
     min_capability = (8, 0)
-    # Static decode buffers (module docstring). On the H200 (flashinfer 0.6.0, 2026-11-30) FULL captures
-    # uniform decode and gives outputs identical to NONE (benchmarks/results/...-graphs-flashinfer-full.json);
-    # the earlier failure was a host sync in store_kv's capture path. TURNOUT_FLASHINFER_CUDAGRAPH=NEVER
-    # turns graphs around FlashInfer off (PIECEWISE then runs it eagerly in the holes).
-    cudagraph_support = CudagraphSupport.UNIFORM_DECODE
+    cudagraph_support = CudagraphSupport.UNIFORM_DECODE  # static decode buffers (module docstring)
 
     def __init__(self) -> None:
-        self.cudagraph_support = CudagraphSupport.from_env(
-            "TURNOUT_FLASHINFER_CUDAGRAPH", self.cudagraph_support
-        )
-        self._spec: _Spec | None = None  # learned from the first forward
+        self.cudagraph_support = CudagraphSupport.from_env(CUDAGRAPH, self.cudagraph_support)
         self._workspace: torch.Tensor | None = None
         self._prefill: Any = None
         self._decode: dict[int, _StaticDecode] = {}  # batch size -> wrapper
@@ -161,16 +157,22 @@ class FlashInferBackend(AttentionBackend):
                 del self._decode[b]
 
     def build_metadata(self, meta: AttentionMetadata) -> FlashInferMetadata:
-        decode = meta.uniform_decode
-        rows = meta.num_reqs if decode else meta.num_actual_tokens
-        md = FlashInferMetadata(decode, rows, valid_rows(meta.slot_mapping))
-        if self._spec is not None:
-            self._plan(md, meta, self._spec)
+        md = FlashInferMetadata.route(meta)
+        spec = self.spec
+        indptr, indices, last = paged_indices(meta.seq_lens, meta.block_table, spec.block_size)
+        shape = (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
+        kw = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
+        if md.decode:
+            st = self._static_decode(meta.num_reqs, meta.block_table.shape[1], indptr.device)
+            st.wrapper.plan(indptr, indices, last, *shape, disable_split_kv=True, **kw)
+            md.static, md.wrapper = st, st.wrapper
+        else:
+            md.wrapper = self._prefill_wrapper(indptr.device)
+            md.wrapper.plan(meta.query_start_loc, indptr, indices, last, *shape, causal=True, **kw)
         return md
 
     def forward(
         self,
-        layer: AttentionLayerSpec,
         q: torch.Tensor,  # [T, num_heads, head_size]
         k: torch.Tensor,  # [T, num_kv_heads, head_size]
         v: torch.Tensor,
@@ -179,23 +181,13 @@ class FlashInferBackend(AttentionBackend):
     ) -> torch.Tensor:
         md: FlashInferMetadata = meta.backend_data
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        spec = _Spec(
-            layer.num_heads, layer.num_kv_heads, layer.head_size, q.dtype, layer.scale, kv_cache.shape[2]
-        )
-        if md.spec != spec:
-            if capturing:
-                raise RuntimeError(
-                    "flashinfer: plan before capturing (build_metadata, then one eager forward)"
-                )
-            self._spec = spec
-            self._plan(md, meta, spec)
         store_kv(kv_cache, k, v, meta.slot_mapping, md.store_rows, capturing)
         if capturing:
             if md.static is None:
                 raise RuntimeError("flashinfer: only uniform-decode batches can be captured (UNIFORM_DECODE)")
             md.static.captured = True
             if not md.refreshed:
-                md.static.refresh(meta, spec.block_size)
+                md.static.refresh(meta, self.spec.block_size)
                 md.refreshed = True
         else:
             md.refreshed = False
@@ -206,19 +198,6 @@ class FlashInferBackend(AttentionBackend):
             out[n:].zero_()
         return out
 
-    def _plan(self, md: FlashInferMetadata, meta: AttentionMetadata, spec: _Spec) -> None:
-        indptr, indices, last = paged_indices(meta.seq_lens, meta.block_table, spec.block_size)
-        heads = (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.block_size)
-        kw = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
-        if md.decode:
-            st = self._static_decode(meta.num_reqs, meta.block_table.shape[1], indptr.device)
-            st.wrapper.plan(indptr, indices, last, *heads, disable_split_kv=True, **kw)
-            md.static, md.wrapper = st, st.wrapper
-        else:
-            md.wrapper = self._prefill_wrapper(indptr.device)
-            md.wrapper.plan(meta.query_start_loc, indptr, indices, last, *heads, causal=True, **kw)
-        md.spec = spec
-
     def _float_workspace(self, device: torch.device) -> torch.Tensor:
         if self._workspace is None:
             with torch.inference_mode(False):
@@ -227,7 +206,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _prefill_wrapper(self, device: torch.device) -> Any:
         if self._prefill is None:
-            backend = os.environ.get("TURNOUT_FLASHINFER_PREFILL_BACKEND", "fa2")
+            backend = PREFILL_BACKEND.value
             with torch.inference_mode(False):
                 ws = self._float_workspace(device)
                 self._prefill = _flashinfer().BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)

@@ -11,13 +11,8 @@ from types import ModuleType
 
 import torch
 
-from turnout.attention import (
-    AttentionBackend,
-    AttentionContext,
-    AttentionLayerSpec,
-    AttentionMetadata,
-    CudagraphSupport,
-)
+from turnout import Priority
+from turnout.attention import AttentionBackend, AttentionContext, AttentionMetadata, CudagraphSupport
 
 MAX_HEAD_SIZE = 256  # heads are padded to a power of two in registers; past 256 the tiles spill
 
@@ -30,7 +25,7 @@ def _kernels() -> ModuleType:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    priority = 10  # below FlashAttention (30) and FlashInfer (20), as in vLLM on Hopper
+    priority = Priority.THIRD  # the order per platform: turnout.Priority
     device_types = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16, torch.float32)  # float32 dots run in IEEE precision
     head_sizes = None  # any size up to MAX_HEAD_SIZE, see check()
@@ -48,7 +43,7 @@ class TritonAttentionBackend(AttentionBackend):
         if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every kernel on the host
             self.device_types = ("cuda", "cpu")
             self.min_capability = None
-            self.priority = -1  # it is for tests: never preferred over a native backend
+            self.priority = Priority.TESTING  # never preferred over a native backend
 
     def import_error(self) -> str | None:
         try:
@@ -67,7 +62,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(
         self,
-        layer: AttentionLayerSpec,
         q: torch.Tensor,  # [T, num_heads, head_size]
         k: torch.Tensor,  # [T, num_kv_heads, head_size]
         v: torch.Tensor,
@@ -80,4 +74,4 @@ class TritonAttentionBackend(AttentionBackend):
         # largest (max_model_len), and any split count that covers the lengths gives the same bits.
         splits = kn.num_splits(meta.max_seq_len)
         lens = (meta.query_start_loc, meta.seq_lens, meta.block_table)
-        return kn.paged_attention(q, kv_cache, *lens, layer.scale, meta.max_query_len, splits)
+        return kn.paged_attention(q, kv_cache, *lens, self.spec.scale, meta.max_query_len, splits)

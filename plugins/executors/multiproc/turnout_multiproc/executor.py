@@ -2,58 +2,34 @@
 
 Every message is broadcast to all ranks and every rank answers each one, in order. execute_model only
 sends; its answers are read with the next sample_tokens or collective_rpc. Each read waits on the pipes and
-on the process sentinels together, under a deadline (TURNOUT_RPC_TIMEOUT seconds, default 300), so a rank
-that dies or hangs ends the engine with a TurnoutError instead of a hang.
+on the process sentinels together, under a deadline (config.rpc_timeout seconds), so a rank that dies or
+hangs ends the engine with a TurnoutError instead of a hang.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import pickle
-import socket
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
-from turnout.config import EngineConfig
-from turnout.engine.scheduler import SchedulerOutput
-from turnout.errors import TurnoutError
-from turnout.executor import Executor, RankInfo
-from turnout.selection import Selection, worker_handoff
-from turnout.worker.model_runner import ModelRunnerOutput
+from turnout import EngineConfig, TurnoutError
+from turnout.executor import Executor, ModelRunnerOutput, SchedulerOutput, Selection, free_port, plan_ranks
 from turnout_multiproc.worker import run_worker
 
 logger = logging.getLogger("turnout")
-RPC_TIMEOUT_ENV = "TURNOUT_RPC_TIMEOUT"
-
-
-def free_port() -> int:
-    """A port nobody listens on now; rank 0 binds it for the rendezvous store."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rpc_timeout(config: EngineConfig) -> float:
-    """Seconds to wait for an answer: config.rpc_timeout where the core has that field, else the env."""
-    return float(getattr(config, "rpc_timeout", None) or os.environ.get(RPC_TIMEOUT_ENV) or 300)
-
-
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class MultiprocExecutor(Executor):
-    in_process = False  # the model runs in other processes: a DataParallelEngine may step us in a thread
+    start_method = "spawn"  # workers re-run the main script: the engine checks its __main__ guard
 
     def __init__(self, config: EngineConfig, selection: Selection) -> None:
         self.world_size = config.world_size
-        self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
-        self.timeout = rpc_timeout(config)
+        self.timeout = float(config.rpc_timeout)
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
         self._owed: list[str] = []  # the methods every rank still owes an answer to, oldest first
@@ -66,27 +42,20 @@ class MultiprocExecutor(Executor):
             raise
 
     def _start(self, config: EngineConfig, selection: Selection) -> None:
-        ctx = mp.get_context("spawn")
-        pinned, payload = worker_handoff(selection, config)
-        self.init_method = init = f"tcp://127.0.0.1:{free_port()}"
-        threads = max(1, cpu_cores() // (self.world_size * config.data_parallel_size))
-        level = logger.getEffectiveLevel()
-        tp = config.tensor_parallel_size
-        for rank in range(self.world_size):
-            info = RankInfo(rank, self.world_size, tp, init, self.output_rank, threads, level)
+        ctx = mp.get_context(self.start_method)
+        infos = plan_ranks(config, selection, f"tcp://127.0.0.1:{free_port()}")
+        self.init_method = infos[0].init_method  # replicas that share expert parallelism share one
+        self.output_rank = infos[0].output_rank
+        for info in infos:
             parent, child = ctx.Pipe()
-            p = ctx.Process(
-                target=run_worker,
-                args=(info, pinned, payload, child),
-                name=f"turnout-rank{rank}",
-                daemon=True,
-            )
+            name = f"turnout-rank{info.rank}"
+            p = ctx.Process(target=run_worker, args=(info, child), name=name, daemon=True)
             p.start()
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
         self._owed = ["start-up"]
-        logger.info("multiproc: %d ranks, rendezvous %s", self.world_size, init)
+        logger.info("multiproc: %d ranks, rendezvous %s", self.world_size, self.init_method)
 
     # ---- the Executor interface ----
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
@@ -126,44 +95,48 @@ class MultiprocExecutor(Executor):
     def _collect(self, what: str) -> list[Any]:
         """Read every owed answer; return the last one of each rank."""
         n = len(self._owed)
-        owed = {conn: n for conn in self.conns}
+        owed = dict.fromkeys(range(len(self.conns)), n)  # rank -> answers still to read
         results: list[Any] = [None] * len(self.conns)
-        rank_of = {conn: r for r, conn in enumerate(self.conns)}
-        sentinels = [p.sentinel for p in self.procs]
         deadline = time.monotonic() + self.timeout
         try:
             while owed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    late = sorted(rank_of[c] for c in owed)
-                    self._fail(
-                        f"worker rank(s) {late} did not answer {what} within {self.timeout:.0f}s "
-                        f"(set {RPC_TIMEOUT_ENV} to wait longer); the engine is shut down"
-                    )
-                ready = wait([*owed, *sentinels], timeout=left)
-                for conn in [c for c in ready if c in owed]:
-                    rank = rank_of[conn]
-                    try:
-                        status, value = conn.recv()
-                    except (EOFError, OSError):
-                        self._fail(self._death())
-                    if status == "error":  # a peer that died makes the others fail: name the dead one
-                        method = self._owed[n - owed[conn]]
-                        logger.error("worker rank %d failed in %s:\n%s", rank, method, value)
-                        last = value.strip().splitlines()[-1]
-                        why = f"worker rank {rank} failed in {method}: {last}; the engine is shut down"
-                        self._fail(self._dead_rank(skip=rank, patience=0.2) or why)
-                    owed[conn] -= 1
-                    if not owed[conn]:
+                ready = self._wait(owed, deadline, what)
+                for rank in [r for r in owed if self.conns[r] in ready]:
+                    value = self._receive(rank, self._owed[n - owed[rank]])
+                    owed[rank] -= 1
+                    if not owed[rank]:
                         results[rank] = value
-                        del owed[conn]
-                if any(s in ready for s in sentinels):
+                        del owed[rank]
+                if any(p.sentinel in ready for p in self.procs):  # answers first: they may name the cause
                     self._fail(self._death())
         except KeyboardInterrupt:
             self.shutdown(grace=1.0)
             raise
         self._owed = []
         return results
+
+    def _wait(self, owed: dict[int, int], deadline: float, what: str) -> list[Any]:
+        """The pipes and sentinels that became ready; fails once the deadline passes."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self._fail(
+                f"worker rank(s) {sorted(owed)} did not answer {what} within {self.timeout:.0f}s "
+                "(raise rpc_timeout to wait longer); the engine is shut down"
+            )
+        return wait([*(self.conns[r] for r in owed), *(p.sentinel for p in self.procs)], timeout=left)
+
+    def _receive(self, rank: int, method: str) -> Any:
+        """One answer of rank to method; a rank that failed ends the engine."""
+        try:
+            status, value = self.conns[rank].recv()
+        except (EOFError, OSError):
+            self._fail(self._death())
+        if status == "error":  # a peer that died makes the others fail: name the dead one
+            logger.error("worker rank %d failed in %s:\n%s", rank, method, value)
+            last = value.strip().splitlines()[-1]
+            why = f"worker rank {rank} failed in {method}: {last}; the engine is shut down"
+            self._fail(self._dead_rank(skip=rank, patience=0.2) or why)
+        return value
 
     def _death(self) -> str:
         return self._dead_rank() or "a worker closed its pipe; the engine is shut down"

@@ -1,9 +1,8 @@
-"""The body of one worker process: join the process group, build the Worker for this rank, then answer the
-driver's (method, args, kwargs) messages with ("ok", value) or ("error", traceback) until told to stop."""
+"""The body of one rank's process: build the RankWorker, then answer the driver's (method, args, kwargs)
+messages with ("ok", value) or ("error", traceback) until told to stop."""
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -13,33 +12,22 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from turnout.config import EngineConfig
-from turnout.distributed import init_parallel_groups, set_parallel_state
-from turnout.executor import RankInfo
-from turnout.selection import selection_from_payload
-from turnout.worker.worker import Worker
-
-logger = logging.getLogger("turnout")
+from turnout.executor import RankInfo, RankWorker
 
 
-def run_worker(info: RankInfo, config: EngineConfig, selection: bytes | None, conn: Connection) -> None:
+def run_worker(info: RankInfo, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle: it shuts us down
     _exit_with_driver()
-    logging.basicConfig(format=f"%(levelname)s turnout rank {info.rank}: %(message)s")
-    logger.setLevel(info.log_level if info.rank == info.output_rank else max(info.log_level, logging.WARNING))
     try:
-        worker = _build(info, config, selection)
+        rank = RankWorker(info)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
     conn.send(("ok", os.getpid()))
     try:
-        _serve(worker, conn, info.rank == info.output_rank)
+        _serve(rank, conn)
     finally:
-        dist.destroy_process_group()
+        rank.shutdown()
 
 
 def _exit_with_driver() -> None:
@@ -55,22 +43,7 @@ def _exit_with_driver() -> None:
     threading.Thread(target=watch, daemon=True, name="turnout-driver-watch").start()
 
 
-def _build(info: RankInfo, config: EngineConfig, payload: bytes | None) -> Worker:
-    selection = selection_from_payload(config, payload)
-    cuda = selection.platform.is_cuda
-    if cuda:
-        torch.cuda.set_device(info.rank)
-    else:
-        torch.set_num_threads(info.threads)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=info.init_method, rank=info.rank, world_size=info.world_size
-    )
-    # layers read the parallel state while the model is built
-    set_parallel_state(init_parallel_groups(info.rank, info.world_size, info.tp_size))
-    return Worker(config, selection, local_rank=info.rank)
-
-
-def _serve(worker: Worker, conn: Connection, is_output: bool) -> None:
+def _serve(rank: RankWorker, conn: Connection) -> None:
     while True:
         try:
             method, args, kwargs = pickle.loads(conn.recv_bytes())
@@ -80,9 +53,7 @@ def _serve(worker: Worker, conn: Connection, is_output: bool) -> None:
             conn.send(("ok", None))
             return
         try:
-            result: Any = worker.call(method, *args, **kwargs)
-            if method == "sample_tokens" and not is_output:
-                result = None  # the last stage's TP ranks all sample alike; only one answer travels
+            result: Any = rank.call(method, *args, **kwargs)
             conn.send(("ok", result))
         except Exception:
             conn.send(("error", traceback.format_exc()))

@@ -1,17 +1,20 @@
 """The Ray executor: the same workers as multiproc, placed as Ray actors on one node or several."""
 
 import importlib.util
-import os
 
-from turnout import hookimpl
+from turnout import EnvVar, Priority, hookimpl
 from turnout.executor import ExecutorContext, ExecutorSpec
+
+RAY_ADDRESS = EnvVar(
+    "RAY_ADDRESS", str, "", "the Ray cluster to join (where `ray start --head` ran); unset: start a local one"
+)
 
 
 def _needed(ctx: ExecutorContext) -> bool:
     """Chosen by name, configured through RAY_ADDRESS, or more ranks than this node has GPUs."""
     many = ctx.world_size > 1
     beyond_node = ctx.platform.is_cuda and ctx.world_size > ctx.platform.device_count
-    return ctx.explicit or (many and bool(os.environ.get("RAY_ADDRESS"))) or beyond_node
+    return ctx.explicit or (many and bool(RAY_ADDRESS.value)) or beyond_node
 
 
 def _check(ctx: ExecutorContext) -> list[str]:
@@ -33,4 +36,10 @@ def _check(ctx: ExecutorContext) -> list[str]:
 
 @hookimpl
 def turnout_executors() -> list[ExecutorSpec]:
-    return [ExecutorSpec("ray", "turnout_ray.executor:RayExecutor", priority=7, check=_check)]
+    target = "turnout_ray.executor:RayExecutor"
+    return [ExecutorSpec("ray", target, Priority.SECOND, _check, in_process=False)]
+
+
+@hookimpl
+def turnout_env_vars() -> list[EnvVar]:
+    return [RAY_ADDRESS]

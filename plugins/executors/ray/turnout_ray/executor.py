@@ -16,7 +16,6 @@ last executor is gone.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -28,12 +27,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from turnout.config import EngineConfig
-from turnout.engine.scheduler import SchedulerOutput
-from turnout.errors import TurnoutError
-from turnout.executor import Executor, RankInfo
-from turnout.selection import Selection, worker_handoff
-from turnout.worker.model_runner import ModelRunnerOutput
+from turnout import EngineConfig, TurnoutError
+from turnout.executor import Executor, ModelRunnerOutput, SchedulerOutput, Selection, cpu_cores, plan_ranks
+from turnout_ray import RAY_ADDRESS
 from turnout_ray.actor import RankActor
 
 logger = logging.getLogger("turnout")
@@ -57,10 +53,6 @@ class _Held:
     joined: bool = False  # counted in _conn.users
 
 
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _connect(world_size: int, cuda: bool) -> bool:
     """Join Ray; True when this module's connection is used (and counted)."""
     if not ray.is_initialized():
@@ -75,7 +67,7 @@ def init_args(world_size: int, cuda: bool) -> dict[str, Any]:
     """RAY_ADDRESS's cluster, or a new local instance sized for the job ("local": even where a `ray start`
     left one behind)."""
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
-    if address := os.environ.get("RAY_ADDRESS"):
+    if address := RAY_ADDRESS.value:
         return {"address": address, **quiet}
     cpus = None if cuda else max(world_size, cpu_cores())
     store = {"include_dashboard": False, "object_store_memory": OBJECT_STORE_BYTES}
@@ -105,11 +97,8 @@ def _last_line(e: BaseException) -> str:
 
 
 class RayExecutor(Executor):
-    in_process = False  # the model runs in Ray actors: a DataParallelEngine may step us in a thread
-
     def __init__(self, config: EngineConfig, selection: Selection) -> None:
         self.world_size = config.world_size
-        self.output_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self.timeout = float(config.rpc_timeout)
         self.cuda = selection.platform.is_cuda
         self.actors: list[Any] = []
@@ -147,26 +136,22 @@ class RayExecutor(Executor):
                 "other jobs?); free them or raise rpc_timeout"
             ) from None
         opts = {"num_gpus": 1, "num_cpus": 0} if self.cuda else {"num_cpus": 1}
-        env = {k: v for k, v in os.environ.items() if k.startswith("TURNOUT_")}
         cls = ray.remote(RankActor)
         for i in range(n):
             where = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-            self._held.actors.append(
-                cls.options(scheduling_strategy=where, max_restarts=0, **opts).remote(env)
-            )
+            self._held.actors.append(cls.options(scheduling_strategy=where, max_restarts=0, **opts).remote())
         self.actors = self._held.actors
         nodes = self._collect(self._send("node", (), "start-up"))
         order = sorted(range(n), key=lambda i: (nodes[i][0] != nodes[0][0], nodes[i][0], i))
         self.actors, self.nodes = [self.actors[i] for i in order], [nodes[i] for i in order]
 
     def _start(self, config: EngineConfig, selection: Selection) -> None:
-        pinned, payload = worker_handoff(selection, config, cloudpickle.dumps)
         port = self._one(0, "free_port", "start-up")
         self.init_method = init = f"tcp://{self.nodes[0][0]}:{port}"
-        threads = max(1, cpu_cores() // (self.world_size * config.data_parallel_size))
-        level, tp = logger.getEffectiveLevel(), config.tensor_parallel_size
-        info = lambda r: RankInfo(r, self.world_size, tp, init, self.output_rank, threads, level)
-        refs = [a.start.remote(info(r), pinned, payload) for r, a in enumerate(self.actors)]
+        local = [0] * self.world_size  # Ray shows each actor its own GPU only
+        infos = plan_ranks(config, selection, init, local, cloudpickle.dumps)
+        self.output_rank = infos[0].output_rank
+        refs = [a.start.remote(info) for info, a in zip(infos, self.actors)]
         self._owed.update({ref: (rank, "start-up") for rank, ref in enumerate(refs)})
         self._collect(refs)
         hosts = len({ip for ip, _ in self.nodes})

@@ -1,6 +1,6 @@
 """The single-process executor: one worker in the engine's own process."""
 
-from turnout import hookimpl
+from turnout import Priority, hookimpl
 from turnout.executor import ExecutorContext, ExecutorSpec
 
 
@@ -12,7 +12,7 @@ def _check(ctx: ExecutorContext) -> list[str]:
 def turnout_executors() -> list[ExecutorSpec]:
     return [
         ExecutorSpec(
-            "uniproc", "turnout_uniproc.executor:UniprocExecutor", priority=10, check=_check,
+            "uniproc", "turnout_uniproc.executor:UniprocExecutor", Priority.FIRST, _check,
             supports_async_scheduling=True,
         )
     ]  # fmt: skip

@@ -2,12 +2,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from turnout.config import EngineConfig
-from turnout.engine.scheduler import SchedulerOutput
-from turnout.executor import Executor
-from turnout.selection import Selection
-from turnout.worker.model_runner import AsyncModelRunnerOutput, ModelRunnerOutput
-from turnout.worker.worker import Worker
+from turnout import EngineConfig
+from turnout.executor import (
+    AsyncModelRunnerOutput,
+    Executor,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Selection,
+    Worker,
+)
 
 
 class UniprocExecutor(Executor):

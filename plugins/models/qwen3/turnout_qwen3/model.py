@@ -1,4 +1,4 @@
-from turnout.models.decoder import DecoderForCausalLM
+from turnout.models import DecoderForCausalLM
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):

@@ -1,0 +1,172 @@
+"""Every benchmark suite: a name, what it measures, and the commands that measure it.
+`benchmarks/run.py SUITE` runs them; each writes its records under benchmarks/results/<suite>/.
+
+In a command, {out} is the suite's results folder, {stamp} the run's UTC date and time, and {tmp} a scratch
+folder for the run; `turnout`, `python` and `pytest` run in this interpreter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+QWEN3 = "--random-model qwen3-0.6b"
+# Set for every command: NVLink multicast (NVLS) off in NCCL, torch and NVSHMEM. A program that uses it can
+# take a shared host's GPUs out of service.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class Suite:
+    about: str
+    commands: list[str]
+    gpus: int = 1  # 0: runs anywhere
+    env: dict[str, str] = field(default_factory=dict)
+    timeout_s: int = 1800  # per command
+
+
+SUITES = {
+    "throughput": Suite(
+        "The 256 requests of nano-vllm's bench (prompts and outputs of 100-1024 tokens, temperature 0.6) "
+        "on the Qwen3-0.6B shape: turnout against nano-vllm on the full workload and HF transformers on 64 "
+        "of its requests, then turnout with Triton alone",
+        [
+            f"turnout bench throughput {QWEN3} --peers nano-vllm,hf-generate-batch,hf-generate --out {{out}}",
+            f"turnout bench throughput {QWEN3} --attention-backend triton --out {{out}}",
+        ],
+    ),
+    "latency": Suite(
+        "Batch-1 decode time per token (TPOT) and time to first token (TTFT) at 512- and 4096-token prompts, "
+        "Qwen3-0.6B shape, against nano-vllm and HF generate",
+        [
+            f"turnout bench latency {QWEN3} --peers nano-vllm,hf-generate --out {{out}}",
+            f"turnout bench latency {QWEN3} --attention-backend triton --out {{out}}",
+        ],
+    ),
+    "prefix": Suite(
+        "256 requests that share a 2,000-token prefix, prefix caching on against off, Qwen3-0.6B shape",
+        [f"turnout bench prefix {QWEN3} --out {{out}}"],
+    ),
+    "llama-3-8b": Suite(
+        "The requests of nano-vllm's bench on the Llama-3-8B shape, against HF generate_batch on 64 of them",
+        ["turnout bench throughput --random-model llama-3-8b --peers hf-generate-batch --out {out}"],
+    ),
+    "cpu-smoke": Suite(
+        "Four of nano-vllm's requests, shortened, on the embedded model: the bench end to end on any machine",
+        ["turnout bench throughput --num-prompts 4 --max-input-len 64 --max-output-len 16 --out {out}"],
+        gpus=0,
+    ),
+    "cpu-vs-hf": Suite(
+        "The embedded SmolLM2-135M on the CPU: turnout against HF transformers `generate` in the same "
+        "process, greedy, 64 new tokens per request, batch 1 and 16, median of 3 interleaved runs",
+        [
+            "python benchmarks/bench_cpu.py --batch 1 16 --output-len 64 --repeats 3 "
+            "--json {out}/{stamp}-smollm2-median3.json"
+        ],
+        gpus=0,
+    ),
+    "graphs": Suite(
+        "CUDA-graph modes on the Qwen3-0.6B shape: outputs against NONE on 64 mixed prompts, decode TPOT "
+        "by batch, forward time, throughput on decode-heavy, prefill-heavy and mixed workloads, capture cost",
+        [
+            "python benchmarks/bench_graphs.py --backends triton --forward-batches 1 8 256 "
+            "--modes FULL_AND_PIECEWISE FULL FULL_DECODE_ONLY PIECEWISE NONE "
+            "--json {out}/{stamp}-triton-full-size-five-modes.json",
+            "python benchmarks/bench_graphs.py --backends flash_attn flashinfer "
+            "--modes NONE PIECEWISE FULL FULL_DECODE_ONLY FULL_AND_PIECEWISE --quick --skip-throughput "
+            "--tpot-batches 1 --json {out}/{stamp}-fa4-flashinfer-five-modes.json",
+        ],
+    ),
+    "attention": Suite(
+        "Attention kernels alone (bf16, 32 query / 8 KV heads of 128, block 16): decode at batch 1-256 and "
+        "context 512-4096 against the memory ceiling, prefill of 4k and 16k tokens against the matmul "
+        "ceiling",
+        [
+            "python benchmarks/bench_attention.py --backends triton,flashinfer,flash_attn "
+            "--json {out}/{stamp}-triton-flashinfer-fa4.json"
+        ],
+    ),
+    "gemv": Suite(
+        "The Triton GEMV against cuBLAS at the Qwen3-0.6B projection shapes, 1-8 rows, with a tile sweep",
+        ["python benchmarks/bench_gemv.py --json {out}/{stamp}-triton-vs-cublas.json"],
+    ),
+    "profile": Suite(
+        "One decode step, kernel by kernel (torch profiler): batch 1 in FULL, batch 256 in "
+        "FULL_AND_PIECEWISE",
+        [
+            "python benchmarks/profile_decode.py --modes FULL --batch 1 --json {out}/{stamp}-b1-full.json",
+            "python benchmarks/profile_decode.py --modes FULL_AND_PIECEWISE --batch 256 "
+            "--json {out}/{stamp}-b256-full-and-piecewise.json",
+        ],
+    ),
+    "tune-triton": Suite(
+        "A sweep of the Triton prefill kernel's tiles (4k, 16k and 4x4k tokens), checked against torch SDPA",
+        ["python benchmarks/tune_triton.py --json {out}/{stamp}-prefill-tiles.json"],
+    ),
+    "conformance": Suite(
+        "The attention conformance suite on every installed backend (relative error against float64), the "
+        "fused-kernel tests and the GPU end-to-end tests",
+        [
+            *(
+                f"pytest -q -p no:cacheprovider tests/test_attention_conformance.py -k {k} "
+                f"--junitxml {{tmp}}/conf-{k}.xml"
+                for k in ("triton", "flashinfer", "flash_attn")
+            ),
+            "pytest -q -p no:cacheprovider tests/test_fused.py tests/test_gpu.py --junitxml {tmp}/gpu.xml",
+            "python benchmarks/summarize_conformance.py --errors {tmp}/errors.tsv --junit "
+            "{tmp}/conf-triton.xml {tmp}/conf-flashinfer.xml {tmp}/conf-flash_attn.xml "
+            "--json {out}/{stamp}-all-backends.json",
+        ],
+        env={"TURNOUT_CONFORMANCE_ERRORS": "{tmp}/errors.tsv"},
+    ),
+    "e2e": Suite(
+        "Greedy agreement with HF transformers bf16 on the same GPU (free-running and teacher-forced), "
+        "random-weight Qwen3-0.6B and Llama-360M shapes, every GPU backend",
+        ["python benchmarks/gpu_e2e.py --json {out}/{stamp}-qwen3-llama.json"],
+    ),
+    "parallel": Suite(
+        "Tensor and data parallelism on 2 GPUs (NCCL): outputs against TP=1, and the mixed workload's "
+        "throughput; float32 TP=2 against TP=1",
+        [
+            "python benchmarks/bench_parallel.py --configs tp1 tp2 dp2 --executor multiproc "
+            "--json {out}/{stamp}-tp-dp.json",
+            "python benchmarks/bench_parallel.py --configs tp1 tp2 --dtype float32 --executor multiproc "
+            "--skip-throughput --json {out}/{stamp}-fp32-tp1-vs-tp2.json",
+        ],
+        gpus=2,
+    ),
+    "moe": Suite(
+        "Expert parallelism on 2 GPUs: a Qwen3-30B-A3B-shaped random model (12 of 48 layers, 128 experts, "
+        "top-8), EP=1 (tp1), EP=2 with TP and with DP attention, and TP=2 with split experts: outputs "
+        "against EP=1, the mixed workload's throughput and memory per rank; then float32 EP=2 against EP=1",
+        [
+            "python benchmarks/bench_moe.py --json {out}/{stamp}-ep1-vs-ep2.json",
+            "python benchmarks/bench_moe.py --configs tp1 tp2ep dp2ep --dtype float32 --skip-throughput "
+            "--json {out}/{stamp}-fp32-ep1-vs-ep2.json",
+        ],
+        gpus=2,
+    ),
+    "async-scheduling": Suite(
+        "Async scheduling (step N+1 scheduled while step N runs on the GPU), off against on: its CUDA tests "
+        "(the same tokens as sync with graphs, no host sync in a steady decode step), the GPU's idle share "
+        "between decode steps at batch 256, and nano-vllm's bench, on the Qwen3-0.6B shape",
+        [
+            "pytest -q -p no:cacheprovider tests/test_async_scheduling.py -rf",
+            "python benchmarks/gpu_idle.py --workdir {tmp} --json {out}/{stamp}-idle-b256.json",
+            *(
+                f"turnout bench throughput {QWEN3} --{flag} --out {{out}}/{{stamp}}-throughput-{name}.json"
+                for flag, name in (("no-async-scheduling", "off"), ("async-scheduling", "on"))
+            ),
+        ],
+    ),
+    "host-step": Suite(
+        "The engine's host work per decode step at batch 256 on the CPU (a tiny model keeps the forward "
+        "small): scheduler, input preparation, sampler, update; greedy and temperature 0.6, async off and on",
+        [
+            f"python benchmarks/profile_host.py --batch 256 --steps 64 --temperature {t}{a} "
+            f"--json {{out}}/{{stamp}}-b256-t{t}-{n}.json"
+            for t in ("0", "0.6")
+            for a, n in (("", "sync"), (" --async-scheduling", "async"))
+        ],
+        gpus=0,
+    ),
+}

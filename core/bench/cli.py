@@ -1,0 +1,108 @@
+"""turnout bench {throughput,latency,prefix}: one workload on turnout and its peers, side by side on the same
+prompts and weights, the first run and a repeat apart, with the workload's roofline; prints a table and
+writes a list of records (records.py) to benchmarks/results/<workload>/."""
+
+from __future__ import annotations
+
+import argparse
+
+from turnout.bench import records
+from turnout.bench.peers import PEERS
+from turnout.errors import TurnoutError
+
+RANDOM_SHAPES = ("qwen3-0.6b", "llama-3-8b", "llama-360m")
+COLUMNS = {  # printed per record
+    "throughput": "engine run subset output_tokens_per_s ratio_vs_nano_vllm ratio_vs_peer "
+    "ratio_vs_hf_generate fraction_of_floor startup_s".split(),
+    "latency": "engine run tpot_ms ttft_ms tpot_floor_ms startup_s".split(),
+    "prefix": "engine run output_tokens_per_s no_cache_output_tokens_per_s speedup_vs_no_cache "
+    "fraction_of_floor startup_s".split(),
+}
+PLOT_METRIC = {"throughput": "output_tokens_per_s", "latency": "tpot_ms", "prefix": "output_tokens_per_s"}
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """`turnout bench WORKLOAD`; returns the workloads' subparsers, where other workloads may register."""
+    from turnout.cli import _engine_flags
+
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("bench")
+    g.add_argument(
+        "--random-model",
+        choices=RANDOM_SHAPES,
+        help="make (once, in the turnout cache) a random-weight bf16 checkpoint of this real shape",
+    )
+    g.add_argument("--peers", default="", help=f"comma-separated, run side by side: {', '.join(PEERS)}")
+    g.add_argument("--peers-dir", help="folder of nanobench.py (default: ../shared/peers, or .peer)")
+    g.add_argument("--peer-timeout", type=float, default=900, help="seconds one peer may run")
+    g.add_argument("--cold-cache", action="store_true", help="a fresh, empty Triton kernel cache")
+    g.add_argument("--out", help="a .json file or a folder (default: benchmarks/results/<workload>)")
+    g.add_argument("--plot", metavar="PNG", help="draw turnout, the peers and the floor (needs matplotlib)")
+    _engine_flags(common)
+    bench = subparsers.add_parser("bench", help="benchmark a workload against peers, with its roofline")
+    workloads_ = bench.add_subparsers(dest="workload", required=True)
+    t = workloads_.add_parser("throughput", parents=[common], help="nano-vllm's bench: 256 random requests")
+    t.add_argument("--num-prompts", type=int, default=256, help="the first N of nano-vllm's 256 requests")
+    t.add_argument("--max-input-len", type=int, default=1024, help="prompt lengths in [min(100, N), N]")
+    t.add_argument("--max-output-len", type=int, default=1024, help="output lengths in [min(100, N), N]")
+    t.add_argument("--input", help='JSONL of {"prompt": text or token ids, "max_tokens": N} instead')
+    t.add_argument("--max-tokens", type=int, default=256, help="for --input lines without max_tokens")
+    t.add_argument("--peer-subset", type=int, default=64, help="requests the HF peers (and turnout) run")
+    t.add_argument("--peer-output-len", type=int, default=128, help="greedy tokens per subset request")
+    lat = workloads_.add_parser("latency", parents=[common], help="batch-1 TPOT, and TTFT by prompt length")
+    lat.add_argument("--tpot-tokens", type=int, default=256, help="decode steps timed for TPOT")
+    lat.add_argument(
+        "--ttft-lens",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[512, 4096],
+        metavar="N,N",
+        help="prompt lengths for TTFT",
+    )
+    pre = workloads_.add_parser("prefix", parents=[common], help="a shared prefix, prefix caching on vs off")
+    pre.add_argument("--num-prompts", type=int, default=256)
+    pre.add_argument("--prefix-len", type=int, default=2000, help="tokens every request shares")
+    pre.add_argument("--suffix-len", type=int, default=32, help="tokens of each request's own")
+    pre.add_argument("--output-len", type=int, default=32)
+    for p in (t, lat, pre):
+        p.set_defaults(fn=cmd_bench)
+    return workloads_
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from turnout.bench.runner import Bench
+
+    if args.plot:
+        records.pyplot()  # a missing matplotlib fails now, not after the run
+    bench = Bench(args, _peers(args))
+    recs, floor = getattr(bench, args.workload)()
+    print(records.table(recs, COLUMNS[args.workload]))
+    print(bench.roofline_line(floor, recs))
+    path = records.write(recs, args.out or f"benchmarks/results/{args.workload}", args.workload, bench.device)
+    print(f"wrote {path}")
+    if args.plot:
+        records.plot(recs, PLOT_METRIC[args.workload], args.plot, floor)
+        print(f"wrote {args.plot}")
+    return 1 if bench.failed else 0
+
+
+def _peers(args: argparse.Namespace) -> list[str]:
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    if bad := [p for p in peers if p not in PEERS]:
+        raise TurnoutError(f"unknown peer {bad[0]!r}; --peers takes {', '.join(PEERS)}")
+    w = args.workload
+    if w == "prefix" and peers:
+        raise TurnoutError("the prefix workload compares turnout with itself (caching off); drop --peers")
+    if w == "latency" and "hf-generate-batch" in peers:
+        raise TurnoutError("hf-generate-batch has no batch-1 latency mode; use --peers hf-generate")
+    if (
+        w == "throughput"
+        and "nano-vllm" in peers
+        and (args.input or (args.num_prompts, args.max_input_len, args.max_output_len) != (256, 1024, 1024))
+    ):
+        raise TurnoutError(
+            "nano-vllm runs its own bench.py workload only; drop --input, --num-prompts and "
+            "the length options, or the peer"
+        )
+    if w == "latency" and "nano-vllm" in peers and args.tpot_tokens != 256:
+        raise TurnoutError("nano-vllm's TPOT is over 256 tokens; drop --tpot-tokens or the peer")
+    return peers

@@ -1,0 +1,166 @@
+"""Peers, each in its own process so that one GPU holds one engine at a time; each prints one line
+`RESULT {json}`. nano-vllm runs through nanobench.py (../shared/peers/), which runs nano-vllm's own bench.py
+workload; HF transformers runs here (`python -m turnout.bench.peers ENGINE MODEL DTYPE PLAN.json`):
+`generate_batch` (continuous batching) and static `generate` over the plan's requests, or the latency
+plan at batch 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from turnout.config import EngineConfig
+from turnout.errors import TurnoutError
+
+HF_ENGINES = ("hf-generate-batch", "hf-generate")
+PEERS = ("nano-vllm", *HF_ENGINES)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def find_peers_dir(explicit: str | None) -> Path:
+    """--peers-dir, else the first of ../shared/peers, shared/peers, .peer beside the repository that holds
+    nanobench.py."""
+    tries = (
+        [Path(explicit)]
+        if explicit
+        else [REPO.parent / "shared/peers", REPO / "shared/peers", REPO / ".peer"]
+    )
+    for d in tries:
+        if (d / "nanobench.py").is_file():
+            return d
+    raise TurnoutError(
+        f"nano-vllm peer: no nanobench.py in {', '.join(map(str, tries))}; pass --peers-dir DIR "
+        "(../shared/peers/README.md says what it needs)"
+    )
+
+
+def _result(cmd: list[str], env: dict[str, str], name: str, timeout: float) -> dict[str, Any]:
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise TurnoutError(f"peer {name} ran past {timeout:.0f} s; raise --peer-timeout") from None
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+    raise TurnoutError(f"peer {name} failed (exit {p.returncode}): {tail}")
+
+
+def nano_vllm(model_dir: str, peers_dir: Path, tpot: bool, timeout: float) -> dict[str, Any]:
+    """nanobench.py's RESULT: startup_s, and first/repeat tok/s (or tpot_ms with MODE=tpot)."""
+    env = dict(os.environ)
+    env.setdefault("NANOVLLM_SRC", str(REPO / ".peer"))
+    if tpot:
+        env["MODE"] = "tpot"
+    cmd = [sys.executable, str(peers_dir / "nanobench.py"), "nanovllm", model_dir]
+    return _result(cmd, env, "nano-vllm", timeout)
+
+
+def child(engine: str, model_dir: str, dtype: str, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """An HF peer, or turnout with plan["config"], over plan["runs"] or plan["latency"]."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(plan, f)
+    try:
+        cmd = [sys.executable, "-m", "turnout.bench.peers", engine, model_dir, dtype, f.name]
+        return _result(cmd, dict(os.environ), engine, timeout)
+    finally:
+        os.unlink(f.name)
+
+
+# ---- the HF process ----
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _generate(model: Any, prompts: list[list[int]], new: int) -> int:
+    """Static batching: left-padded prompts, exactly `new` greedy tokens each; returns the tokens made."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0)  # fmt: skip
+    return (out.shape[1] - width) * len(prompts)
+
+
+def _generate_batch(model: Any, prompts: list[list[int]], new: int) -> int:
+    """Continuous batching, the whole call timed (it sizes its cache and warms up per call, as a user's
+    call does); EOS off (-1), greedy. On a GPU with HF's defaults; on a CPU with a cache the size of the
+    requests."""
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    kw = {}
+    if model.device.type == "cpu":  # HF sizes a CPU cache from total RAM, blind to other processes
+        from transformers import ContinuousBatchingConfig
+
+        pages = sum(-(-(len(p) + new) // 256) for p in prompts) + len(prompts)  # its default 256-token page
+        kw["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=pages)
+    outs = model.generate_batch(inputs=prompts, generation_config=gc, **kw)
+    if len(outs) != len(prompts) or any(o.error for o in outs.values()):
+        raise RuntimeError(f"generate_batch finished {len(outs)} of {len(prompts)} requests")
+    return sum(len(o.generated_tokens) for o in outs.values())
+
+
+def _timed(fn: Any, *args: Any) -> tuple[float, int]:
+    _sync()
+    t = time.perf_counter()
+    tokens = fn(*args)
+    _sync()
+    return time.perf_counter() - t, tokens
+
+
+def _turnout(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """turnout in a process of its own (the prefix workload's engine without caching)."""
+    from turnout import LLM
+    from turnout.bench import workloads
+
+    t0 = time.perf_counter()
+    llm = LLM(config=EngineConfig(**config))
+    res: dict[str, Any] = {"engine": "turnout", "startup_s": round(time.perf_counter() - t0, 2)}
+    workloads.warm_up(llm)
+    for run, reqs in runs.items():
+        seconds, tokens = workloads.run(llm, [workloads.Req(**r) for r in reqs])
+        res[run] = {"seconds": seconds, "output_tokens": tokens}
+    llm.shutdown()
+    return res
+
+
+def main(engine: str, model_dir: str, dtype: str, plan_file: str) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    plan = json.loads(Path(plan_file).read_text())
+    if engine == "turnout":
+        return _turnout(plan["config"], plan["runs"])
+    t0 = time.perf_counter()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    res: dict[str, Any] = {"engine": engine, "startup_s": round(time.perf_counter() - t0, 2), "dtype": dtype}
+    fn = _generate_batch if engine == "hf-generate-batch" else _generate
+    with torch.no_grad():
+        fn(model, [[1, 2, 3, 4]], 4)  # warm-up
+        for run, reqs in plan.get("runs", {}).items():  # one output length: what static batching runs
+            seconds, tokens = _timed(fn, model, [r["prompt"] for r in reqs], reqs[0]["max_tokens"])
+            res[run] = {"seconds": seconds, "output_tokens": tokens}
+        if lat := plan.get("latency"):  # batch 1
+            for run, p in lat["runs"].items():
+                t_long, _ = _timed(fn, model, [p["tpot_prompt"]], lat["tpot_tokens"] + 1)
+                t_short, _ = _timed(fn, model, [p["tpot_prompt"]], 1)
+                ttft = {str(len(q)): _timed(fn, model, [q], 1)[0] * 1e3 for q in p["ttft_prompts"]}
+                res[run] = {"tpot_ms": (t_long - t_short) / lat["tpot_tokens"] * 1e3, "ttft_ms": ttft}
+    return res
+
+
+if __name__ == "__main__":
+    print("RESULT", json.dumps(main(*sys.argv[1:5])), flush=True)

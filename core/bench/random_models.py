@@ -1,0 +1,89 @@
+"""Random-weight checkpoints in real model shapes, made on the machine that runs them (no downloads)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+logger = logging.getLogger("turnout")
+
+SHAPES = {
+    # Qwen3-0.6B: 28 layers, hidden 1024, 16 q heads / 8 kv heads of 128, vocab 151936, tied embeddings
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                 vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6)),
+    # Llama-3-8B: 32 layers, hidden 4096, 32 q heads / 8 kv heads of 128, vocab 128256
+    "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                 tie_word_embeddings=False, rope_theta=5e5)),
+    # SmolLM2-360M: 32 layers, hidden 960, 15 q heads / 5 kv heads of 64, vocab 49152
+    "llama-360m": ("llama", dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+                                 num_attention_heads=15, num_key_value_heads=5, vocab_size=49152,
+                                 tie_word_embeddings=True, rope_theta=1e5)),
+}  # fmt: skip
+SHARD_BYTES = 4 << 30
+
+
+def random_model_dir(shape: str) -> Path:
+    from turnout.loader.default_model import cache_dir
+
+    return cache_dir() / "models" / f"random-{shape}"
+
+
+def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
+    """bf16 weights: matrices N(0, 0.02) like HF's init, norms 1. Written tensor by tensor as safetensors
+    shards, then a word-level tokenizer over the whole vocabulary, then config.json last: a folder with a
+    config.json is complete, and is reused."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    arch, kw = SHAPES[shape]
+    cfg = (Qwen3Config if arch == "qwen3" else LlamaConfig)(
+        max_position_embeddings=8192, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **kw
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    names = {k: v.shape for k, v in model.state_dict().items()}
+    cfg.architectures, cfg.dtype = [type(model).__name__], "bfloat16"
+    if cfg.tie_word_embeddings:
+        names.pop("lm_head.weight", None)
+    logger.info("writing a random %s checkpoint to %s", shape, path)
+    path.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device).manual_seed(seed)
+    shards: list[dict] = [{}]
+    for name, shp in names.items():
+        if len(shp) > 1:
+            t = torch.empty(shp, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=gen)
+        else:
+            t = torch.ones(shp, dtype=torch.bfloat16, device=device)
+        if shards[-1] and sum(x.nbytes for x in shards[-1].values()) + t.nbytes > SHARD_BYTES:
+            shards.append({})
+        shards[-1][name] = t.cpu()
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    write_tokenizer(path, cfg.vocab_size)
+    cfg.save_pretrained(path)
+    return path
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with one word per token id: "<unk>", "<s>", "</s>", then "w3", "w4", ..."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)

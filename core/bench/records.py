@@ -1,0 +1,148 @@
+"""Result records: one dict per (workload, engine, run), each carrying its provenance; a file holds a list.
+
+Every record has workload, engine, model, device, commit, date, command and config, then its metrics:
+throughput  run, output_tokens_per_s (+ ratio_vs_nano_vllm; on a subset: subset, ratio_vs_peer)
+latency     run, tpot_ms, ttft_ms ({prompt length: ms})
+prefix      run, speedup_vs_no_cache
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from turnout.errors import TurnoutError
+
+REQUIRED = ("workload", "engine", "model", "device", "commit", "date", "command", "config")
+BY_WORKLOAD = {
+    "throughput": ("run", "output_tokens_per_s"),
+    "latency": ("run", "tpot_ms", "ttft_ms"),
+    "prefix": ("run", "speedup_vs_no_cache"),
+}
+ENGINES = ("turnout", "nano-vllm", "hf-generate-batch", "hf-generate")
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def commit() -> str:
+    """BENCH_COMMIT where the tree is a copy without git metadata; else HEAD, '-dirty' with local edits."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        return git("rev-parse", "--short", "HEAD") + (
+            "-dirty" if git("status", "--porcelain", "-uno") else ""
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def command() -> str:
+    """The command line as typed: TURNOUT_* switches, then `turnout ...` or `python SCRIPT ...`."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("TURNOUT_")]
+    argv0 = sys.argv[0]
+    prog = "turnout" if Path(argv0).name in ("turnout", "cli.py") else f"python {argv0}"
+    return " ".join([*env, prog, *map(shlex.quote, sys.argv[1:])])
+
+
+def provenance() -> dict[str, Any]:
+    import torch
+
+    return {
+        "device": device_name(),
+        "commit": commit(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def check(rec: dict[str, Any]) -> None:
+    """Raise TurnoutError naming the first missing or wrong field of a record."""
+    if rec.get("workload") not in BY_WORKLOAD:
+        raise TurnoutError(f"record workload {rec.get('workload')!r} is not one of {', '.join(BY_WORKLOAD)}")
+    if missing := [k for k in REQUIRED + BY_WORKLOAD[rec["workload"]] if k not in rec]:
+        raise TurnoutError(f"{rec['workload']} record of {rec.get('engine')} lacks {', '.join(missing)}")
+    if rec["engine"] not in ENGINES:
+        raise TurnoutError(f"record engine {rec['engine']!r} is not one of {', '.join(ENGINES)}")
+    if rec["run"] not in ("first", "repeat"):
+        raise TurnoutError(f"record run {rec['run']!r} is not 'first' or 'repeat'")
+
+
+def write(records: list[dict[str, Any]], out: str | Path, workload: str, device: str) -> Path:
+    """out: a .json file, or a folder that gets <UTC date-time>-<device>-<workload>.json."""
+    for rec in records:
+        check(rec)
+    path = Path(out)
+    if path.suffix != ".json":
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
+        slug = re.sub(r"[^a-z0-9]+", "-", device.lower().split("(")[0]).strip("-").removeprefix("nvidia-")
+        path = path / f"{stamp}-{slug}-{workload}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    return path
+
+
+def fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    if isinstance(value, dict):
+        return " ".join(f"{k}:{fmt(v)}" for k, v in value.items())
+    return "-" if value is None else str(value)
+
+
+def table(records: list[dict[str, Any]], columns: list[str]) -> str:
+    rows = [columns] + [[fmt(r.get(c)) for c in columns] for r in records]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise TurnoutError("--plot needs matplotlib; fix: pip install 'turnout[bench]'") from None
+    return plt
+
+
+def plot(records: list[dict[str, Any]], metric: str, path: str | Path, floor: float | None = None) -> None:
+    """Bars of one metric per engine and run, with the roofline floor as a line where it is known."""
+    plt = pyplot()
+    rows = [r for r in records if r.get(metric) is not None]
+    labels = [
+        f"{r['engine']}\n{r['run']}" + (f"\n{r['subset']} req" if r.get("subset") else "") for r in rows
+    ]
+    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(rows)), 4))
+    ax.bar(
+        labels, [r[metric] for r in rows], color=["C0" if r["engine"] == "turnout" else "C7" for r in rows]
+    )
+    if floor:
+        ax.axhline(floor, color="C3", linestyle="--", label=f"roofline {fmt(floor)}")
+        ax.legend()
+    ax.tick_params(axis="x", labelsize=8)
+    ax.set_ylabel(metric)
+    ax.set_title(f"{rows[0]['workload']}: {rows[0]['model']} on {rows[0]['device']}" if rows else metric)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

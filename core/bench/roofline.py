@@ -1,0 +1,101 @@
+"""The floor of a workload on a device: the least time its bytes and its FLOPs can take at the device's
+ceilings. Weights are read once per engine step, every decode token reads its request's KV context once,
+and every computed token writes its K and V once."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    bytes_per_s: float
+    flops_per_s: float  # dense matmul in the engine's dtype
+    where: str  # how and where the ceiling was measured
+
+
+# One row per device, matched by substring of torch.cuda.get_device_name(). Only measured values go here.
+CEILINGS = {
+    "H200": Ceiling(
+        4.3e12, 790e12, "measured on one H200 (141 GB HBM3e): a large device-to-device copy, a bf16 matmul"
+    ),
+}
+
+
+def ceiling_for(device: str) -> Ceiling | None:
+    return next((c for name, c in CEILINGS.items() if name in device), None)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a model step costs: matmul weights (the LM head included, the embedding gather not), KV bytes
+    per token over all layers, and attention FLOPs per (query, key) pair over all layers."""
+
+    weight_params: int
+    kv_bytes_per_token: int
+    attn_flops_per_pair: int
+    dtype_bytes: int
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | Path, dtype_bytes: int) -> Shape:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        params, embed = _safetensors_params(Path(model_dir))
+        tied = cfg.get("tie_word_embeddings", False)
+        return cls(
+            weight_params=params if tied else params - embed,  # a tied embedding is read as the LM head
+            kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype_bytes,
+            attn_flops_per_pair=4 * layers * heads * head_dim,  # QK^T and PV, 2 FLOPs per multiply-add
+            dtype_bytes=dtype_bytes,
+        )
+
+
+def _safetensors_params(model_dir: Path) -> tuple[int, int]:
+    """(all parameters, embedding parameters), from the safetensors headers alone."""
+    total = embed = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, t in header.items():
+            if name != "__metadata__":
+                n = math.prod(t["shape"])
+                total += n
+                embed += n if name.endswith("embed_tokens.weight") else 0
+    return total, embed
+
+
+@dataclass(frozen=True)
+class Floor:
+    seconds: float
+    bytes: float
+    flops: float
+    steps: int
+    bound: str  # "memory" or "compute"
+
+
+def floor(shape: Shape, reqs: list[tuple[int, int, int]], ceiling: Ceiling, max_num_seqs: int = 256) -> Floor:
+    """reqs: (prompt_len, cached_len, output_len) each. The first output token comes from the prefill; each
+    later one is a decode step over the request's context so far. Steps: at least the longest output, and
+    at least the output tokens over max_num_seqs."""
+    steps = max(max(o for _, _, o in reqs), math.ceil(sum(o for _, _, o in reqs) / max_num_seqs))
+    computed = sum(p - c + o - 1 for p, c, o in reqs)  # tokens that run through the model
+    decode_reads = sum((o - 1) * p + (o - 1) * o // 2 for p, _, o in reqs)  # context p + j for j < o
+    cached_reads = sum(c for _, c, _ in reqs)  # a cached prefix is read once by its prefill
+    nbytes = shape.dtype_bytes * shape.weight_params * steps + shape.kv_bytes_per_token * (
+        decode_reads + cached_reads + computed
+    )
+    # a token at position t attends to t + 1 keys: prefill positions c..p-1, decode positions p..p+o-2
+    pairs = sum(_sum_range(c + 1, p + o - 1) for p, c, o in reqs)
+    flops = 2 * shape.weight_params * computed + shape.attn_flops_per_pair * pairs
+    t_mem, t_compute = nbytes / ceiling.bytes_per_s, flops / ceiling.flops_per_s
+    return Floor(max(t_mem, t_compute), nbytes, flops, steps, "memory" if t_mem >= t_compute else "compute")
+
+
+def _sum_range(a: int, b: int) -> int:
+    """a + (a + 1) + ... + b, 0 when b < a."""
+    return (a + b) * (b - a + 1) // 2 if b >= a else 0

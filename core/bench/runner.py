@@ -1,0 +1,251 @@
+"""One bench run: the model, the engine config, the peers, and the records they make. Peers run first, each
+in its own process, so that turnout then has the GPU to itself."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from turnout.bench import peers, records, roofline, workloads
+from turnout.errors import TurnoutError
+
+RUNS = ("first", "repeat")
+WORKLOAD_KEYS = {
+    "throughput": ("num_prompts", "max_input_len", "max_output_len"),
+    "latency": ("tpot_tokens", "ttft_lens"),
+    "prefix": ("num_prompts", "prefix_len", "suffix_len", "output_len"),
+}
+
+
+def rate(seconds: float, tokens: int) -> dict[str, float]:
+    return {"output_tokens_per_s": tokens / seconds, "output_tokens": tokens, "seconds": seconds}
+
+
+def ratio(a: float, b: float | None) -> float | None:
+    return a / b if b else None
+
+
+def vs_floor(m: dict[str, float], floor: float | None) -> dict[str, float | None]:
+    return {"floor_output_tokens_per_s": floor, "fraction_of_floor": ratio(m["output_tokens_per_s"], floor)}
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, peer_names: list[str]) -> None:
+        from turnout.cli import _config
+        from turnout.engine.llm_engine import resolve_model_dir
+        from turnout.models.info import ModelInfo
+        from turnout.platform import current_platform
+
+        self.args, self.peers = args, peer_names
+        if args.cold_cache:
+            os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="turnout-triton-")
+        cfg = _config(args)
+        update: dict[str, Any] = {}
+        if args.random_model:
+            if cfg.model:
+                raise TurnoutError("--model and --random-model both name a model; pass one")
+            from turnout.bench.random_models import make_random_model, random_model_dir
+
+            update["model"] = str(make_random_model(random_model_dir(args.random_model), args.random_model))
+        if cfg.max_model_len is None:  # nano-vllm's 4096, or what the latency workload's prompts need
+            lat = args.workload == "latency"
+            update["max_model_len"] = (
+                max(4096, max(args.ttft_lens) + 1, 33 + args.tpot_tokens) if lat else 4096
+            )
+        self.cfg = cfg.model_copy(update=update)
+        self.model_dir = resolve_model_dir(self.cfg)
+        info = ModelInfo.from_dir(self.model_dir)
+        if "nano-vllm" in self.peers and info.architecture != "Qwen3ForCausalLM":
+            raise TurnoutError(f"nano-vllm runs Qwen3 checkpoints only, not {info.architecture}")
+        self.dtype = str(info.resolve_dtype(self.cfg.dtype, current_platform())).removeprefix("torch.")
+        self.model = (
+            f"{args.random_model} (random bf16 weights)" if args.random_model
+            else Path(self.cfg.model).name if self.cfg.model else "SmolLM2-135M-Instruct (embedded)"
+        )  # fmt: skip
+        nbytes = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+        self.shape = roofline.Shape.from_checkpoint(self.model_dir, nbytes)
+        self.prov = records.provenance()
+        self.device = self.prov["device"]
+        self.ceiling = roofline.ceiling_for(self.device)
+        self.selection: dict[str, Any] = {}
+        self.startup_s = 0.0
+        self.failed: list[str] = []  # peers that did not run
+
+    # ---- records ----
+    def record(self, engine: str, run: str, config: dict | None = None, **metrics: Any) -> dict[str, Any]:
+        rec = {"workload": self.args.workload, "engine": engine, "model": self.model, **self.prov, "run": run}
+        rec.update({k: v for k, v in metrics.items() if v is not None})
+        rec["config"] = config if config is not None else self.turnout_config()
+        return rec
+
+    def turnout_config(self) -> dict[str, Any]:
+        a = vars(self.args)
+        keys = ["input", "max_tokens"] if a.get("input") else list(WORKLOAD_KEYS[self.args.workload])
+        if self.args.workload == "throughput" and any(p in self.peers for p in peers.HF_ENGINES):
+            keys += ["peer_subset", "peer_output_len"]
+        workload = {k: a[k] for k in keys} | {"peers": self.peers, "cold_cache": a["cold_cache"]}
+        return {"workload": workload, **self.selection, "engine": self.cfg.model_dump()}
+
+    def peer_records(self, results: dict[str, dict], **extra: Any) -> list[dict[str, Any]]:
+        out = []
+        for engine, res in results.items():
+            cfg = (
+                {"runner": "nanobench.py", "NANOVLLM_SRC": os.environ.get("NANOVLLM_SRC", ".peer")}
+                if engine == "nano-vllm" else {"dtype": self.dtype}
+            )  # fmt: skip
+            for run in RUNS:
+                out.append(self.record(engine, run, cfg, startup_s=res["startup_s"], **extra, **res[run]))
+        return out
+
+    # ---- turnout in this process ----
+    def start(self, **overrides: Any) -> Any:
+        from turnout import LLM
+
+        t0 = time.perf_counter()
+        llm = LLM(config=self.cfg.model_copy(update=overrides))
+        self.startup_s = round(time.perf_counter() - t0, 2)
+        sel = llm.selection
+        self.selection = {
+            "attention": sel.attention.chosen.name,
+            "graph_mode": sel.effective_graph.name,
+            "executor": sel.executor.chosen.name,
+            "dtype": str(sel.dtype).removeprefix("torch."),
+        }
+        workloads.warm_up(llm)
+        return llm
+
+    # ---- workloads: each returns its records and its floor (None where no ceiling is known) ----
+    def throughput(self) -> tuple[list[dict], float | None]:
+        a = self.args
+        if a.input:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.cfg.tokenizer or self.model_dir)
+            reqs = workloads.from_jsonl(a.input, tok, a.max_tokens)
+        else:
+            reqs = workloads.throughput(a.num_prompts, a.max_input_len, a.max_output_len)
+        sub = workloads.subset(reqs, a.peer_subset, a.peer_output_len)
+        res = self.run_peers({"runs": dict.fromkeys(RUNS, workloads.as_json(sub))})
+        floor = self.floor(workloads.shapes(reqs), sum(r.max_tokens for r in reqs))
+        llm, recs = self.start(), []
+        for run in RUNS:
+            m = rate(*workloads.run(llm, reqs))
+            nano = res.get("nano-vllm", {}).get(run, {}).get("output_tokens_per_s")
+            recs.append(self.record("turnout", run, num_prompts=len(reqs), startup_s=self.startup_s, **m,
+                                    ratio_vs_nano_vllm=ratio(m["output_tokens_per_s"], nano),
+                                    **vs_floor(m, floor)))  # fmt: skip
+        for run in RUNS if any(p in res for p in peers.HF_ENGINES) else ():
+            m = rate(*workloads.run(llm, sub))
+            hfb, hfg = (res.get(e, {}).get(run, {}).get("output_tokens_per_s") for e in peers.HF_ENGINES)
+            recs.append(self.record("turnout", run, subset=len(sub), startup_s=self.startup_s, **m,
+                                    ratio_vs_peer=ratio(m["output_tokens_per_s"], hfb),
+                                    ratio_vs_hf_generate=ratio(m["output_tokens_per_s"], hfg)))  # fmt: skip
+        llm.shutdown()
+        nano = {"nano-vllm": res.pop("nano-vllm")} if "nano-vllm" in res else {}
+        return recs + self.peer_records(nano, num_prompts=len(reqs)) + self.peer_records(
+            res, subset=len(sub)
+        ), floor
+
+    def latency(self) -> tuple[list[dict], float | None]:
+        a = self.args
+        prompt = workloads.random_prompt  # fresh prompts per run: no prefix-cache hit between runs
+        plan = {
+            run: {"tpot_prompt": prompt(32, 100 + i),
+                  "ttft_prompts": [prompt(n, 200 + 10 * i + j) for j, n in enumerate(a.ttft_lens)]}
+            for i, run in enumerate(RUNS)
+        }  # fmt: skip
+        res = self.run_peers({"latency": {"tpot_tokens": a.tpot_tokens, "runs": plan}})
+        floors: dict[str, Any] = {}
+        if self.ceiling:
+            t = a.tpot_tokens
+            floors["tpot_floor_ms"] = (
+                (self._floor_s([(32, 0, t + 1)]) - self._floor_s([(32, 0, 1)])) / t * 1e3
+            )
+            floors["ttft_floor_ms"] = {str(n): self._floor_s([(n, 0, 1)]) * 1e3 for n in a.ttft_lens}
+        llm, recs = self.start(), []
+        for run, p in plan.items():
+            tpot = workloads.tpot_ms(llm, a.tpot_tokens, p["tpot_prompt"])
+            ttft = {str(len(q)): workloads.ttft_ms(llm, q) for q in p["ttft_prompts"]}
+            recs.append(
+                self.record("turnout", run, tpot_ms=tpot, ttft_ms=ttft, startup_s=self.startup_s, **floors)
+            )
+        llm.shutdown()
+        return recs + self.peer_records(res), floors.get("tpot_floor_ms")
+
+    def prefix(self) -> tuple[list[dict], float | None]:
+        a = self.args
+        runs = {run: workloads.prefix(a.num_prompts, a.prefix_len, a.suffix_len, a.output_len, seed=i)
+                for i, run in enumerate(RUNS)}  # fmt: skip
+        off_cfg = {**self.cfg.model_dump(), "enable_prefix_caching": False}
+        off = self.child(
+            "turnout", {"config": off_cfg, "runs": {r: workloads.as_json(q) for r, q in runs.items()}}
+        )
+        shapes = workloads.shapes(runs["first"], cached=a.prefix_len)
+        shapes[0] = (shapes[0][0], 0, shapes[0][2])  # the first request computes the prefix
+        floor = self.floor(shapes, a.num_prompts * a.output_len)
+        llm, recs = self.start(enable_prefix_caching=True), []
+        for run, reqs in runs.items():
+            m = rate(*workloads.run(llm, reqs))
+            off_rate = off[run]["output_tokens"] / off[run]["seconds"]
+            recs.append(self.record("turnout", run, **m, no_cache_output_tokens_per_s=off_rate,
+                                    speedup_vs_no_cache=m["output_tokens_per_s"] / off_rate,
+                                    startup_s=self.startup_s, no_cache_startup_s=off["startup_s"],
+                                    **vs_floor(m, floor)))  # fmt: skip
+        llm.shutdown()
+        return recs, floor
+
+    # ---- peers ----
+    def child(self, engine: str, plan: dict[str, Any]) -> dict[str, Any]:
+        return peers.child(engine, self.model_dir, self.dtype, plan, self.args.peer_timeout)
+
+    def run_peers(self, plan: dict[str, Any]) -> dict[str, dict]:
+        """Every peer's result by engine: startup_s, and per run a dict of metrics."""
+        out: dict[str, dict] = {}
+        for engine in self.peers:
+            print(f"running peer {engine} ...", flush=True)
+            try:
+                out[engine] = self.run_peer(engine, plan)
+            except TurnoutError as e:  # turnout's own runs still count; the exit status says a peer failed
+                print(f"error: {e}; its records are left out", file=sys.stderr, flush=True)
+                self.failed.append(engine)
+        return out
+
+    def run_peer(self, engine: str, plan: dict[str, Any]) -> dict[str, Any]:
+        if engine != "nano-vllm":
+            res = self.child(engine, plan)
+            for run in RUNS if "runs" in plan else ():
+                res[run] = rate(res[run]["seconds"], res[run]["output_tokens"])
+            return res
+        d = peers.find_peers_dir(self.args.peers_dir)
+        res = peers.nano_vllm(self.model_dir, d, "latency" in plan, self.args.peer_timeout)
+        tpot = res.get("tpot_ms")  # MODE=tpot times decode only; nano-vllm has no TTFT mode
+        metrics = {run: {"tpot_ms": tpot, "ttft_ms": {}} if tpot else {"output_tokens_per_s": res[run]}
+                   for run in RUNS}  # fmt: skip
+        return {"startup_s": res["startup_s"], **metrics}
+
+    # ---- roofline ----
+    def _floor_s(self, shapes: list[tuple[int, int, int]]) -> float:
+        return roofline.floor(self.shape, shapes, self.ceiling, self.cfg.max_num_seqs).seconds
+
+    def floor(self, shapes: list[tuple[int, int, int]], output_tokens: int) -> float | None:
+        """The workload's floor in output tokens per second."""
+        return output_tokens / self._floor_s(shapes) if self.ceiling else None
+
+    def roofline_line(self, floor: float | None, recs: list[dict]) -> str:
+        if not self.ceiling or not floor:
+            return f"roofline: no ceiling known for {self.device}"
+        c, lat = self.ceiling, self.args.workload == "latency"
+        ours = [r for r in recs if r["engine"] == "turnout" and "subset" not in r]
+        got = ", ".join(
+            f"{r['run']} {floor / r['tpot_ms'] if lat else r['output_tokens_per_s'] / floor:.2f}"
+            for r in ours
+        )
+        return (
+            f"roofline at {c.bytes_per_s / 1e12:.1f} TB/s, {c.flops_per_s / 1e12:.0f} TFLOP/s ({c.where}): "
+            f"floor {records.fmt(floor)} {'ms a token' if lat else 'output tok/s'}; turnout: {got} of it"
+        )

@@ -1,0 +1,95 @@
+"""Every environment switch, in one registry: name, parser, default and one line of doc each.
+
+The core's switches are declared here; a plugin declares its own through the `turnout_env_vars` hook.
+Any other TURNOUT_<NAME> variable is an EngineConfig field (turnout.config), so a typo fails loudly.
+A switch is read when the component that uses it starts (a backend's construction, selection, a
+functools.cache'd accessor), never per step: `.value` parses the environment each time it is called.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from turnout.errors import ConfigError
+
+T = TypeVar("T")
+PREFIX = "TURNOUT_"
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    doc: str
+
+    @property
+    def value(self) -> T:
+        """The parsed value of the variable now, or the default where it is unset."""
+        raw = os.environ.get(self.name)
+        if raw is None:
+            return self.default
+        try:
+            return self.parse(raw)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{self.name}={raw!r} does not parse ({e}); {self.doc}") from None
+
+
+def flag(raw: str) -> bool:
+    """On unless "0"."""
+    return raw.strip() != "0"
+
+
+def path(raw: str) -> Path | None:
+    """A path, ~ expanded; empty means unset."""
+    return Path(raw).expanduser() if raw else None
+
+
+def names(raw: str) -> frozenset[str]:
+    """A comma-separated list; empty means none."""
+    return frozenset(n.strip() for n in raw.split(",") if n.strip())
+
+
+PLUGINS = EnvVar(
+    "TURNOUT_PLUGINS", names, None, "plugin entry-point names to load: unset loads all, empty loads none"
+)
+DEVICE = EnvVar("TURNOUT_DEVICE", str.lower, "", "cpu: run on the CPU even where CUDA exists")
+LOG_LEVEL = EnvVar("TURNOUT_LOG_LEVEL", str.upper, "INFO", "the CLI's log level (DEBUG, INFO, WARNING, ...)")
+CACHE_DIR = EnvVar(
+    "TURNOUT_CACHE_DIR", path, None, "where the converted default model is kept (unset: ~/.cache/turnout)"
+)
+FUSED_KERNELS = EnvVar(
+    "TURNOUT_FUSED_KERNELS", flag, True, "0: the torch path instead of the fused CUDA kernels between GEMMs"
+)
+TRITON_GEMV = EnvVar("TURNOUT_TRITON_GEMV", flag, True, "0: every matmul goes to F.linear, no Triton GEMV")
+CONFORMANCE_ERRORS = EnvVar(
+    "TURNOUT_CONFORMANCE_ERRORS", path, None, "a file the attention conformance tests append each error to"
+)
+CORE: tuple[EnvVar[Any], ...] = (
+    PLUGINS,
+    DEVICE,
+    LOG_LEVEL,
+    CACHE_DIR,
+    FUSED_KERNELS,
+    TRITON_GEMV,
+    CONFORMANCE_ERRORS,
+)
+
+
+def registry() -> dict[str, EnvVar[Any]]:
+    """Every declared switch by name: the core's, then each loaded plugin's (a hook that raised adds none)."""
+    from turnout.plugins import get_plugin_manager
+
+    found = {v.name: v for v in CORE}
+    for res in get_plugin_manager().call_each("turnout_env_vars"):
+        found.update({v.name: v for v in res.value or []})
+    return found
+
+
+def environment() -> dict[str, str]:
+    """This process's TURNOUT_* variables, for ranks started where the environment is not inherited."""
+    return {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}

@@ -1,0 +1,31 @@
+"""KV-cache sizing of one rank: what a block costs in the backend's layout, and the per-layer tensors."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from turnout.attention.backend import AttentionBackend, AttentionSpec
+
+
+def _layer_shape(backend: AttentionBackend, spec: AttentionSpec, num_blocks: int) -> tuple:
+    return backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+
+
+def kv_bytes_per_block(backend: AttentionBackend, spec: AttentionSpec) -> int:
+    """Bytes one block takes over every attention layer of this rank."""
+    return spec.num_layers * math.prod(_layer_shape(backend, spec, 1)) * spec.dtype.itemsize
+
+
+def blocks_in(budget_bytes: float, backend: AttentionBackend, spec: AttentionSpec) -> int:
+    """How many whole blocks fit in budget_bytes (0 when none do)."""
+    return max(0, int(budget_bytes // kv_bytes_per_block(backend, spec)))
+
+
+def allocate_kv_caches(
+    backend: AttentionBackend, spec: AttentionSpec, num_blocks: int, device: torch.device
+) -> list[torch.Tensor]:
+    """One zeroed tensor per attention layer: kv_caches[i] belongs to the layer with layer_idx i."""
+    shape = _layer_shape(backend, spec, num_blocks)
+    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]

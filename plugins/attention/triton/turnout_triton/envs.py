@@ -1,0 +1,6 @@
+"""The Triton plugin's switches, declared to the core through turnout_env_vars."""
+
+from turnout import EnvVar
+
+PREFILL = EnvVar("TURNOUT_TRITON_PREFILL", str, "", "prefill tiles: block_m,block_n,warps,stages[,trans_k]")
+ENV_VARS = [PREFILL]

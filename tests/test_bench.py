@@ -1,0 +1,198 @@
+"""turnout bench: nano-vllm's prompts, the roofline arithmetic, the record schema, and runs on the CPU."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from turnout.bench import records, roofline, workloads
+from turnout.cli import main
+from turnout.errors import TurnoutError
+
+from tiny_models import make_tiny_model
+
+
+def test_throughput_prompts_are_nano_vllms():
+    # nano-vllm's bench.py, as it is written there: the module-level generator after seed(0)
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    reqs = workloads.throughput()
+    assert [r.prompt for r in reqs] == prompts
+    assert [r.max_tokens for r in reqs] == max_tokens
+    assert all(r.temperature == 0.6 and r.ignore_eos for r in reqs)
+    assert workloads.throughput(4) == reqs[:4]  # a shrunk workload is the same workload's first requests
+
+
+def test_roofline_floor_by_hand():
+    shape = roofline.Shape(weight_params=1000, kv_bytes_per_token=10, attn_flops_per_pair=4, dtype_bytes=2)
+    ceiling = roofline.Ceiling(bytes_per_s=1e3, flops_per_s=1e4, where="test")
+    # request A: 3 prompt tokens, none cached, 2 outputs; request B: 2 prompt tokens, 1 cached, 3 outputs
+    f = roofline.floor(shape, [(3, 0, 2), (2, 1, 3)], ceiling)
+    # steps: the longest output, 3
+    # tokens through the model: A 3 prompt + 1 decode = 4, B 1 prompt + 2 decode = 3 -> 7
+    # KV read by decodes: A one decode over 4 keys; B decodes over 3 and 4 keys -> 11; B's cached token: 1
+    # bytes: weights 2 * 1000 * 3 = 6000, KV 10 * (11 + 1 + 7 written) = 190
+    assert f.steps == 3 and f.bytes == 6190
+    # attention pairs: A positions 0..3 see 1+2+3+4 = 10 keys, B positions 1..3 see 2+3+4 = 9 -> 19
+    assert f.flops == 2 * 1000 * 7 + 4 * 19
+    assert f.seconds == pytest.approx(6.19) and f.bound == "memory"
+    # compute-bound once bandwidth is plentiful: 14076 FLOPs at 1e4 FLOP/s
+    fast_memory = roofline.Ceiling(bytes_per_s=1e9, flops_per_s=1e4, where="test")
+    assert roofline.floor(shape, [(3, 0, 2), (2, 1, 3)], fast_memory).seconds == pytest.approx(1.4076)
+
+
+def test_roofline_of_nano_vllms_bench_on_an_h200():
+    # Qwen3-0.6B: 28 layers of q 1024x2048, k and v 1024x1024, o 2048x1024, MLP 3 x 1024x3072, and the
+    # tied 151936x1024 LM head; 8 KV heads of 128 in bf16. The issue's estimate of this floor: ~37,800 tok/s.
+    layer = 1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072
+    shape = roofline.Shape(28 * layer + 151936 * 1024, 2 * 28 * 8 * 128 * 2, 4 * 28 * 16 * 128, 2)
+    reqs = workloads.throughput()
+    f = roofline.floor(shape, workloads.shapes(reqs), roofline.ceiling_for("NVIDIA H200"))
+    assert f.bound == "memory" and f.steps == max(r.max_tokens for r in reqs)
+    assert sum(r.max_tokens for r in reqs) / f.seconds == pytest.approx(37_800, rel=0.03)
+    assert roofline.ceiling_for("cpu (x86_64, 2 threads)") is None
+
+
+def test_shape_from_checkpoint_counts_hf_parameters(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path, "qwen3", num_kv_heads=1)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    cfg = hf.config
+    embed = hf.get_input_embeddings().weight.numel()  # untied: gathered, not read whole, each step
+    shape = roofline.Shape.from_checkpoint(path, dtype_bytes=2)
+    assert shape.weight_params == sum(p.numel() for p in hf.parameters()) - embed
+    assert shape.kv_bytes_per_token == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+
+
+def _record(workload: str, **metrics) -> dict:
+    base = dict(engine="turnout", model="m", device="d", commit="c", date="t", command="x", config={})
+    return {"workload": workload, "run": "first", **base, **metrics}
+
+
+def test_record_schema():
+    records.check(_record("throughput", output_tokens_per_s=1.0))
+    records.check(_record("latency", tpot_ms=1.0, ttft_ms={"512": 2.0}))
+    records.check(_record("prefix", speedup_vs_no_cache=3.0))
+    with pytest.raises(TurnoutError, match="lacks output_tokens_per_s"):
+        records.check(_record("throughput"))
+    with pytest.raises(TurnoutError, match="lacks ttft_ms"):
+        records.check(_record("latency", tpot_ms=1.0))
+    with pytest.raises(TurnoutError, match="workload 'serving'"):
+        records.check(_record("serving"))
+    with pytest.raises(TurnoutError, match="engine 'vllm'"):
+        records.check({**_record("prefix", speedup_vs_no_cache=3.0), "engine": "vllm"})
+    with pytest.raises(TurnoutError, match="lacks commit"):
+        records.check({k: v for k, v in _record("prefix", speedup_vs_no_cache=3.0).items() if k != "commit"})
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["throughput", "--peers", "vllm"], "unknown peer 'vllm'"),
+        (["prefix", "--peers", "hf-generate"], "drop --peers"),
+        (["throughput", "--peers", "nano-vllm", "--num-prompts", "8"], "nano-vllm runs its own bench.py"),
+        (["latency", "--peers", "hf-generate-batch"], "no batch-1 latency mode"),
+    ],
+)
+def test_bad_bench_options_are_one_line_errors(argv, error, capsys):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert error in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_throughput_smoke_writes_valid_records(tmp_path, monkeypatch):
+    out = tmp_path / "r.json"
+    argv = ["bench", "throughput", "--num-prompts", "4", "--max-input-len", "32", "--max-output-len", "4"]
+    monkeypatch.setattr("sys.argv", ["turnout", *argv, "--out", str(out)])
+    assert main([*argv, "--out", str(out)]) == 0
+    recs = json.loads(out.read_text())
+    assert [(r["engine"], r["run"]) for r in recs] == [("turnout", "first"), ("turnout", "repeat")]
+    for r in recs:
+        records.check(r)
+        assert r["output_tokens"] == 4 * 4 and r["output_tokens_per_s"] == pytest.approx(16 / r["seconds"])
+        assert r["command"] == " ".join(["turnout", *argv, "--out", str(out)])
+        assert r["config"]["engine"]["max_model_len"] == 4096 and r["config"]["workload"]["num_prompts"] == 4
+        assert r["config"]["attention"] == "cpu" and r["startup_s"] > 0
+        assert "fraction_of_floor" not in r  # no ceiling is known for a CPU
+
+
+@pytest.mark.slow
+def test_hf_peers_run_the_same_subset(tmp_path):
+    model = make_tiny_model(tmp_path / "m", "llama", vocab_size=10240, max_position_embeddings=1024)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [5, 6, 7, 8], "max_tokens": 3}\n{"prompt": "w1 w2 w3"}\n')
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = ["bench", "throughput", "--model", str(model), "--max-model-len", "256", "--input", str(prompts),
+            "--max-tokens", "5", "--peers", "hf-generate,hf-generate-batch", "--peer-subset", "2",
+            "--peer-output-len", "3", "--out", str(out)]  # fmt: skip
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", str(png)]
+    except ImportError:
+        png.write_bytes(b"\x89PNG")  # --plot's own check needs matplotlib (the bench extra)
+    assert main(argv) == 0
+    recs = {(r["engine"], r["run"], r.get("subset")): r for r in json.loads(out.read_text())}
+    full = recs["turnout", "first", None]
+    assert full["output_tokens"] == 3 + 5 and full["config"]["workload"]["input"] == str(prompts)
+    for run in ("first", "repeat"):
+        ours = recs["turnout", run, 2]
+        for engine, key in (("hf-generate-batch", "ratio_vs_peer"), ("hf-generate", "ratio_vs_hf_generate")):
+            peer = recs[engine, run, 2]
+            assert peer["output_tokens"] == ours["output_tokens"] == 2 * 3  # same subset, same lengths
+            assert ours[key] == pytest.approx(ours["output_tokens_per_s"] / peer["output_tokens_per_s"])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.gpu
+def test_bench_on_the_gpu_against_hf(tmp_path):
+    out = tmp_path / "r.json"
+    argv = ["bench", "throughput", "--random-model", "qwen3-0.6b", "--num-prompts", "32", "--peers",
+            "hf-generate-batch", "--peer-subset", "8", "--peer-output-len", "32"]  # fmt: skip
+    argv += ["--out", str(out)]
+    assert main(argv) == 0
+    recs = json.loads(out.read_text())
+    ours = [r for r in recs if r["engine"] == "turnout" and "subset" not in r]
+    if roofline.ceiling_for(ours[0]["device"]):
+        assert all(0 < r["fraction_of_floor"] < 1 for r in ours)
+    assert all(r["ratio_vs_peer"] > 1 for r in recs if r["engine"] == "turnout" and r.get("subset"))
+
+
+@pytest.mark.slow
+def test_a_failed_peer_leaves_turnouts_records(tmp_path, capsys):
+    model = make_tiny_model(tmp_path / "m", "llama", vocab_size=10240, max_position_embeddings=1024)
+    out = tmp_path / "r.json"
+    argv = ["bench", "throughput", "--model", str(model), "--max-model-len", "256", "--num-prompts", "2",
+            "--max-input-len", "8", "--max-output-len", "2"]  # fmt: skip
+    argv += ["--peers", "hf-generate", "--peer-timeout", "0.01"]
+    assert main([*argv, "--out", str(out)]) == 1  # the exit status says a peer failed
+    assert "error: peer hf-generate ran past" in capsys.readouterr().err
+    assert {r["engine"] for r in json.loads(out.read_text())} == {"turnout"}
+
+
+def test_random_checkpoint_in_a_real_shape_loads_in_turnout_and_hf(tmp_path, monkeypatch):
+    import torch
+
+    from turnout import LLM, SamplingParams
+    from turnout.bench import random_models
+
+    from tiny_models import hf_greedy
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True)  # fmt: skip
+    monkeypatch.setitem(random_models.SHAPES, "tiny", ("qwen3", shape))
+    monkeypatch.setattr(random_models, "SHARD_BYTES", 64 * 1024)  # several shards and their index
+    path = random_models.make_random_model(tmp_path / "tiny", "tiny")
+    assert len(list(path.glob("*.safetensors"))) > 1 and (path / "model.safetensors.index.json").is_file()
+    llm = LLM(str(path), dtype="float32", max_model_len=64)
+    assert llm.selection.dtype == torch.float32 and llm.engine.info.architecture == "Qwen3ForCausalLM"
+    prompt = [5, 6, 7, 8]
+    ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
+    assert ours == hf_greedy(path, [prompt], 4)[0]
+    llm.shutdown()

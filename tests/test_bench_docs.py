@@ -1,0 +1,81 @@
+"""The repository as a document: results carry their provenance, the index and docs/performance.md are
+generated from them and current, the suites' commands are valid, and no file narrates how it was made."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from turnout.bench import records
+from turnout.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import index  # noqa: E402
+import report  # noqa: E402
+from suites import SUITES  # noqa: E402
+
+RESULT_FILES = sorted((ROOT / "benchmarks" / "results").glob("*/*.json"))
+
+
+@pytest.mark.parametrize("path", RESULT_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_result_carries_its_provenance(path):
+    doc = json.loads(path.read_text())
+    if isinstance(doc, list):  # turnout bench records
+        for rec in doc:
+            records.check(rec)
+    else:
+        assert {"date", "device", "commit", "command", "results"} <= set(doc), path.name
+        if doc.get("log"):
+            assert (path.parent / doc["log"]).is_file()
+
+
+def test_results_index_and_performance_doc_are_generated_and_current():
+    assert (ROOT / "benchmarks/results/README.md").read_text() == index.render(), "run benchmarks/index.py"
+    assert (ROOT / "docs/performance.md").read_text() == report.render(), "run benchmarks/report.py"
+    readme = (ROOT / "README.md").read_text()
+    assert report.HEADLINE[0] in readme and report.with_headline(readme) == readme, "run benchmarks/report.py"
+
+
+def test_performance_doc_cites_every_number_source():
+    text = (ROOT / "docs/performance.md").read_text()
+    cited = set(re.findall(r"\(\.\./(benchmarks/results/[^)]+\.json)\)", text))
+    assert cited and all((ROOT / c).is_file() for c in cited)
+    for section in text.split("\n## ")[1:]:  # each holds tables with their files, or says none is recorded
+        has_table = "\n| " in section
+        assert ("benchmarks/results/" in section) == has_table, section[:60]
+        assert has_table or "No record yet: `python benchmarks/run.py" in section, section[:60]
+
+
+def test_suite_commands_are_valid():
+    fill = {"out": "benchmarks/results/x", "stamp": "s", "tmp": "/tmp/x"}
+    for name, suite in SUITES.items():
+        for command in suite.commands:
+            words = shlex.split(command.format(**fill))
+            if words[0] == "turnout":
+                build_parser().parse_args(words[1:])
+            elif words[0] == "python":
+                assert (ROOT / words[1]).is_file(), (name, words[1])
+            else:
+                assert words[0] == "pytest" and all(
+                    (ROOT / w).is_file() for w in words if w.startswith("tests/")
+                )
+
+
+NARRATION = re.compile(
+    r"\bsessions?\b|stash|not yet re-?run|last GPU call|device machine|\.device-wheels|before the fix"
+    r"|\bsession ?\d|\bs\d[a-e]?\b|run_h200",
+    re.IGNORECASE,
+)
+
+
+def test_no_narration_of_how_the_project_was_made():
+    paths = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "scripts").iterdir()]
+    paths += [p for p in (ROOT / "benchmarks").rglob("*") if p.is_file()]
+    hits = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in paths for m in NARRATION.finditer(p.read_text())]
+    assert not hits, hits
