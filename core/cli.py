@@ -1,4 +1,4 @@
-"""turnout generate | plugins | explain."""
+"""turnout generate | plugins | explain | serve | bench serve."""
 
 from __future__ import annotations
 
@@ -190,6 +190,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         llm.shutdown()
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from turnout.entrypoints.openai.api_server import run_server
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise TurnoutError(f"two models given ({args.model_tag} and --model {args.model}); pass one")
+    args.model = args.model_tag or args.model
+    return run_server(args, _config(args))
+
+
 def _dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -225,6 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     _engine_flags(g, skip=("seed",))  # --seed above is the request's; the engine seed comes from config
     g.set_defaults(fn=cmd_generate)
+    from turnout.entrypoints.openai.cli_args import add_serve_args
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (default: the embedded model)")
+    s.add_argument("model_tag", nargs="?", metavar="MODEL", help="HF-style model folder (same as --model)")
+    add_serve_args(s)
+    _engine_flags(s)
+    s.set_defaults(fn=cmd_serve)
+    from turnout.entrypoints.bench_serve import add_bench_serve_parser
+
+    b = sub.add_parser("bench", help="benchmarks")
+    add_bench_serve_parser(b.add_subparsers(dest="bench_cmd", required=True))
     return p
 
 
