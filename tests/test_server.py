@@ -30,11 +30,13 @@ TINY = ["--cpu-kv-cache-bytes", str(16 << 20), "--block-size", "8"]
 class Server:
     """`turnout serve ... --port 0` in a subprocess; the port comes from its start-up line."""
 
-    def __init__(self, tmp: Path, *args: str, wait: bool = True) -> None:
+    def __init__(self, tmp: Path, *args: str, wait: bool = True, env: dict | None = None) -> None:
         self.log = tmp / "server.log"
         cmd = [sys.executable, "-m", "turnout.cli", "serve", *args, "--port", "0"]
         with open(self.log, "w") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
         if wait:
             self.wait_ready()
 
@@ -398,12 +400,64 @@ def test_api_key(smol: Server) -> None:
     assert httpx.get(f"{smol.url}/metrics").status_code == 200
 
 
+def test_abort_request_frees_blocks_at_once(tiny_llama: Path) -> None:
+    engine = LLM(str(tiny_llama), cpu_kv_cache_bytes=1 << 22, block_size=8).engine
+    bm, sp = engine.scheduler.bm, SamplingParams(max_tokens=50, ignore_eos=True)
+    total = bm.num_free_blocks
+    a, b = engine.add_request(list(range(5, 25)), sp), engine.add_request(list(range(30, 40)), sp)
+    engine.step()
+    engine.step()
+    assert len(a.block_ids) == 3 and len(b.block_ids) == 2
+    engine.abort_request(a.req_id)
+    assert bm.num_free_blocks == total - 2 and a.req_id not in engine.requests and a.finish_reason == "abort"
+    engine.abort_request(a.req_id)  # unknown by now: a no-op
+    engine.abort_request(b.req_id)
+    assert bm.num_free_blocks == total and not engine.has_unfinished()
+    engine.step()  # tells the workers to drop both
+    engine.shutdown()
+
+
+def test_bulk_histogram_matches_prometheus_client() -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from turnout.metrics import ITL_BUCKETS, BulkHistogram
+
+    values = [0.0, 0.001, 0.0011, 0.0025, 0.3, 0.30001, 7.5, 80.0, 1e6]
+    mine, ref = CollectorRegistry(), CollectorRegistry()
+    bulk = BulkHistogram("h", "doc", "m", ITL_BUCKETS, mine)
+    bulk.observe_many(values[:4])
+    bulk.observe_many(values[4:])
+    one = Histogram("h", "doc", ["model_name"], buckets=ITL_BUCKETS, registry=ref).labels("m")
+    for v in values:
+        one.observe(v)
+
+    def series(r: CollectorRegistry) -> list[str]:
+        lines = generate_latest(r).decode().splitlines()
+        return [x for x in lines if x.startswith("h_") and "created" not in x]
+
+    assert series(mine) == series(ref)
+
+
 # ---- load, cancellation, back-pressure, shutdown, faults (tiny random models: the engine is fast) ----
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
-    server = Server(tmp_path_factory.mktemp("tiny"), str(tiny_llama), *TINY, "--api-key", KEY)
+    """The tiny model by its positional argument, with a config file, an env override and flags."""
+    tmp = tmp_path_factory.mktemp("tiny")
+    (tmp / "engine.yaml").write_text("max_model_len: 256\nblock_size: 4\n")
+    args = [str(tiny_llama), "--config", str(tmp / "engine.yaml"), *TINY, "--api-key", KEY]
+    server = Server(
+        tmp, *args, "--served-model-name", "tiny", "tiny-alias", env={"TURNOUT_MAX_MODEL_LEN": "510"}
+    )
     yield server
     server.stop()
+
+
+def test_config_precedence_and_served_names(tiny: Server) -> None:
+    models = tiny.client().models.list().data
+    assert [m.id for m in models] == ["tiny", "tiny-alias"]
+    assert models[0].max_model_len == 510  # the environment beat the file
+    out = tiny.client().completions.create(model="tiny-alias", prompt=[5, 6], max_tokens=2)
+    assert out.model == "tiny-alias" and out.usage.completion_tokens == 2
 
 
 def _prompt(i: int) -> list[int]:
@@ -423,7 +477,7 @@ def test_200_concurrent_streams_with_cancellations(tiny: Server, tiny_llama: Pat
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int | None]:
         stream = await client.completions.create(
-            model=str(tiny_llama), prompt=_prompt(i), max_tokens=max_tokens[i], temperature=0, stream=True,
+            model="tiny", prompt=_prompt(i), max_tokens=max_tokens[i], temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         )  # fmt: skip
         text, reason, used, chunks = "", None, None, 0
@@ -451,10 +505,39 @@ def test_200_concurrent_streams_with_cancellations(tiny: Server, tiny_llama: Pat
     m = tiny.wait_metrics(lambda m: m["turnout:num_requests_running"] == 0, timeout=10)
     assert m["turnout:num_requests_running"] == 0 and m["turnout:num_requests_waiting"] == 0
     assert m["turnout:kv_cache_usage_perc"] == 0
-    assert m[
-        'turnout:request_success_total{finished_reason="length",model_name="' + str(tiny_llama) + '"}'
-    ] >= len(keep)
+    assert m['turnout:request_success_total{finished_reason="length",model_name="tiny"}'] >= len(keep)
     assert httpx.get(f"{tiny.url}/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_bench_serve_against_a_running_server(tiny: Server, tmp_path: Path) -> None:
+    before = tiny.metrics()["turnout:generation_tokens_total"]
+    out = tmp_path / "bench.json"
+    args = ["--url", tiny.url, "--api-key", KEY, "--num-prompts", "16", "--input-len", "4:12"]
+    args += [
+        "--output-len",
+        "6",
+        "--max-token-id",
+        "500",
+        "--request-rate",
+        "inf",
+        "40",
+        "--output",
+        str(out),
+    ]
+    cmd = [sys.executable, "-m", "turnout.cli", "bench", "serve", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads(out.read_text())
+    assert (rec["workload"], rec["engine"], rec["model"]) == ("serve", "turnout", "tiny")
+    assert {"device", "commit", "date", "config", "command"} <= set(rec)
+    assert [x["request_rate"] for x in rec["results"]] == ["inf", 40.0]
+    for x in rec["results"]:
+        assert (x["completed"], x["failed"], x["short"]) == (16, 0, 0)
+        assert 0 < x["ttft_p50_ms"] <= x["ttft_p99_ms"] and 0 < x["itl_p50_ms"] <= x["itl_p99_ms"]
+        assert x["tpot_p50_ms"] > 0 and x["output_throughput"] > 0
+        assert x["output_throughput"] == pytest.approx(16 * 6 / x["duration_s"])
+    assert tiny.metrics()["turnout:generation_tokens_total"] - before == 2 * 16 * 6  # the server agrees
 
 
 def test_disconnect_aborts_and_frees_blocks(tiny: Server, tiny_llama: Path) -> None:

@@ -254,8 +254,9 @@ class _Timing:
 class OutputStream:
     """The outputs of one group of requests (a prompt's n samples, or several prompts), in arrival order.
 
-    Iterate it with `async for`; close() aborts the requests that have not finished (their KV blocks are
-    free before the core's next step). per_token=False wakes the reader only when a request finishes."""
+    Iterate it with `async for` (lists of outputs); close() aborts the requests that have not finished
+    (their KV blocks are free before the core's next step). per_token=False wakes the reader only when a
+    request finishes."""
 
     def __init__(self, llm: AsyncLLM, req_ids: Sequence[str], per_token: bool) -> None:
         self.llm, self.per_token = llm, per_token
@@ -276,7 +277,9 @@ class OutputStream:
     def __aiter__(self) -> OutputStream:
         return self
 
-    async def __anext__(self) -> EngineOutput:
+    async def __anext__(self) -> list[EngineOutput]:
+        """Every output that arrived since the last call, at least one: a reader that falls behind
+        catches up in fewer, larger pieces."""
         while not self.items:
             if self.error is not None:
                 self.left.clear()
@@ -285,10 +288,12 @@ class OutputStream:
                 raise StopAsyncIteration
             self.ready.clear()
             await self.ready.wait()
-        o = self.items.popleft()
-        if o.finish_reason:
-            self.left.discard(o.req_id)
-        return o
+        batch = list(self.items)
+        self.items.clear()
+        for o in batch:
+            if o.finish_reason:
+                self.left.discard(o.req_id)
+        return batch
 
     def close(self) -> None:
         self.llm.abort(list(self.left))

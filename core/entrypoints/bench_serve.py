@@ -229,7 +229,7 @@ def _free_port() -> int:
 def _engine_argv(args: argparse.Namespace) -> list[str]:
     from turnout.config import EngineConfig
 
-    argv = [args.model_tag] if args.model_tag else []
+    argv = []
     if args.config:
         argv += ["--config", args.config]
     for name in EngineConfig.model_fields:
@@ -320,6 +320,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise TurnoutError("--vs-offline compares with a server this command starts; leave out --url")
     if args.repeat < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise TurnoutError("--repeat and --max-concurrency must be >= 1")
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise TurnoutError(f"two models given ({args.model_tag} and --model {args.model}); pass one")
+    args.model, args.model_tag = args.model_tag or args.model, None  # one place: the engine flags
     w = Workload.make(args)
     proc, url = (None, args.url.rstrip("/")) if args.url else _start_server(args, len(w.prompts))
     runs = []
@@ -336,7 +339,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     finally:
         if proc is not None:
             _stop_server(proc)
-    model = args.model_tag or args.model or runs[0]["model"]
+    model = args.model or runs[0]["model"]
     record: dict[str, Any] = {"workload": "serve", "engine": "turnout", "model": model, **_provenance()}
     record["config"] = {k: _jsonable(v) for k, v in vars(args).items() if v is not None and k not in SECRET}
     record["results"] = runs

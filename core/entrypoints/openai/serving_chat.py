@@ -10,7 +10,6 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
-from turnout.engine.async_llm import EngineOutput
 from turnout.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, OpenAIError
 from turnout.entrypoints.openai.serving_engine import Choice, OpenAIServing, completion_tokens, usage
 
@@ -67,16 +66,11 @@ class OpenAIServingChat(OpenAIServing):
             for c in sorted(choices.values(), key=lambda c: c.index)
         ]
 
-        def chunk(c: Choice, delta: str, o: EngineOutput) -> dict[str, Any] | None:
-            if not delta and o.logprobs is None and o.finish_reason is None:
-                return None
-            lp = self._logprobs(c.logprobs[-1:]) if o.logprobs else None
-            d = {"content": delta} if delta or o.finish_reason is None else {}
-            return {
-                **base,
-                "choices": [{"index": c.index, "delta": d, "logprobs": lp, "finish_reason": o.finish_reason}],
-                **u,
-            }
+        def chunk(c: Choice, delta: str, k: int, finish: str | None) -> dict[str, Any]:
+            lp = self._logprobs(c.logprobs[-k:]) if k else None
+            d = {"content": delta} if delta or finish is None else {}
+            choice = {"index": c.index, "delta": d, "logprobs": lp, "finish_reason": finish}
+            return {**base, "choices": [choice], **u}
 
         def tail() -> dict[str, Any] | None:
             if include_usage:

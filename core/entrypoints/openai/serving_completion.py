@@ -8,7 +8,6 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from turnout.engine.async_llm import EngineOutput
 from turnout.entrypoints.openai.protocol import CompletionRequest, OpenAIError
 from turnout.entrypoints.openai.serving_engine import Choice, OpenAIServing, completion_tokens, usage
 
@@ -39,11 +38,9 @@ class OpenAIServingCompletion(OpenAIServing):
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             u = {"usage": None} if include_usage else {}
 
-            def chunk(c: Choice, delta: str, o: EngineOutput) -> dict[str, Any] | None:
-                if not delta and o.logprobs is None and o.finish_reason is None:
-                    return None
-                lp = self._logprobs(c.logprobs[-1:], c.sent - len(delta)) if o.logprobs else None
-                choice = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": o.finish_reason}
+            def chunk(c: Choice, delta: str, k: int, finish: str | None) -> dict[str, Any]:
+                lp = self._logprobs(c.logprobs[-k:], c.sent - len(delta)) if k else None
+                choice = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
                 return {**base, "choices": [choice], **u}
 
             def tail() -> dict[str, Any] | None:

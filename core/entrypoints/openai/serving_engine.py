@@ -61,16 +61,18 @@ class Choice:
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # (token, logprob, top N)
         self.finish_reason: str | None = None
 
-    def advance(self, o: EngineOutput) -> str:
-        """Take one output; return the text it lets out."""
-        self.token_ids.append(o.token_id)
-        if o.logprobs is not None:
-            self.logprobs.append((o.token_id, *o.logprobs))
-        if o.final_text is not None:  # the engine's text is the truth
-            self.text, self.finish_reason, upto = o.final_text, o.finish_reason, len(o.final_text)
+    def advance(self, outs: list[EngineOutput]) -> str:
+        """Take this choice's new outputs, in order; return the text they let out."""
+        for o in outs:
+            self.token_ids.append(o.token_id)
+            if o.logprobs is not None:
+                self.logprobs.append((o.token_id, *o.logprobs))
+        last = outs[-1]
+        if last.final_text is not None:  # the engine's text is the truth
+            self.text, self.finish_reason, upto = last.final_text, last.finish_reason, len(last.final_text)
         else:
-            if o.text is not None:
-                self.text += o.text
+            if last.text is not None:
+                self.text += "".join(o.text or "" for o in outs)
             elif self.detok is not None:
                 self.text += self.detok.step(self.token_ids)
             upto = len(self.text) - self.holdback
@@ -164,8 +166,9 @@ class OpenAIServing:
     async def collect(self, outputs: Any, choices: dict[str, Choice]) -> None:
         try:
             with outputs:
-                async for o in outputs:
-                    choices[o.req_id].advance(o)
+                async for batch in outputs:
+                    for req_id, outs in _by_request(batch):
+                        choices[req_id].advance(outs)
         except TurnoutError as e:
             raise engine_error(e) from None
 
@@ -173,20 +176,27 @@ class OpenAIServing:
         self,
         outputs: Any,
         choices: dict[str, Choice],
-        chunk: Callable[[Choice, str, EngineOutput], dict[str, Any] | None],
+        chunk: Callable[[Choice, str, int, str | None], dict[str, Any]],
         head: list[dict[str, Any]],
         tail: Callable[[], dict[str, Any] | None],
     ) -> AsyncIterator[str]:
-        """head chunks, one chunk per output that adds text or logprobs or ends a choice, the tail
-        chunk (usage), [DONE]; an engine error becomes an error event before [DONE]."""
+        """head chunks; then per choice, for what arrived since the last chunk, one chunk that adds
+        text or logprobs or ends the choice: chunk(choice, text, new logprobs, finish_reason); the tail
+        chunk (usage); [DONE]. An engine error becomes an error event before [DONE]."""
         try:
             with outputs:
                 for h in head:
                     yield sse(h)
-                async for o in outputs:
-                    c = choices[o.req_id]
-                    if (body := chunk(c, c.advance(o), o)) is not None:
-                        yield sse(body)
+                async for batch in outputs:
+                    events = []
+                    for req_id, outs in _by_request(batch):
+                        c = choices[req_id]
+                        delta = c.advance(outs)
+                        k = sum(o.logprobs is not None for o in outs)
+                        if delta or k or outs[-1].finish_reason:
+                            events.append(sse(chunk(c, delta, k, outs[-1].finish_reason)))
+                    if events:
+                        yield "".join(events)  # one write for the batch
             if (t := tail()) is not None:
                 yield sse(t)
         except TurnoutError as e:
@@ -197,6 +207,13 @@ class OpenAIServing:
         if (s := self._token_text.get(token_id)) is None:
             s = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return s
+
+
+def _by_request(batch: list[EngineOutput]) -> list[tuple[str, list[EngineOutput]]]:
+    by: dict[str, list[EngineOutput]] = {}
+    for o in batch:
+        by.setdefault(o.req_id, []).append(o)
+    return list(by.items())
 
 
 def completion_tokens(choices: dict[str, Choice]) -> int:
