@@ -495,6 +495,7 @@ def test_200_concurrent_streams_with_cancellations(tiny: Server, tiny_llama: Pat
         client = tiny.aclient()
         return await asyncio.gather(*(one(client, i) for i in range(n)))
 
+    before = tiny.metrics()["turnout:generation_tokens_total"]
     t0 = time.monotonic()
     results = asyncio.run(run())
     assert time.monotonic() - t0 < 120
@@ -506,6 +507,8 @@ def test_200_concurrent_streams_with_cancellations(tiny: Server, tiny_llama: Pat
     assert m["turnout:num_requests_running"] == 0 and m["turnout:num_requests_waiting"] == 0
     assert m["turnout:kv_cache_usage_perc"] == 0
     assert m['turnout:request_success_total{finished_reason="length",model_name="tiny"}'] >= len(keep)
+    cancelled_tokens = m["turnout:generation_tokens_total"] - before - sum(max_tokens[i] for i in keep)
+    assert cancelled_tokens < len(cancel) * 300 / 2  # aborted on disconnect, not run to their end
     assert httpx.get(f"{tiny.url}/health").status_code == 200
 
 
