@@ -27,6 +27,22 @@ SMOL = ["--max-model-len", "512", "--cpu-kv-cache-bytes", str(64 << 20), "--api-
 TINY = ["--cpu-kv-cache-bytes", str(16 << 20), "--block-size", "8"]
 
 
+def survivors(pids: list[int], within: float = 10.0) -> list[str]:
+    """The pids still running after `within` seconds, with their command lines."""
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out = []
+    for p in pids:
+        if alive(p):
+            try:
+                cmdline = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                out.append(f"{p}: {cmdline}")
+            except OSError:
+                pass
+    return out
+
+
 class Server:
     """`turnout serve ... --port 0` in a subprocess; the port comes from its start-up line."""
 
@@ -618,7 +634,7 @@ def test_sigterm_under_load_exits_in_bound(tmp_path: Path, tiny_llama: Path) -> 
     assert took < 20, server.log.read_text()
     assert server.proc.returncode == 0
     assert all("shut down before the request finished" in e for e in ends), ends  # a clear error each
-    assert [p for p in procs if alive(p)] == []
+    assert survivors(procs) == []
 
 
 @pytest.mark.slow
@@ -662,6 +678,6 @@ def test_killed_worker_fails_requests_and_health(tmp_path: Path, tiny_llama: Pat
         )
         procs = server.descendants()
         assert server.stop(30) < 20 and server.proc.returncode == 0
-        assert [p for p in procs if alive(p)] == []
+        assert survivors(procs) == []
     finally:
         server.stop()

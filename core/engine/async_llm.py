@@ -154,9 +154,7 @@ class EngineCore:
             elif cmd[0] == "drain":
                 self.deadline = cmd[1]
             elif cmd[0] == "stop":
-                for req_id in list(self.live):
-                    self.engine.abort_request(req_id)
-                self.live.clear()
+                self._close("the server shut down", EngineBusyError)
                 return False
         return True
 
@@ -227,18 +225,27 @@ class EngineCore:
             logger.error("engine core stopped: %s", e)
         else:
             logger.exception("engine core stopped")
-        err = EngineDeadError(f"the engine stopped ({e}); restart the server")
-        with self.lock:
-            self.dead = str(err)
-        for cmd in self._commands(block=False):
-            if cmd[0] == "add":
-                self.acks.append((cmd[2], err))
-        self.live.clear()
-        self.send(CoreBatch(time.monotonic(), self._take_acks(), [], None, err))
+        self._close(f"the engine stopped ({e}); restart the server", EngineDeadError)
         try:
             self.engine.shutdown()
         except Exception:  # noqa: BLE001 - already failing; the first error is the one reported
             logger.exception("engine shutdown after a failure")
+
+    def _close(self, why: str, kind: type[TurnoutError]) -> None:
+        """The last batch: every request, queued or running, ends with this error; nothing is taken after."""
+        err = kind(why)
+        with self.lock:
+            self.dead = why
+        for cmd in self._commands(block=False):
+            if cmd[0] == "add":
+                self.acks.append((cmd[2], err))
+        for req_id in self.live:
+            try:
+                self.engine.abort_request(req_id)
+            except Exception:  # noqa: BLE001 - a dead engine may not abort; its blocks go with it
+                break
+        self.live.clear()
+        self.send(CoreBatch(time.monotonic(), self._take_acks(), [], None, err))
 
 
 @dataclass

@@ -117,7 +117,8 @@ class OpenAIServingChat(OpenAIServing):
                     param=f"messages.{i}.content",
                 )
             content = "".join(p.text for p in content)
-        return {"role": "system" if m.role == "developer" else m.role, "content": content}
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        return msg if m.name is None else {**msg, "name": m.name}  # the template decides what a name does
 
     def _logprobs(self, entries: list[tuple[int, float, list[tuple[int, float]]]]) -> dict:
         """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the top N."""
