@@ -196,6 +196,12 @@ class LLMEngine:
         if (req := self.requests.get(req_id)) is not None:
             self.scheduler.finish(req, "abort")
 
+    def abort_request(self, req_id: str) -> None:
+        """Abort and forget the request: its KV blocks are free when this returns (unknown id: no-op)."""
+        if req_id in self.requests:
+            self.abort(req_id)
+            del self.requests[req_id], self.detok[req_id]
+
     def pop_finished(self, req_id: str) -> tuple[Request, str]:
         self._detokenize(self.requests[req_id])  # catch up: an aborted request's text was never read
         return self.requests.pop(req_id), self.detok.pop(req_id).text
