@@ -193,7 +193,10 @@ class EngineCore:
         outputs = []
         for s in self.engine.step():
             req = s.req
-            lp = (req.logprobs[-1], req.top_logprobs[-1]) if req.params.logprobs is not None else None
+            lp = None
+            if req.params.logprobs is not None:
+                logprob, _rank, top = req.logprobs[-1]
+                lp = (logprob, top)
             o = EngineOutput(req.req_id, req.output_token_ids[-1], lp, s.delta if req.params.stop else None)
             if s.finished:
                 _, o.final_text = self.engine.pop_finished(req.req_id)
