@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from turnout.bench.random_models import SHAPES, make_random_model, random_model_dir
 from turnout.errors import TurnoutError
 
 WORKLOADS = {  # name: (num_prompts, input_len, output_len, temperature)
@@ -60,6 +61,9 @@ def add_bench_serve_parser(subparsers: Any) -> None:
 
     p = subparsers.add_parser("serve", help="load an OpenAI-compatible server; TTFT, TPOT, ITL, throughput")
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="model folder for the server this starts")
+    p.add_argument(
+        "--random-model", choices=sorted(SHAPES), help="serve a random-weight checkpoint of this shape"
+    )
     p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000; default: start one here")
     p.add_argument("--api-key", help="the server's --api-key")
     p.add_argument("--request-model", help="the 'model' to send; default: the server's first model")
@@ -323,6 +327,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise TurnoutError(f"two models given ({args.model_tag} and --model {args.model}); pass one")
     args.model, args.model_tag = args.model_tag or args.model, None  # one place: the engine flags
+    if args.random_model:
+        if args.model:
+            raise TurnoutError(f"two models given ({args.model} and --random-model); pass one")
+        args.model = str(make_random_model(random_model_dir(args.random_model), args.random_model))
     w = Workload.make(args)
     proc, url = (None, args.url.rstrip("/")) if args.url else _start_server(args, len(w.prompts))
     runs = []
