@@ -46,6 +46,17 @@ SUITES = {
         "256 requests that share a 2,000-token prefix, prefix caching on against off, Qwen3-0.6B shape",
         [f"turnout bench prefix {QWEN3} --out {{out}}"],
     ),
+    "serve": Suite(
+        "nano-vllm's bench workload through `turnout serve` with the openai async client at full concurrency "
+        "(streamed and not) against offline LLM.generate in the same run; then request rates 8, 32 and inf "
+        "with TTFT, TPOT and ITL at p50 and p99, Qwen3-0.6B shape",
+        [
+            "turnout bench serve --random-model qwen3-0.6b --workload nanovllm --max-model-len 4096 "
+            "--vs-offline --output {out}/{stamp}-vs-offline.json",
+            "turnout bench serve --random-model qwen3-0.6b --workload nanovllm --max-model-len 4096 "
+            "--request-rate 8 32 inf --output {out}/{stamp}-rates.json",
+        ],
+    ),
     "llama-3-8b": Suite(
         "The requests of nano-vllm's bench on the Llama-3-8B shape, against HF generate_batch on 64 of them",
         ["turnout bench throughput --random-model llama-3-8b --peers hf-generate-batch --out {out}"],

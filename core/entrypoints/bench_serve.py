@@ -1,0 +1,383 @@
+"""`turnout bench serve`: load on an OpenAI-compatible server, in the spirit of vLLM's `bench serve`.
+
+Requests go to /v1/completions through the official `openai` async client, as token-id prompts, at a
+Poisson request rate (inf = all at once), optionally capped at --max-concurrency. Reported per rate:
+request and output-token throughput, TTFT, TPOT (per request: (e2e - TTFT) / (tokens - 1)), ITL (gaps
+between chunks) and end-to-end latency at mean, p50 and p99, and the failed count. A JSON record goes to
+benchmarks/results/.
+
+Without --url the command starts `turnout serve` itself (the engine flags are serve's) on a free port
+and stops it afterwards. --vs-offline then runs the same workload through LLM.generate in this process
+and reports server / offline output throughput, both counted as nano-vllm counts them: the sum of
+max_tokens over the wall time (ignore_eos makes every request produce all of them).
+
+--workload nanovllm is nano-vllm's bench.py: 256 requests, prompt and output lengths uniform in
+[100, 1024], token ids uniform in [0, 10000], temperature 0.6, ignore_eos, seed 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import math
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from turnout.bench.random_models import SHAPES, make_random_model, random_model_dir
+from turnout.errors import TurnoutError
+
+WORKLOADS = {  # name: (num_prompts, input_len, output_len, temperature)
+    "random": (200, (1024, 1024), (128, 128), 0.0),
+    "nanovllm": (256, (100, 1024), (100, 1024), 0.6),
+}
+
+
+def _len_range(s: str) -> tuple[int, int]:
+    lo, _, hi = s.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{s}' is not N or MIN:MAX") from None
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"'{s}': need 1 <= MIN <= MAX")
+    return a, b
+
+
+def add_bench_serve_parser(subparsers: Any) -> None:
+    from turnout.cli import _engine_flags
+
+    p = subparsers.add_parser("serve", help="load an OpenAI-compatible server; TTFT, TPOT, ITL, throughput")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="model folder for the server this starts")
+    p.add_argument(
+        "--random-model", choices=sorted(SHAPES), help="serve a random-weight checkpoint of this shape"
+    )
+    p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000; default: start one here")
+    p.add_argument("--api-key", help="the server's --api-key")
+    p.add_argument("--request-model", help="the 'model' to send; default: the server's first model")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="random", help="preset sizes (below)")
+    p.add_argument("--num-prompts", type=int, help="requests per run (random: 200, nanovllm: 256)")
+    p.add_argument("--input-len", type=_len_range, help="prompt tokens: N or MIN:MAX, uniform")
+    p.add_argument("--output-len", type=_len_range, help="max_tokens: N or MIN:MAX, uniform (ignore_eos)")
+    p.add_argument("--max-token-id", type=int, default=10000, help="prompt token ids lie in [0, this]")
+    p.add_argument("--temperature", type=float, help="random: 0, nanovllm: 0.6")
+    p.add_argument("--seed", dest="workload_seed", type=int, default=0, help="seed of the workload's draws")
+    p.add_argument(
+        "--request-rate", type=float, nargs="+", default=[math.inf], help="requests/s, Poisson; inf = at once"
+    )
+    p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE (TTFT, ITL)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per rate (and offline runs)")
+    p.add_argument("--vs-offline", action="store_true", help="also run LLM.generate here; report the ratio")
+    p.add_argument("--output", help="JSON record path; default benchmarks/results/<date>-<device>-serve-...")
+    _engine_flags(p, skip=("seed",))  # --seed is the workload's; the engine seed comes from config or env
+    p.set_defaults(fn=run_bench_serve)
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    temperature: float
+
+    @classmethod
+    def make(cls, args: argparse.Namespace) -> Workload:
+        n, inp, out, temp = WORKLOADS[args.workload]
+        n, inp, out = args.num_prompts or n, args.input_len or inp, args.output_len or out
+        temp = temp if args.temperature is None else args.temperature
+        rng = random.Random(
+            args.workload_seed
+        )  # nano-vllm's order of draws: all prompts, then all output lengths
+        prompts = [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(*inp))] for _ in range(n)]
+        return cls(prompts, [rng.randint(*out) for _ in range(n)], temp)
+
+
+@dataclass
+class Record:
+    ok: bool = False
+    error: str | None = None
+    ttft: float | None = None
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+
+async def _one(client: Any, model: str, w: Workload, i: int, stream: bool) -> Record:
+    rec, t0 = Record(), time.perf_counter()
+    kw: dict[str, Any] = dict(
+        model=model, prompt=w.prompts[i], max_tokens=w.max_tokens[i], temperature=w.temperature,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    try:
+        if stream:
+            last = t0
+            chunks = await client.completions.create(
+                **kw, stream=True, stream_options={"include_usage": True}
+            )
+            async for chunk in chunks:
+                now = time.perf_counter()
+                if chunk.choices:
+                    if rec.ttft is None:
+                        rec.ttft = now - t0
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                if chunk.usage is not None:
+                    rec.output_tokens = chunk.usage.completion_tokens
+        else:
+            rec.output_tokens = (await client.completions.create(**kw)).usage.completion_tokens
+        rec.e2e, rec.ok = time.perf_counter() - t0, True
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, counted
+        rec.error = f"{type(e).__name__}: {e}"
+    return rec
+
+
+async def _run(url: str, api_key: str | None, model: str | None, w: Workload, rate: float, args: Any) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=3600)
+    model = model or (await client.models.list()).data[0].id
+    gate = asyncio.Semaphore(args.max_concurrency or len(w.prompts))
+    rng = random.Random(args.workload_seed + 1)  # arrival gaps
+
+    async def gated(i: int) -> Record:
+        async with gate:
+            return await _one(client, model, w, i, args.stream)
+
+    tasks = []
+    t0 = time.perf_counter()
+    for i in range(len(w.prompts)):
+        tasks.append(asyncio.create_task(gated(i)))
+        if math.isfinite(rate):
+            await asyncio.sleep(rng.expovariate(rate))
+    records = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t0
+    await client.close()
+    return _summary(records, w, duration, rate, model)
+
+
+def _pct(values: list[float]) -> dict[str, float | None]:
+    import numpy as np
+
+    if not values:
+        return {"mean_ms": None, "p50_ms": None, "p99_ms": None}
+    a = np.asarray(values) * 1e3
+    return {
+        "mean_ms": float(a.mean()),
+        "p50_ms": float(np.percentile(a, 50)),
+        "p99_ms": float(np.percentile(a, 99)),
+    }
+
+
+def _summary(records: list[Record], w: Workload, duration: float, rate: float, model: str) -> dict:
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(len(p) for p, r in zip(w.prompts, records) if r.ok)
+    short = sum(r.output_tokens != m for r, m in zip(records, w.max_tokens) if r.ok)
+    errors = sorted({r.error for r in records if r.error})
+    res: dict[str, Any] = {
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "model": model,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "short": short,  # completed with fewer tokens than max_tokens despite ignore_eos: a server bug
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "max_tokens_throughput": sum(m for m, r in zip(w.max_tokens, records) if r.ok) / duration,
+    }
+    tpots = [
+        (r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1
+    ]
+    for name, vals in (
+        ("ttft", [r.ttft for r in ok if r.ttft is not None]),
+        ("tpot", tpots),
+        ("itl", [x for r in ok for x in r.itl]),
+        ("e2e", [r.e2e for r in ok]),
+    ):
+        res.update({f"{name}_{k}": v for k, v in _pct(vals).items()})
+    if errors:
+        res["errors"] = errors[:5]
+    return res
+
+
+def _print(res: dict) -> None:
+    print(f"---- request rate {res['request_rate']} ({res.get('mode', '')}) ----")
+    for k, v in res.items():
+        if k not in ("request_rate", "errors", "mode"):
+            print(f"  {k:24s} {v:.2f}" if isinstance(v, float) else f"  {k:24s} {v}")
+    for e in res.get("errors", []):
+        print(f"  error: {e}")
+
+
+# ---- a server of our own ----
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_argv(args: argparse.Namespace) -> list[str]:
+    from turnout.config import EngineConfig
+
+    argv = []
+    if args.config:
+        argv += ["--config", args.config]
+    for name in EngineConfig.model_fields:
+        value = getattr(args, name, None)
+        flag = "--" + name.replace("_", "-")
+        if value is None or name == "seed":
+            continue
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return argv
+
+
+def _start_server(args: argparse.Namespace, num_prompts: int) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "turnout.cli", "serve", *_engine_argv(args), "--port", str(port)]
+    cmd += ["--max-waiting-requests", str(max(1024, num_prompts))]
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            raise TurnoutError(f"the server exited with status {proc.returncode} before it answered /health")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, url
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _offline(args: argparse.Namespace, w: Workload) -> list[float]:
+    """Output tok/s of LLM.generate on the workload, per repeat, after nano-vllm's one-prompt warm-up."""
+    from turnout import LLM, SamplingParams
+    from turnout.cli import _config
+
+    llm = LLM(config=_config(args))
+    try:
+        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+        sps = [SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
+        rates = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            llm.generate(w.prompts, sps, use_tqdm=False)
+            rates.append(sum(w.max_tokens) / (time.perf_counter() - t0))
+            print(f"offline LLM.generate: {rates[-1]:.0f} tok/s")
+        return rates
+    finally:
+        llm.shutdown()
+
+
+def _provenance() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
+    cuda = torch.cuda.is_available()
+    commit = os.environ.get("BENCH_COMMIT") or git("rev-parse", "--short", "HEAD")
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor() or 'x86_64'})",
+        "commit": commit
+        + ("-dirty" if not os.environ.get("BENCH_COMMIT") and git("status", "--porcelain", "-uno") else ""),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["turnout", *sys.argv[1:]]),
+    }
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    if args.vs_offline and args.url:
+        raise TurnoutError("--vs-offline compares with a server this command starts; leave out --url")
+    if args.repeat < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        raise TurnoutError("--repeat and --max-concurrency must be >= 1")
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise TurnoutError(f"two models given ({args.model_tag} and --model {args.model}); pass one")
+    args.model, args.model_tag = args.model_tag or args.model, None  # one place: the engine flags
+    if args.random_model:
+        if args.model:
+            raise TurnoutError(f"two models given ({args.model} and --random-model); pass one")
+        args.model = str(make_random_model(random_model_dir(args.random_model), args.random_model))
+    w = Workload.make(args)
+    proc, url = (None, args.url.rstrip("/")) if args.url else _start_server(args, len(w.prompts))
+    runs = []
+    try:
+        modes = [False, True] if args.vs_offline else [args.stream]
+        for stream in modes:
+            args.stream = stream
+            for rate in args.request_rate:
+                for _ in range(args.repeat):
+                    res = asyncio.run(_run(url, args.api_key, args.request_model, w, rate, args))
+                    res["mode"] = "stream" if stream else "no-stream"
+                    _print(res)
+                    runs.append(res)
+    finally:
+        if proc is not None:
+            _stop_server(proc)
+    model = args.model or runs[0]["model"]
+    record: dict[str, Any] = {"workload": "serve", "engine": "turnout", "model": model, **_provenance()}
+    record["config"] = {k: _jsonable(v) for k, v in vars(args).items() if v is not None and k not in SECRET}
+    record["results"] = runs
+    if args.vs_offline:
+        offline = _offline(args, w)
+        top = max(offline)
+        for mode in ("no-stream", "stream"):
+            best = max(r["max_tokens_throughput"] for r in runs if r["mode"] == mode)
+            record[f"ratio_{mode}"] = best / top
+            print(f"server ({mode}) / offline: {best:.0f} / {top:.0f} tok/s = {best / top:.3f}")
+        record["offline_tok_s"] = offline
+    path = Path(args.output or _default_path(record, args))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 1 if any(r["failed"] or r["short"] for r in runs) else 0
+
+
+SECRET = ("fn", "api_key")
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and math.isinf(v):
+        return "inf"
+    return [_jsonable(x) for x in v] if isinstance(v, list | tuple) else v
+
+
+def _default_path(record: dict, args: argparse.Namespace) -> str:
+    device = (
+        "cpu" if record["device"].startswith("cpu") else re.sub(r"[^a-z0-9]+", "-", record["device"].lower())
+    )
+    tag = args.workload + ("-vs-offline" if args.vs_offline else "")
+    return f"benchmarks/results/{record['date'][:10]}-{device.removeprefix('nvidia-')}-serve-{tag}.json"

@@ -1,0 +1,229 @@
+"""`turnout serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over AsyncLLM.
+
+/v1/completions, /v1/chat/completions, /v1/models (behind --api-key when given), /health, /version,
+/metrics. A client that disconnects has its requests aborted; SIGINT/SIGTERM stop taking requests, give
+the running ones --shutdown-timeout seconds, end the rest with an error, and stop the engine's workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import turnout
+from turnout.config import EngineConfig
+from turnout.engine.async_llm import AsyncLLM
+from turnout.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, parse
+from turnout.entrypoints.openai.serving_chat import OpenAIServingChat
+from turnout.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from turnout.errors import TurnoutError
+from turnout.loader.default_model import DEFAULT_MODEL_NAME
+from turnout.metrics import PrometheusStatLogger
+
+logger = logging.getLogger("turnout")
+
+
+def build_app(
+    engine: AsyncLLM, model_names: list[str], api_key: str | None, metrics: PrometheusStatLogger
+) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        logger.info("shutting down: stopping the engine")
+        engine.shutdown()
+
+    app = FastAPI(title="turnout", version=turnout.__version__, lifespan=lifespan)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    completion = OpenAIServingCompletion(engine, model_names)
+    chat = OpenAIServingChat(engine, model_names)
+    created = int(time.time())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        req = parse(CompletionRequest, await request.body())
+        return await _cancel_on_disconnect(request, completion.create(req))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        req = parse(ChatCompletionRequest, await request.body())
+        return await _cancel_on_disconnect(request, chat.create(req))
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        card = {"object": "model", "created": created, "owned_by": "turnout"}
+        data = [{**card, "id": n, "max_model_len": engine.max_model_len} for n in model_names]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead:
+            err = OpenAIError(503, engine.dead, "service_unavailable_error", code="engine_dead")
+            return JSONResponse(err.body(), err.status)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Any:
+        return {"version": turnout.__version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.expose(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return JSONResponse(e.body(), e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(
+            OpenAIError(e.status_code, f"{request.url.path}: {e.detail}", kind).body(), e.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("request %s failed", request.url.path)
+        return JSONResponse(OpenAIError(500, f"internal error: {e}", "server_error").body(), 500)
+
+    return app
+
+
+async def _cancel_on_disconnect(request: Request, handler: Awaitable[Any]) -> Any:
+    """Run the handler until it answers or the client goes away; then cancel it, which aborts its
+    requests. (A streaming answer watches for the disconnect itself, in StreamingResponse.)"""
+    task = asyncio.ensure_future(handler)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        task.cancel()  # a no-op once it is done
+    if not task.done() or task.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ApiKeyMiddleware:
+    """Every /v1/ path needs 'Authorization: Bearer <key>'; the rest (/health, /metrics, ...) stay open."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                err = OpenAIError(
+                    401,
+                    "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
+                return await JSONResponse(err.body(), 401)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, whose first SIGINT/SIGTERM also starts the engine's drain."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            self.engine.begin_shutdown(self.grace)
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """As uvicorn's, except that the signal is not raised again after a graceful exit: exit status 0."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise TurnoutError(
+            f"cannot listen on {host}:{port} ({e.strerror}); pick another --host or --port"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise TurnoutError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_waiting_requests < 0:
+        raise TurnoutError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.shutdown_timeout < 0:
+        raise TurnoutError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+
+
+def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Serve until SIGINT/SIGTERM; the socket is bound before the model loads, so a taken port fails fast."""
+    _check(args)
+    sock = _listen(args.host, args.port)
+    names = args.served_model_name or [config.model or DEFAULT_MODEL_NAME]
+    metrics = PrometheusStatLogger(names[0])
+    try:
+        engine = AsyncLLM(config, args.max_waiting_requests, [metrics])
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        app = build_app(engine, names, args.api_key, metrics)
+        uconfig = uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=int(args.shutdown_timeout) + 5,  # a backstop: the engine drains first
+        )
+        server = Server(uconfig, engine, args.shutdown_timeout)
+        host, port = sock.getsockname()[:2]
+        sel = engine.selection
+        logger.info(
+            "serving %s: backend %s, model %s (%s), executor %s, graph mode %s; http://%s:%d/v1",
+            names[0], sel.attention.chosen.name, sel.model_info.path, sel.model_info.architecture,
+            sel.executor.chosen.name, sel.effective_graph.name, host, port,
+        )  # fmt: skip
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        sock.close()
+    return 0

@@ -1,0 +1,220 @@
+"""What /v1/completions and /v1/chat/completions share: the model check, SamplingParams from a request,
+the engine requests of one HTTP request, a choice's text and logprobs as its tokens arrive, SSE."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from turnout.engine.async_llm import AsyncLLM, EngineBusyError, EngineDeadError, EngineOutput, EngineRequest
+from turnout.engine.detokenizer import Detokenizer
+from turnout.entrypoints.openai.protocol import OpenAIError
+from turnout.errors import TurnoutError
+from turnout.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+_PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def engine_error(e: TurnoutError) -> OpenAIError:
+    """The HTTP answer to an error the engine raised for a request."""
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, str(e), "service_unavailable_error", code="engine_dead")
+    if isinstance(e, EngineBusyError):
+        return OpenAIError(503, str(e), "service_unavailable_error", code="server_busy")
+    return OpenAIError(400, str(e), param=_param_of(str(e)))
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a validation message is about: the SamplingParams field it names first."""
+    hits = [(m.start(), f) for f in _PARAM_FIELDS if (m := re.search(rf"\b{f}\b", message))]
+    return min(hits)[1] if hits else ("prompt" if "prompt" in message else None)
+
+
+class Choice:
+    """One completion's state as its tokens arrive: token ids, its text, how much of it was sent, logprobs.
+
+    With stop strings the last (longest stop - 1) characters are held back until the next token: they
+    may be the start of a stop string, which the engine cuts from the text when it completes."""
+
+    def __init__(self, index: int, prompt_len: int, stop: list[str], detok: Detokenizer | None) -> None:
+        self.index, self.prompt_len, self.detok = index, prompt_len, detok
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters of text already handed out
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # (token, logprob, top N)
+        self.finish_reason: str | None = None
+
+    def advance(self, outs: list[EngineOutput]) -> str:
+        """Take this choice's new outputs, in order; return the text they let out."""
+        for o in outs:
+            self.token_ids.append(o.token_id)
+            if o.logprobs is not None:
+                self.logprobs.append((o.token_id, *o.logprobs))
+        last = outs[-1]
+        if last.final_text is not None:  # the engine's text is the truth
+            self.text, self.finish_reason, upto = last.final_text, last.finish_reason, len(last.final_text)
+        else:
+            if last.text is not None:
+                self.text += "".join(o.text or "" for o in outs)
+            elif self.detok is not None:
+                self.text += self.detok.step(self.token_ids)
+            upto = len(self.text) - self.holdback
+        delta = self.text[self.sent : upto]
+        self.sent = max(self.sent, upto)
+        return delta
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_names: list[str]) -> None:
+        self.engine, self.model_names = engine, model_names
+        self.tokenizer = engine.tokenizer
+        self._token_text: dict[int, str] = {}
+
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.model_names:
+            raise OpenAIError(
+                404,
+                f"model '{name}' is not served here; this server serves {', '.join(self.model_names)}",
+                "not_found_error",
+                "model",
+                "model_not_found",
+            )
+        return name or self.model_names[0]
+
+    def sampling_params(self, req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if req.logit_bias:
+            raise OpenAIError(400, "logit_bias is not supported; leave it out", param="logit_bias")
+        if req.stream_options is not None and not req.stream:
+            raise OpenAIError(400, "stream_options needs stream: true", param="stream_options")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(
+                400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs"
+            )
+        kw = dict(
+            n=req.n,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logprobs=logprobs,
+        )
+        try:
+            return SamplingParams(**{k: v for k, v in kw.items() if v is not None})
+        except (ValueError, TurnoutError) as e:
+            raise OpenAIError(400, str(e), param=_param_of(str(e))) from None
+
+    def check_length(self, prompt_ids: list[int], max_tokens: int, param: str) -> None:
+        limit = self.engine.max_model_len
+        if not prompt_ids:
+            raise OpenAIError(400, f"{param} is empty; send at least one token", param=param)
+        if len(prompt_ids) + max_tokens > limit:
+            raise OpenAIError(
+                413,
+                f"this model's context is {limit} tokens, but the request needs {len(prompt_ids)} "
+                f"(prompt) + {max_tokens} (max_tokens) = {len(prompt_ids) + max_tokens}; "
+                "shorten the prompt or lower max_tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def requests(
+        self, rid: str, prompts: list[list[int]], params: list[SamplingParams], stream: bool
+    ) -> tuple[list[EngineRequest], dict[str, Choice]]:
+        """n engine requests per prompt (seeds seed, seed+1, ...); choice index = prompt index * n + k."""
+        reqs, choices = [], {}
+        for i, (ids, sp) in enumerate(zip(prompts, params)):
+            for k in range(sp.n):
+                index = i * sp.n + k
+                seed = None if sp.seed is None else sp.seed + k
+                req = EngineRequest(f"{rid}-{index}", ids, dataclasses.replace(sp, n=1, seed=seed))
+                reqs.append(req)
+                detok = Detokenizer(self.tokenizer) if stream and not sp.stop else None
+                choices[req.req_id] = Choice(index, len(ids), sp.stop, detok)
+        return reqs, choices
+
+    async def run(self, reqs: list[EngineRequest], stream: bool) -> Any:
+        try:
+            return await self.engine.generate(reqs, per_token=stream)
+        except TurnoutError as e:
+            raise engine_error(e) from None
+
+    async def collect(self, outputs: Any, choices: dict[str, Choice]) -> None:
+        try:
+            with outputs:
+                async for batch in outputs:
+                    for req_id, outs in _by_request(batch):
+                        choices[req_id].advance(outs)
+        except TurnoutError as e:
+            raise engine_error(e) from None
+
+    async def sse_stream(
+        self,
+        outputs: Any,
+        choices: dict[str, Choice],
+        chunk: Callable[[Choice, str, int, str | None], dict[str, Any]],
+        head: list[dict[str, Any]],
+        tail: Callable[[], dict[str, Any] | None],
+    ) -> AsyncIterator[str]:
+        """head chunks; then per choice, for what arrived since the last chunk, one chunk that adds
+        text or logprobs or ends the choice: chunk(choice, text, new logprobs, finish_reason); the tail
+        chunk (usage); [DONE]. An engine error becomes an error event before [DONE]."""
+        try:
+            with outputs:
+                for h in head:
+                    yield sse(h)
+                async for batch in outputs:
+                    events = []
+                    for req_id, outs in _by_request(batch):
+                        c = choices[req_id]
+                        delta = c.advance(outs)
+                        k = sum(o.logprobs is not None for o in outs)
+                        if delta or k or outs[-1].finish_reason:
+                            events.append(sse(chunk(c, delta, k, outs[-1].finish_reason)))
+                    if events:
+                        yield "".join(events)  # one write for the batch
+            if (t := tail()) is not None:
+                yield sse(t)
+        except TurnoutError as e:
+            yield sse(engine_error(e).body())
+        yield "data: [DONE]\n\n"
+
+    def token_text(self, token_id: int) -> str:
+        if (s := self._token_text.get(token_id)) is None:
+            s = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return s
+
+
+def _by_request(batch: list[EngineOutput]) -> list[tuple[str, list[EngineOutput]]]:
+    by: dict[str, list[EngineOutput]] = {}
+    for o in batch:
+        by.setdefault(o.req_id, []).append(o)
+    return list(by.items())
+
+
+def completion_tokens(choices: dict[str, Choice]) -> int:
+    return sum(len(c.token_ids) for c in choices.values())
