@@ -284,7 +284,7 @@ def select_all(
         level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
         logger.log(level, "cudagraph_mode %s -> %s: %s", graph.chosen.name, effective.name, note)
     fitted = fit_defaults(config, platform, backend)
-    async_on, async_note = resolve_async_scheduling(config.async_scheduling, platform, executor.obj)
+    async_on, async_note = resolve_async_scheduling(config.async_scheduling, executor.obj)
     if config.async_scheduling is None:
         fitted["async_scheduling"] = (async_on, async_note)
     experts = None
@@ -297,26 +297,20 @@ def select_all(
     )  # fmt: skip
 
 
-def resolve_async_scheduling(
-    requested: bool | None, platform: Platform, spec: ExecutorSpec
-) -> tuple[bool, str]:
-    """async_scheduling as it will run, and why. Auto turns it on with CUDA where the executor supports
-    it; on the CPU nothing runs beside the host, so it would only hold one more step in flight."""
+def resolve_async_scheduling(requested: bool | None, spec: ExecutorSpec) -> tuple[bool, str]:
+    """async_scheduling as it will run, and why. Unset, it is off, as in vLLM: a user turns it on
+    (`--async-scheduling`) where the executor supports it; `benchmarks/run.py async-scheduling` measures
+    what it gains."""
     if not spec.supports_async_scheduling:
         if requested:
             raise ConfigError(
                 f"async_scheduling is on, but executor {spec.name} does not support it (uniproc, for one "
                 "rank, does); set async_scheduling false or leave it unset"
             )
-        why = f"off: executor {spec.name} does not support it"
-        if requested is None and platform.is_cuda:
-            logger.info("async scheduling %s", why)
-        return False, why
+        return False, f"off: executor {spec.name} does not support it"
     if requested is not None:
         return requested, "on: set by the user" if requested else "off: set by the user"
-    if platform.is_cuda:
-        return True, f"on: auto, CUDA and executor {spec.name}"
-    return False, "off: auto, no device runs beside the host on the CPU"
+    return False, "off: opt-in, as in vLLM (--async-scheduling)"
 
 
 def worker_handoff(

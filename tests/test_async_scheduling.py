@@ -325,7 +325,7 @@ def test_async_scheduling_off_on_cpu_by_default_and_refused_where_unsupported(ti
 
     info = ModelInfo.from_dir(str(tiny_llama))
     auto = select_all(EngineConfig(), info)
-    assert auto.async_scheduling is False and "auto" in auto.async_scheduling_note
+    assert auto.async_scheduling is False and "opt-in" in auto.async_scheduling_note
     assert select_all(EngineConfig(async_scheduling=True), info).async_scheduling is True
     with pytest.raises(ConfigError, match="executor multiproc does not support it"):
         select_all(EngineConfig(async_scheduling=True, executor="multiproc"), info)
@@ -342,12 +342,12 @@ def test_explain_shows_async_scheduling_and_why(tiny_llama, capsys):
         settings[tuple(flags)] = json.loads(capsys.readouterr().out)["settings"]["async_scheduling"]
     assert settings[()] == {
         "value": False,
-        "source": "fitted: off: auto, no device runs beside the host on the CPU",
+        "source": "fitted: off: opt-in, as in vLLM (--async-scheduling)",
     }
     assert settings[("--async-scheduling",)] == {"value": True, "source": "flag"}
     assert settings[("--no-async-scheduling",)] == {"value": False, "source": "flag"}
     assert main(["explain", "--model", str(tiny_llama)]) == 0
-    assert "fitted: off: auto" in capsys.readouterr().out.split("engine settings", 1)[1]
+    assert "fitted: off: opt-in" in capsys.readouterr().out.split("engine settings", 1)[1]
 
 
 def test_env_switch(monkeypatch):
@@ -377,7 +377,7 @@ def test_embedded_model_chat_with_eos_and_stop_strings():
 # ---- CUDA ----
 @pytest.mark.gpu
 def test_cuda_async_equals_sync_and_a_decode_step_never_syncs(tiny_llama):
-    """On the device, with graphs: auto turns async scheduling on; the same tokens as sync; and a steady
+    """On the device, with graphs: async scheduling on gives the same tokens as sync; and a steady
     decode step (schedule and launch step N+1, read step N) makes no stream or device sync: waiting on the
     sampled tokens' event is its only wait."""
     prompts = _prompts(32)
@@ -387,7 +387,7 @@ def test_cuda_async_equals_sync_and_a_decode_step_never_syncs(tiny_llama):
     cfg = dict(dtype="float32", gpu_memory_utilization=0.2, max_num_batched_tokens=128)
     outs = {}
     for on in (False, True):
-        llm = LLM(str(tiny_llama), async_scheduling=None if on else False, **cfg)
+        llm = LLM(str(tiny_llama), async_scheduling=on, **cfg)
         assert llm.engine.async_scheduling is on
         outs[on] = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         if on:
