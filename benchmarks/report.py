@@ -221,6 +221,35 @@ def _profile_rows(doc: Doc) -> list[dict]:
     return [{"mode": r["mode"], "batch": doc.get("batch", 1), **r["totals"]} for r in doc["results"]]
 
 
+SERVE = {
+    "mode": "run", "request_rate": "request rate", "completed": "completed", "failed": "failed",
+    "output_throughput": "output tok/s", "vs_offline": "/ offline", "ttft_p50_ms": "TTFT p50 (ms)",
+    "ttft_p99_ms": "TTFT p99", "tpot_p50_ms": "TPOT p50", "tpot_p99_ms": "TPOT p99", "itl_p50_ms": "ITL p50",
+    "itl_p99_ms": "ITL p99",
+}  # fmt: skip
+MOE = {
+    "config": "config", "moe_kernel": "kernel", "graph": "graph mode", "seqs_identical": "identical to EP=1",
+    "tf_agree": "teacher-forced agreement", "mixed_out_tok_s": "mixed output tok/s",
+    "expert_mib": "expert weights per rank (MiB)",
+}  # fmt: skip
+
+
+def _serve_rows(doc: Doc) -> list[dict]:
+    """One row per run; against offline LLM.generate where the record measured it."""
+    offline = (doc.get("offline_tok_s") or [None])[0]
+    rows = []
+    for r in doc["results"]:
+        ratio = r["output_throughput"] / offline if offline else None
+        rows.append({**r, "mode": r.get("mode", "stream"), "vs_offline": ratio})
+    if offline:
+        rows.append({"mode": "offline LLM.generate", "output_throughput": offline})
+    return rows
+
+
+def _moe_rows(doc: Doc) -> list[dict]:
+    return [{**r, "expert_mib": r["memory_per_rank"][0]["expert_weight_mib"]} for r in doc["results"]]
+
+
 def attention_section() -> list[str]:
     """Case by backend, each backend from the newest file that has it."""
     newest: dict[str, tuple[Path, Doc]] = {}
@@ -325,6 +354,8 @@ def render() -> str:
         ("conformance", "Conformance", lambda: per_file("conformance", CONFORMANCE)),
         ("e2e", "End to end against HF transformers", lambda: per_file("e2e", E2E)),
         ("parallel", "Parallelism", lambda: per_file("parallel", PARALLEL)),
+        ("serve", "Serving", lambda: per_file("serve", SERVE, _serve_rows)),
+        ("moe", "Mixture of experts", lambda: per_file("moe", MOE, _moe_rows)),
     ]
     for suite, title, body in sections:
         out += ["", f"## {title}", "", f"{SUITES[suite].about}.", *body()]
