@@ -47,7 +47,8 @@ def _script_frame(main_globals: dict) -> FrameType | None:
 
 def check_main_guard(what: str) -> None:
     """Raise ConfigError when `what` (which spawns processes) is reached from the main script's top-level
-    code outside `if __name__ == "__main__":`. An interactive interpreter and `python -c` run no script: fine."""
+    code outside `if __name__ == "__main__":`. An interactive interpreter and `python -c` run no script,
+    so they pass."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     frame = _script_frame(vars(main)) if main is not None and path else None
