@@ -607,7 +607,7 @@ def test_full_waiting_queue_answers_503(tmp_path: Path, tiny_llama: Path) -> Non
 
 @pytest.mark.slow
 def test_sigterm_under_load_exits_in_bound(tmp_path: Path, tiny_llama: Path) -> None:
-    server = Server(tmp_path, str(tiny_llama), *TINY, "--shutdown-timeout", "2")
+    server = Server(tmp_path, str(tiny_llama), *TINY, "--shutdown-timeout", "0")
     procs = server.descendants()
 
     async def go() -> list:
