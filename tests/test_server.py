@@ -479,6 +479,20 @@ def _prompt(i: int) -> list[int]:
     return [3 + (i * 7 + j * 13) % 500 for j in range(4 + i % 9)]
 
 
+async def _stream_to_end(client: openai.AsyncOpenAI, model: str, i: int, max_tokens: int) -> str:
+    """Stream request i to its end: "finished", or the error the server ended it with."""
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=_prompt(i), max_tokens=max_tokens, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        async for _ in stream:
+            pass
+        return "finished"
+    except openai.APIError as e:
+        return f"{type(e).__name__}: {e}"
+
+
 @pytest.mark.slow
 def test_200_concurrent_streams_with_cancellations(tiny: Server, tiny_llama: Path) -> None:
     n = 200
@@ -613,19 +627,7 @@ def test_sigterm_under_load_exits_in_bound(tmp_path: Path, tiny_llama: Path) -> 
     async def go() -> list:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
 
-        async def one(i: int) -> str:
-            try:
-                stream = await client.completions.create(
-                    model=str(tiny_llama), prompt=_prompt(i), max_tokens=500 - 20, stream=True,
-                    extra_body={"ignore_eos": True},
-                )  # fmt: skip
-                async for _ in stream:
-                    pass
-                return "finished"
-            except openai.APIError as e:
-                return type(e).__name__ + ": " + str(e)
-
-        tasks = [asyncio.create_task(one(i)) for i in range(20)]
+        tasks = [asyncio.create_task(_stream_to_end(client, str(tiny_llama), i, 480)) for i in range(20)]
         await asyncio.to_thread(server.wait_metrics, lambda m: m["turnout:num_requests_running"] == 20)
         took = await asyncio.to_thread(server.stop, 30)
         return [took, *await asyncio.gather(*tasks)]
@@ -652,19 +654,7 @@ def test_killed_worker_fails_requests_and_health(tmp_path: Path, tiny_llama: Pat
         async def go() -> list[str]:
             client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
 
-            async def one(i: int) -> str:
-                try:
-                    stream = await client.completions.create(
-                        model=str(tiny_llama), prompt=_prompt(i), max_tokens=480, stream=True,
-                        extra_body={"ignore_eos": True},
-                    )  # fmt: skip
-                    async for _ in stream:
-                        pass
-                    return "finished"
-                except openai.APIError as e:
-                    return str(e)
-
-            tasks = [asyncio.create_task(one(i)) for i in range(8)]
+            tasks = [asyncio.create_task(_stream_to_end(client, str(tiny_llama), i, 480)) for i in range(8)]
             await asyncio.to_thread(server.wait_metrics, lambda m: m["turnout:generation_tokens_total"] >= 16)
             os.kill(workers[1], signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*tasks), 60)  # never hangs
