@@ -35,7 +35,8 @@ class Priority(enum.IntEnum):
 
     The order "auto" follows on each platform, set by the tiers below and nowhere else:
 
-    - attention, CUDA (sm80+): flash_attn FIRST > flashinfer SECOND > triton THIRD (vLLM's order on Hopper)
+    - attention, CUDA (sm80+): triton FIRST > flashinfer SECOND > flash_attn THIRD, the order of their output
+      tok/s on nano-vllm's bench on an H200 (benchmarks/results/throughput/, docs/performance.md)
     - attention, CPU: cpu DEFAULT > triton under TRITON_INTERPRET=1 TESTING (a test aid, never preferred)
     - executors, any platform: uniproc FIRST > ray SECOND > multiproc THIRD; their checks leave one valid
       in most cases (uniproc for one rank, multiproc for ranks on this node, ray beyond it or at RAY_ADDRESS)

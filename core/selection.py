@@ -284,7 +284,7 @@ def select_all(
         level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
         logger.log(level, "cudagraph_mode %s -> %s: %s", graph.chosen.name, effective.name, note)
     fitted = fit_defaults(config, platform, backend)
-    async_on, async_note = resolve_async_scheduling(config.async_scheduling, executor.obj)
+    async_on, async_note = resolve_async_scheduling(config.async_scheduling, executor.obj, platform)
     if config.async_scheduling is None:
         fitted["async_scheduling"] = (async_on, async_note)
     experts = None
@@ -297,10 +297,12 @@ def select_all(
     )  # fmt: skip
 
 
-def resolve_async_scheduling(requested: bool | None, spec: ExecutorSpec) -> tuple[bool, str]:
-    """async_scheduling as it will run, and why. Unset, it is off, as in vLLM: a user turns it on
-    (`--async-scheduling`) where the executor supports it; `benchmarks/run.py async-scheduling` measures
-    what it gains."""
+def resolve_async_scheduling(
+    requested: bool | None, spec: ExecutorSpec, platform: Platform
+) -> tuple[bool, str]:
+    """async_scheduling as it will run, and why. Unset, it is on with CUDA where the executor supports it
+    (nano-vllm's bench on an H200: docs/performance.md), and off on the CPU, where the forward runs in the
+    host thread and leaves nothing to overlap."""
     if not spec.supports_async_scheduling:
         if requested:
             raise ConfigError(
@@ -310,7 +312,9 @@ def resolve_async_scheduling(requested: bool | None, spec: ExecutorSpec) -> tupl
         return False, f"off: executor {spec.name} does not support it"
     if requested is not None:
         return requested, "on: set by the user" if requested else "off: set by the user"
-    return False, "off: opt-in, as in vLLM (--async-scheduling)"
+    if not platform.is_cuda:
+        return False, f"off: on {platform.device_type} the forward runs in the host thread"
+    return True, f"on: executor {spec.name} supports it, with CUDA (--no-async-scheduling)"
 
 
 def worker_handoff(

@@ -319,13 +319,20 @@ def test_scheduler_runs_in_flight_tokens_as_placeholders_and_drops_late_ones():
     assert n2.finished_req_ids == ["1", "2"]
 
 
-def test_async_scheduling_off_on_cpu_by_default_and_refused_where_unsupported(tiny_llama):
+def test_async_scheduling_on_with_cuda_off_on_cpu_by_default_and_refused_where_unsupported(tiny_llama):
     from turnout.models.info import ModelInfo
-    from turnout.selection import select_all
+    from turnout.platform import Platform
+    from turnout.selection import resolve_async_scheduling, select_all
 
     info = ModelInfo.from_dir(str(tiny_llama))
     auto = select_all(EngineConfig(), info)
-    assert auto.async_scheduling is False and "opt-in" in auto.async_scheduling_note
+    assert auto.async_scheduling is False and "host thread" in auto.async_scheduling_note
+    h200 = Platform("cuda", "H200", 1, (9, 0), 141 << 30, (torch.bfloat16, torch.float32))
+    assert resolve_async_scheduling(None, auto.executor_spec, h200) == (
+        True,
+        "on: executor uniproc supports it, with CUDA (--no-async-scheduling)",
+    )
+    assert resolve_async_scheduling(False, auto.executor_spec, h200)[0] is False
     assert select_all(EngineConfig(async_scheduling=True), info).async_scheduling is True
     with pytest.raises(ConfigError, match="executor multiproc does not support it"):
         select_all(EngineConfig(async_scheduling=True, executor="multiproc"), info)
@@ -342,12 +349,12 @@ def test_explain_shows_async_scheduling_and_why(tiny_llama, capsys):
         settings[tuple(flags)] = json.loads(capsys.readouterr().out)["settings"]["async_scheduling"]
     assert settings[()] == {
         "value": False,
-        "source": "fitted: off: opt-in, as in vLLM (--async-scheduling)",
+        "source": "fitted: off: on cpu the forward runs in the host thread",
     }
     assert settings[("--async-scheduling",)] == {"value": True, "source": "flag"}
     assert settings[("--no-async-scheduling",)] == {"value": False, "source": "flag"}
     assert main(["explain", "--model", str(tiny_llama)]) == 0
-    assert "fitted: off: opt-in" in capsys.readouterr().out.split("engine settings", 1)[1]
+    assert "fitted: off: on cpu" in capsys.readouterr().out.split("engine settings", 1)[1]
 
 
 def test_env_switch(monkeypatch):

@@ -58,7 +58,7 @@ def test_plugins_load_through_entry_points():
     backends = {
         b.name: b for res in pm.call_each("turnout_attention_backends", platform=H200) for b in res.value
     }
-    assert backends["flashinfer"].priority == 20 and backends["flash_attn"].priority == 30
+    assert backends["flashinfer"].priority == 20 and backends["flash_attn"].priority == 10
 
 
 def test_plugins_import_without_their_libraries():

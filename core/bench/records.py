@@ -9,6 +9,7 @@ prefix      run, speedup_vs_no_cache
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -88,14 +89,22 @@ def check(rec: dict[str, Any]) -> None:
 
 
 def write(records: list[dict[str, Any]], out: str | Path, workload: str, device: str) -> Path:
-    """out: a .json file, or a folder that gets <UTC date-time>-<device>-<workload>.json."""
+    """out: a .json file, or a folder that gets <UTC date-time>-<device>-<workload>-<attention>[-async].json;
+    a name already taken gets -2, -3, ..., so no run overwrites another's file."""
     for rec in records:
         check(rec)
     path = Path(out)
     if path.suffix != ".json":
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
         slug = re.sub(r"[^a-z0-9]+", "-", device.lower().split("(")[0]).strip("-").removeprefix("nvidia-")
-        path = path / f"{stamp}-{slug}-{workload}.json"
+        cfg = next((r["config"] for r in records if r["engine"] == "turnout"), {})
+        tag = "".join(f"-{t}" for t in (cfg.get("attention"), cfg.get("async_scheduling") and "async") if t)
+        base = path / f"{stamp}-{slug}-{workload}{tag}"
+        path = next(
+            p
+            for i in itertools.count(1)
+            if not (p := Path(f"{base}{f'-{i}' if i > 1 else ''}.json")).exists()
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(records, indent=1) + "\n")
     return path

@@ -115,6 +115,7 @@ class Bench:
             "graph_mode": sel.effective_graph.name,
             "executor": sel.executor.chosen.name,
             "dtype": str(sel.dtype).removeprefix("torch."),
+            "async_scheduling": sel.async_scheduling,
         }
         workloads.warm_up(llm)
         return llm
@@ -134,7 +135,9 @@ class Bench:
         floor = self.floor(workloads.shapes(reqs), sum(r.max_tokens for r in reqs))
         llm, recs = self.start(), []
         for run in RUNS:
+            before = prefix_cache_counts(llm)
             m = rate(*workloads.run(llm, reqs))
+            m["prefix_cache_hit_rate"] = hit_rate(before, prefix_cache_counts(llm))
             nano = res.get("nano-vllm", {}).get(run, {}).get("output_tokens_per_s")
             recs.append(self.record("turnout", run, num_prompts=len(reqs), startup_s=self.startup_s, **m,
                                     ratio_vs_nano_vllm=ratio(m["output_tokens_per_s"], nano),
@@ -249,3 +252,16 @@ class Bench:
             f"roofline at {c.bytes_per_s / 1e12:.1f} TB/s, {c.flops_per_s / 1e12:.0f} TFLOP/s ({c.where}): "
             f"floor {records.fmt(floor)} {'ms a token' if lat else 'output tok/s'}; turnout: {got} of it"
         )
+
+
+def prefix_cache_counts(llm: Any) -> tuple[int, int] | None:
+    """(prompt tokens looked up, hits) since start; None where the engine keeps no such count (DP)."""
+    stats = getattr(llm.engine, "stats", None)
+    return (lambda s: (s["prefix_cache_queries"], s["prefix_cache_hits"]))(stats()) if stats else None
+
+
+def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The prefix-cache hit rate between two counts: a repeat of the same prompts hits their cached blocks."""
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    return round((after[1] - before[1]) / (after[0] - before[0]), 4)

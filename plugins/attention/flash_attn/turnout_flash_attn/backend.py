@@ -162,7 +162,7 @@ def _cu_seqlens(seq_lens: torch.Tensor) -> torch.Tensor:
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
-    priority = Priority.FIRST  # the order per platform: turnout.Priority
+    priority = Priority.THIRD  # the order per platform: turnout.Priority
     device_types = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
     head_sizes = None  # depends on the library: path_reasons()

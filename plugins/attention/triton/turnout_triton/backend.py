@@ -25,7 +25,7 @@ def _kernels() -> ModuleType:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    priority = Priority.THIRD  # the order per platform: turnout.Priority
+    priority = Priority.FIRST  # the order per platform: turnout.Priority
     device_types = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16, torch.float32)  # float32 dots run in IEEE precision
     head_sizes = None  # any size up to MAX_HEAD_SIZE, see check()

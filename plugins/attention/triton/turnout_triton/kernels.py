@@ -246,7 +246,7 @@ def _prefill_kernel(
     tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt"])  # the block table's width changes from step to step
 def _decode_kernel(
     q, k_cache, v_cache, out, part_o, part_lse, cu, seq_lens, block_table, scale_log2, block_size,
     s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
