@@ -108,6 +108,11 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
+    def needs_processing(self) -> bool:
+        """The sampler edits this row's logits first: bad words, min_tokens, logit_bias, penalties."""
+        return bool(self.bad_words_token_ids or self.min_tokens or self.logit_bias) or self.needs_penalties
+
+    @property
     def needs_output_tokens(self) -> bool:
         """The sampler reads this request's generated tokens themselves, not only their count: under async
         scheduling a step that samples for it is read before the next step is scheduled."""

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from turnout.sampling_params import SamplingParams
+from turnout.worker import sample_kernel
 
 TopLogprobs = list[tuple[int, float]]  # (token id, logprob), best first
 
@@ -237,16 +238,24 @@ class Sampler:
         num_output_tokens: list[int] | None = None,  # per row, outputs before this one; None = their lens
     ) -> SampledTensors:
         """Everything on the logits' device, with no host sync."""
-        raw = logits.float()  # [B, V]; never written to (may alias the caller's tensor)
-        counts = num_output_tokens if num_output_tokens is not None else [len(o) for o in output_token_ids]
-        processed = self.process(raw, params, prompt_token_ids, output_token_ids, counts)
-        tokens = self.pick(processed, params, generators)
+        seeded = any(g is not None for g in generators)
+        if not any(p.needs_processing for p in params) and sample_kernel.can_sample(logits, params, seeded):
+            temps = _cols([(0.0 if p.greedy else p.temperature,) for p in params], logits.device)[0]
+            tokens = sample_kernel.gumbel_argmax(logits, temps)
+        else:
+            raw = logits.float()  # [B, V]; never written to (may alias the caller's tensor)
+            counts = (
+                num_output_tokens if num_output_tokens is not None else [len(o) for o in output_token_ids]
+            )
+            processed = self.process(raw, params, prompt_token_ids, output_token_ids, counts)
+            tokens = self.pick(processed, params, generators)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not want:
             return SampledTensors(tokens, [], [])
         num_top = [params[i].logprobs or 0 for i in want]
-        idx = _index(want, raw.device)
-        return SampledTensors(tokens, want, num_top, *logprob_tensors(raw[idx], tokens[idx], max(num_top)))
+        idx = _index(want, logits.device)
+        lps = logprob_tensors(logits[idx].float(), tokens[idx], max(num_top))
+        return SampledTensors(tokens, want, num_top, *lps)
 
     def process(
         self,
