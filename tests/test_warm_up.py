@@ -23,7 +23,10 @@ def test_warm_up_leaves_no_trace(tiny_llama, async_scheduling):
 
     llm = LLM(str(tiny_llama), **kw)
     engine = llm.engine
+    hits, new_scheduler = [], engine._new_scheduler
+    engine._new_scheduler = lambda: (hits.append(engine.scheduler.bm.stats.hits), new_scheduler())[1]
     engine._warm_up()
+    assert hits[0] > 0  # a prefill after a cached prefix ran (and compiled its kernels on CUDA)
     bm = engine.scheduler.bm
     assert bm.num_free_blocks == bm.num_blocks
     assert engine.stats()["prefix_cache_queries"] == 0 and not engine.requests

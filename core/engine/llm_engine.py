@@ -126,8 +126,8 @@ class LLMEngine:
         """Run synthetic requests through the real step path before the first user request, so that the
         kernels a workload hits are compiled (or loaded from the on-disk cache) at start-up: for each
         power-of-two band of sequence length, a prefill step, a mixed step (decode rows beside a prefill
-        chunk) and decode steps. The scheduler and its prefix cache are replaced afterwards, so no warm-up
-        block or statistic outlives it."""
+        chunk), decode steps and, with prefix caching, a prefill after a cached prefix. The scheduler and
+        its prefix cache are replaced afterwards, so no warm-up block or statistic outlives it."""
         t0 = time.perf_counter()
         vocab = self.info.hf_config.get("vocab_size", 32000)
         tokens = lambda n, salt: [(salt * 7919 + i * 104729) % vocab for i in range(n)]
@@ -139,9 +139,10 @@ class LLMEngine:
             self.add_request(tokens(n, length), sample, req_id=f"warmup-{length}-a")
             self.step()
             self.add_request(tokens(n // 2 + 1, length + 1), greedy, req_id=f"warmup-{length}-b")
-            while self.has_unfinished():
-                self.step()
-                steps += 1
+            steps += self._run_to_end()
+            if self.config.enable_prefix_caching:  # after a's full blocks, now cached
+                self.add_request(tokens(n, length) + [1] * 3, greedy, req_id=f"warmup-{length}-c")
+                steps += self._run_to_end()
             if n < length + 1:
                 break
             length *= 2
@@ -150,6 +151,14 @@ class LLMEngine:
             self.pop_finished(req_id)
         self.scheduler = self._new_scheduler()
         logger.info("warm-up: %d steps up to %d tokens in %.1fs", steps, n, time.perf_counter() - t0)
+
+    def _run_to_end(self) -> int:
+        """Step until every request has finished; the number of steps."""
+        steps = 0
+        while self.has_unfinished():
+            self.step()
+            steps += 1
+        return steps
 
     def _eos_ids(self, model_dir: str) -> list[int]:
         ids = set(self.info.eos_token_ids)
