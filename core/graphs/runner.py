@@ -5,9 +5,11 @@ lives in a static buffer (input_ids, positions, slot_mapping, query_start_loc, s
 replay copies the step's values in, then the backend's build_metadata refreshes its own buffers in place.
 
 PIECEWISE: the forward is cut at every attention call. While capturing, the Attention layer hands its
-q, k, v to `hole`, which ends the current graph, runs attention eagerly into a shared output buffer and
-begins the next graph. Replay runs graph 0, attention 0, graph 1, ... so attention sees the real,
-unpadded batch of any composition, and the pieces between see the padded token count.
+q, k, v to `hole`, which copies them into shared input buffers (the copy is the graph's last node), ends
+the current graph, runs attention eagerly into a shared output buffer and begins the next graph. Replay
+runs graph 0, attention 0, graph 1, ... so attention sees the real, unpadded batch of any composition, and
+the pieces between see the padded token count. Every size and layer reads and writes the same attention
+buffers, so a capture size costs its graphs, not a copy of every layer's q, k and v.
 
 All graphs share one memory pool and are captured largest size first. Padded rows write no KV
 (slot_mapping -1); logits and sampling stay outside the graphs.
@@ -78,6 +80,7 @@ class GraphRunner:
         self.full: dict[tuple[int, bool], _Full] = {}
         self.piecewise: dict[int, _Piecewise] = {}
         self.pool = None
+        self.attn_in: list[torch.Tensor] = []  # q, k, v [N, heads, D], shared by every hole
         self.attn_out: torch.Tensor | None = None  # [N, H * D], shared by every hole
         self.stream = torch.cuda.Stream(dev)
         backend.prepare_cudagraphs(self.max_reqs, max_blocks_per_seq)
@@ -156,6 +159,7 @@ class GraphRunner:
         pw = _Piecewise()
 
         def hole(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q, k, v = (self._attn_in(i, t) for i, t in enumerate((q, k, v)))
             pw.graphs[-1].capture_end()
             pw.holes.append(_Hole(layer_idx, q, k, v))
             out = self._attn_out(n, q.shape[1] * q.shape[2], q)
@@ -177,6 +181,13 @@ class GraphRunner:
             pw.graphs[-1].capture_end()
         torch.cuda.synchronize()
         self.piecewise[n] = pw
+
+    def _attn_in(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, head_size] copied into shared buffer i (q, k or v) of the largest capture size."""
+        if len(self.attn_in) <= i:
+            shape = (self.dispatcher.capture_sizes[-1], *x.shape[1:])
+            self.attn_in.append(torch.empty(shape, dtype=x.dtype, device=x.device))
+        return self.attn_in[i][: x.shape[0]].copy_(x)
 
     def _attn_out(self, n: int, width: int, like: torch.Tensor) -> torch.Tensor:
         if self.attn_out is None:
