@@ -20,18 +20,15 @@ The checkpoint is written directly (per-expert tensors, as the real Qwen3-30B-A3
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_graphs import agreement, workloads  # noqa: E402
-from bench_parallel import CHECK_NEW, CHECK_PROMPTS, check_workload, parse_config, run, teacher_forced  # noqa: E402
+from bench_parallel import compare, parse_config  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 
 # Qwen3-30B-A3B's config.json, less its 48 layers
@@ -133,7 +130,6 @@ def main() -> None:
     if args.device == "cpu":
         os.environ["TURNOUT_DEVICE"] = "cpu"  # worker processes inherit it
     from turnout import LLM
-    from turnout.errors import TurnoutError
 
     if args.tiny:
         tiny = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
@@ -149,53 +145,22 @@ def main() -> None:
     engine_kw = dict(dtype=args.dtype, executor=args.executor, attention_backend=args.attention_backend,
                      max_num_seqs=256, max_num_batched_tokens=2048,
                      gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
-    check, mixed = check_workload(), workloads(args.quick)["mixed"]
-    scale = 8 if args.quick else 1
-    extra = dict(model=model, quick=args.quick, reference=None, engine=engine_kw,
-                 check=f"{CHECK_PROMPTS} prompts of 16..700 tokens, {CHECK_NEW} greedy tokens",
-                 mixed=f"{len(mixed)} requests, prompt 100..1024, output 100..1024 // {scale}")  # fmt: skip
-    if args.device == "cpu":
-        extra["device"] = "cpu (TURNOUT_DEVICE=cpu)"
-    rows, ref = [], None
-    for name, c in zip(args.configs, configs):
-        row: dict = {"config": name}
-        t0 = time.perf_counter()
-        try:
-            llm = LLM(str(path), tensor_parallel_size=c["tp"], data_parallel_size=c["dp"],
-                      enable_expert_parallel=c["ep"], **engine_kw)  # fmt: skip
-        except (TurnoutError, RuntimeError) as e:
-            print(f"{name}: did not start: {str(e).splitlines()[0]}", flush=True)
-            rows.append({**row, "error": str(e).splitlines()[0]})
-            continue
-        try:
-            sel = llm.selection
-            row.update(moe_kernel=sel.moe.chosen.name, attention=sel.attention.chosen.name,
-                       graph=sel.effective_graph.name, startup_s=time.perf_counter() - t0)  # fmt: skip
-            row["memory_per_rank"] = memory(llm)
-            _, _, outs = run(llm, check, seed=7)  # also the warm-up before the timed workload
-            if ref is None:
-                ref, extra["reference"] = outs, name
-            tok, same = agreement(outs, ref)
-            row.update(tok_agree=tok, seqs_identical=f"{same}/{len(ref)}",
-                       tf_agree=agreement(teacher_forced(llm, check, ref), ref)[0])  # fmt: skip
-            if not args.skip_throughput:
-                dt, prompt_toks, outs = run(llm, mixed)
-                out_toks = sum(map(len, outs))
-                row.update(mixed_out_tok_s=out_toks / dt, mixed_total_tok_s=(out_toks + prompt_toks) / dt,
-                           mixed_wall_s=dt)  # fmt: skip
-            row["memory_per_rank"] = memory(llm)  # peaks after the workloads
-        except (TurnoutError, RuntimeError) as e:
-            print(f"{name}: failed: {str(e).splitlines()[0]}", flush=True)
-            row["error"] = str(e).splitlines()[0]
-        finally:  # the next config gets the GPUs back
-            llm.shutdown()
-            del llm
-            gc.collect()
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.empty_cache()
-        rows.append(row)
-        print(row, flush=True)
-        write_json(args.json, rows, args, **extra)
+    starts = [
+        (
+            name,
+            lambda c=c: LLM(
+                str(path),
+                tensor_parallel_size=c["tp"],
+                data_parallel_size=c["dp"],
+                enable_expert_parallel=c["ep"],
+                **engine_kw,
+            ),
+        )  # fmt: skip
+        for name, c in zip(args.configs, configs)
+    ]
+    describe = lambda llm: {"moe_kernel": llm.selection.moe.chosen.name, "memory_per_rank": memory(llm)}
+    after = lambda llm: {"memory_per_rank": memory(llm)}  # peaks after the workloads
+    rows, extra = compare(starts, describe, after, args, model=model, engine=engine_kw)
     keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "memory_per_rank"]
     print_table([{k: r.get(k, "") for k in keys} for r in rows])
     for r in rows:

@@ -21,7 +21,9 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -104,7 +106,6 @@ def main() -> None:
     if args.device == "cpu":
         os.environ["TURNOUT_DEVICE"] = "cpu"  # worker processes and Ray actors inherit it
     from turnout import LLM
-    from turnout.errors import TurnoutError
 
     if args.tiny:
         sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -121,28 +122,60 @@ def main() -> None:
                      gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
     if args.cudagraph_mode:
         engine_kw["cudagraph_mode"] = args.cudagraph_mode
+    starts = [
+        (
+            name,
+            lambda c=c: LLM(
+                str(path),
+                tensor_parallel_size=c["tp"],
+                pipeline_parallel_size=c["pp"],
+                data_parallel_size=c["dp"],
+                **engine_kw,
+            ),
+        )  # fmt: skip
+        for name, c in zip(args.configs, configs)
+    ]
+    describe = lambda llm: {"executor": llm.selection.executor.chosen.name}
+    rows, extra = compare(starts, describe, None, args, model=model, engine=engine_kw)
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print_table([{k: r.get(k, "") for k in keys} for r in rows])
+    write_json(args.json, rows, args, **extra)
+
+
+def compare(
+    starts: list[tuple[str, Callable[[], Any]]],
+    describe: Callable[[Any], dict],
+    after: Callable[[Any], dict] | None,
+    args: argparse.Namespace,
+    **extra: Any,
+) -> tuple[list[dict], dict]:
+    """Start each config in turn; check its greedy outputs against the first config's (free-running and
+    teacher-forced) and, unless --skip-throughput, time the mixed workload. describe(llm) adds to a config's
+    row at start-up and after(llm) once its workloads ran; a config that fails gets an error row. args.json
+    is rewritten after each config. Returns the rows and the file's extra fields."""
+    from turnout.errors import TurnoutError
+
     check, mixed = check_workload(), workloads(args.quick)["mixed"]
     scale = 8 if args.quick else 1
-    extra = dict(model=model, quick=args.quick, reference=None, engine=engine_kw,
-                 check=f"{CHECK_PROMPTS} prompts of 16..700 tokens, {CHECK_NEW} greedy tokens",
-                 mixed=f"{len(mixed)} requests, prompt 100..1024, output 100..1024 // {scale}")  # fmt: skip
+    extra |= dict(quick=args.quick, reference=None,
+                  check=f"{CHECK_PROMPTS} prompts of 16..700 tokens, {CHECK_NEW} greedy tokens",
+                  mixed=f"{len(mixed)} requests, prompt 100..1024, output 100..1024 // {scale}")  # fmt: skip
     if args.device == "cpu":
         extra["device"] = "cpu (TURNOUT_DEVICE=cpu)"
     rows, ref = [], None
-    for name, c in zip(args.configs, configs):
+    for name, start in starts:
         row: dict = {"config": name}
         t0 = time.perf_counter()
         try:
-            llm = LLM(str(path), tensor_parallel_size=c["tp"], pipeline_parallel_size=c["pp"],
-                      data_parallel_size=c["dp"], **engine_kw)  # fmt: skip
+            llm = start()
         except (TurnoutError, RuntimeError) as e:
             print(f"{name}: did not start: {str(e).splitlines()[0]}", flush=True)
             rows.append({**row, "error": str(e).splitlines()[0]})
             continue
         try:
             sel = llm.selection
-            row.update(executor=sel.executor.chosen.name, attention=sel.attention.chosen.name,
-                       graph=sel.effective_graph.name, startup_s=time.perf_counter() - t0)  # fmt: skip
+            row.update(describe(llm), attention=sel.attention.chosen.name, graph=sel.effective_graph.name,
+                       startup_s=time.perf_counter() - t0)  # fmt: skip
             _, _, outs = run(llm, check, seed=7)  # also the warm-up before the timed workload
             if ref is None:
                 ref, extra["reference"] = outs, name
@@ -154,6 +187,7 @@ def main() -> None:
                 out_toks = sum(map(len, outs))
                 row.update(mixed_out_tok_s=out_toks / dt, mixed_total_tok_s=(out_toks + prompt_toks) / dt,
                            mixed_wall_s=dt)  # fmt: skip
+            row.update(after(llm) if after else {})
         except (TurnoutError, RuntimeError) as e:
             print(f"{name}: failed: {str(e).splitlines()[0]}", flush=True)
             row["error"] = str(e).splitlines()[0]
@@ -169,9 +203,7 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
         write_json(args.json, rows, args, **extra)
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    print_table([{k: r.get(k, "") for k in keys} for r in rows])
-    write_json(args.json, rows, args, **extra)
+    return rows, extra
 
 
 if __name__ == "__main__":

@@ -65,3 +65,19 @@ def register_plugin(plugin_manager):
 @pytest.fixture(autouse=True)
 def _quiet_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="turnout")
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
+    """Call it with the functools.cache'd builders of the Triton kernels a test runs: off CUDA they build
+    under TRITON_INTERPRET=1, and every builder is cleared before and after the test, so no kernel built
+    for the interpreter outlives it."""
+
+    def use(*builders) -> None:
+        if not torch.cuda.is_available():
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        for b in builders:
+            b.cache_clear()
+            request.addfinalizer(b.cache_clear)
+
+    return use

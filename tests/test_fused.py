@@ -18,14 +18,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @pytest.fixture(autouse=True)
-def _interpreter(monkeypatch: pytest.MonkeyPatch):
-    if DEV == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    fused._kernels.cache_clear()
-    gemv._kernel.cache_clear()
-    yield
-    fused._kernels.cache_clear()
-    gemv._kernel.cache_clear()
+def _interpreter(triton_kernels) -> None:
+    triton_kernels(fused._kernels, gemv._kernel)
 
 
 def _tol(dtype: torch.dtype) -> float:

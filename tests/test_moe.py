@@ -72,18 +72,16 @@ def test_greedy_matches_hf(ep1: LLM, hf_refs: list[list[int]]) -> None:
 
 
 def test_triton_kernel_in_the_model_matches_hf(
-    tiny_moe: Path, hf_refs: list[list[int]], monkeypatch: pytest.MonkeyPatch
+    tiny_moe: Path, hf_refs: list[list[int]], triton_kernels
 ) -> None:
-    """The grouped GEMM serving the model, on the CPU under the Triton interpreter."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    moe._kernel.cache_clear()
+    """The grouped GEMM serving the model (on the CPU under the Triton interpreter)."""
+    triton_kernels(moe._kernel)
     llm = LLM(str(tiny_moe), moe_kernel="triton", **KW)
     try:
         assert llm.selection.moe.chosen.name == "triton"
         assert _tokens(llm, PROMPTS[:2]) == hf_refs[:2]
     finally:
         llm.shutdown()
-        moe._kernel.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -17,12 +17,8 @@ KERNELS = {"triton": moe.expert_outputs_triton, "torch": moe.expert_outputs_torc
 
 
 @pytest.fixture(autouse=True)
-def _interpreter(monkeypatch: pytest.MonkeyPatch):
-    if DEV == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    moe._kernel.cache_clear()
-    yield
-    moe._kernel.cache_clear()
+def _interpreter(triton_kernels) -> None:
+    triton_kernels(moe._kernel)
 
 
 def _tol(dtype: torch.dtype) -> float:

@@ -16,12 +16,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
-def _interpreter(monkeypatch: pytest.MonkeyPatch):
-    if DEV == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    sample_kernel._kernel.cache_clear()
-    yield
-    sample_kernel._kernel.cache_clear()
+def _interpreter(triton_kernels) -> None:
+    triton_kernels(sample_kernel._kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
