@@ -129,7 +129,6 @@ def main() -> None:
         ap.error(str(e))
     if args.device == "cpu":
         os.environ["TURNOUT_DEVICE"] = "cpu"  # worker processes inherit it
-    from turnout import LLM
 
     if args.tiny:
         tiny = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
@@ -142,25 +141,13 @@ def main() -> None:
             Path(args.model_dir or f"/tmp/turnout-qwen3-30b-a3b-{args.layers}l"), args.layers
         )
         model = f"Qwen3-30B-A3B-shaped, {args.layers} of 48 layers, random bf16 weights"
-    engine_kw = dict(dtype=args.dtype, executor=args.executor, attention_backend=args.attention_backend,
-                     max_num_seqs=256, max_num_batched_tokens=2048,
-                     gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
-    starts = [
-        (
-            name,
-            lambda c=c: LLM(
-                str(path),
-                tensor_parallel_size=c["tp"],
-                data_parallel_size=c["dp"],
-                enable_expert_parallel=c["ep"],
-                **engine_kw,
-            ),
-        )  # fmt: skip
-        for name, c in zip(args.configs, configs)
-    ]
+    sizes = lambda c: dict(
+        tensor_parallel_size=c["tp"], data_parallel_size=c["dp"], enable_expert_parallel=c["ep"]
+    )
+    runs = [(name, sizes(c)) for name, c in zip(args.configs, configs)]
     describe = lambda llm: {"moe_kernel": llm.selection.moe.chosen.name, "memory_per_rank": memory(llm)}
     after = lambda llm: {"memory_per_rank": memory(llm)}  # peaks after the workloads
-    rows, extra = compare(starts, describe, after, args, model=model, engine=engine_kw)
+    rows, extra = compare(path, runs, describe, after, args, model)
     keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "memory_per_rank"]
     print_table([{k: r.get(k, "") for k in keys} for r in rows])
     for r in rows:

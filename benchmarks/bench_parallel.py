@@ -105,7 +105,6 @@ def main() -> None:
         ap.error(str(e))
     if args.device == "cpu":
         os.environ["TURNOUT_DEVICE"] = "cpu"  # worker processes and Ray actors inherit it
-    from turnout import LLM
 
     if args.tiny:
         sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -117,57 +116,51 @@ def main() -> None:
     else:
         path = make_random_model(Path(args.model_dir or f"/tmp/turnout-{args.shape}"), args.shape)
         model = f"{args.shape}-shaped, random bf16 weights"
-    engine_kw = dict(dtype=args.dtype, executor=args.executor, attention_backend=args.attention_backend,
-                     max_num_seqs=256, max_num_batched_tokens=2048,
-                     gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
-    if args.cudagraph_mode:
-        engine_kw["cudagraph_mode"] = args.cudagraph_mode
-    starts = [
-        (
-            name,
-            lambda c=c: LLM(
-                str(path),
-                tensor_parallel_size=c["tp"],
-                pipeline_parallel_size=c["pp"],
-                data_parallel_size=c["dp"],
-                **engine_kw,
-            ),
-        )  # fmt: skip
-        for name, c in zip(args.configs, configs)
-    ]
+    sizes = lambda c: dict(
+        tensor_parallel_size=c["tp"], pipeline_parallel_size=c["pp"], data_parallel_size=c["dp"]
+    )
+    runs = [(name, sizes(c)) for name, c in zip(args.configs, configs)]
     describe = lambda llm: {"executor": llm.selection.executor.chosen.name}
-    rows, extra = compare(starts, describe, None, args, model=model, engine=engine_kw)
+    rows, extra = compare(path, runs, describe, None, args, model=model)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     print_table([{k: r.get(k, "") for k in keys} for r in rows])
     write_json(args.json, rows, args, **extra)
 
 
 def compare(
-    starts: list[tuple[str, Callable[[], Any]]],
+    path: Path,
+    runs: list[tuple[str, dict[str, Any]]],
     describe: Callable[[Any], dict],
     after: Callable[[Any], dict] | None,
     args: argparse.Namespace,
-    **extra: Any,
+    model: str,
 ) -> tuple[list[dict], dict]:
-    """Start each config in turn; check its greedy outputs against the first config's (free-running and
-    teacher-forced) and, unless --skip-throughput, time the mixed workload. describe(llm) adds to a config's
-    row at start-up and after(llm) once its workloads ran; a config that fails gets an error row. args.json
-    is rewritten after each config. Returns the rows and the file's extra fields."""
+    """Start each named config (LLM keyword arguments over the engine settings of args) in turn; check its
+    greedy outputs against the first config's (free-running and teacher-forced) and, unless
+    --skip-throughput, time the mixed workload. describe(llm) adds to a config's row at start-up and
+    after(llm) once its workloads ran; a config that fails gets an error row. args.json is rewritten after
+    each config. Returns the rows and the file's extra fields."""
+    from turnout import LLM
     from turnout.errors import TurnoutError
 
+    engine_kw = dict(dtype=args.dtype, executor=args.executor, attention_backend=args.attention_backend,
+                     max_num_seqs=256, max_num_batched_tokens=2048,
+                     gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
+    if getattr(args, "cudagraph_mode", None):
+        engine_kw["cudagraph_mode"] = args.cudagraph_mode
     check, mixed = check_workload(), workloads(args.quick)["mixed"]
     scale = 8 if args.quick else 1
-    extra |= dict(quick=args.quick, reference=None,
+    extra = dict(model=model, engine=engine_kw, quick=args.quick, reference=None,
                   check=f"{CHECK_PROMPTS} prompts of 16..700 tokens, {CHECK_NEW} greedy tokens",
                   mixed=f"{len(mixed)} requests, prompt 100..1024, output 100..1024 // {scale}")  # fmt: skip
     if args.device == "cpu":
         extra["device"] = "cpu (TURNOUT_DEVICE=cpu)"
     rows, ref = [], None
-    for name, start in starts:
+    for name, kw in runs:
         row: dict = {"config": name}
         t0 = time.perf_counter()
         try:
-            llm = start()
+            llm = LLM(str(path), **kw, **engine_kw)
         except (TurnoutError, RuntimeError) as e:
             print(f"{name}: did not start: {str(e).splitlines()[0]}", flush=True)
             rows.append({**row, "error": str(e).splitlines()[0]})
