@@ -20,9 +20,11 @@ def _interpreter(triton_kernels) -> None:
     triton_kernels(sample_kernel._kernel)
 
 
+@pytest.mark.parametrize("programs", [6, 512], ids=["one-split-of-4-blocks", "4-splits"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_greedy_rows_are_argmax_first_on_ties_across_blocks(dtype, monkeypatch):
-    monkeypatch.setattr(sample_kernel, "BLOCK", 16)  # a vocabulary of several blocks
+def test_greedy_rows_are_argmax_first_on_ties_across_blocks(dtype, programs, monkeypatch):
+    monkeypatch.setattr(sample_kernel, "BLOCK", 16)  # a vocabulary of 4 blocks
+    monkeypatch.setattr(sample_kernel, "PROGRAMS", programs)  # 6 rows: 1 split a row, or 4
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=g).to(dtype)
     logits[1, [3, 40]] = 9.0  # a tie inside the first block and in a later one

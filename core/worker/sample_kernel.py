@@ -19,7 +19,8 @@ import torch
 from turnout.layers import fused
 from turnout.sampling_params import SamplingParams
 
-BLOCK = 2048  # vocabulary entries per iteration of a row's program
+BLOCK = 2048  # vocabulary entries per iteration of a program
+PROGRAMS = 512  # programs to aim for: a row's vocabulary is split so that batch 1 fills the GPU too
 
 
 @functools.cache
@@ -28,16 +29,21 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def gumbel_argmax_kernel(logits, temps, seed_ptr, out, s_row, vocab, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+    def gumbel_argmax_kernel(
+        logits, temps, seed_ptr, keys, idxs, s_row, vocab, per_split, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        """Grid (B, splits): the best (key, index) of row b over [s * per_split, (s + 1) * per_split)."""
+        row, split = tl.program_id(0), tl.program_id(1)
         temp = tl.load(temps + row)
         seed = tl.load(seed_ptr)
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, vocab)
         cols = tl.arange(0, BLOCK)
         best_key = tl.full((), float("-inf"), tl.float32)
-        best_idx = tl.full((), 0, tl.int32)
-        for start in range(0, vocab, BLOCK):
+        best_idx = lo
+        for start in range(lo, hi, BLOCK):
             j = start + cols
-            m = j < vocab
+            m = j < hi
             x = tl.load(logits + row * s_row + j, mask=m, other=float("-inf")).to(tl.float32)
             if temp > 0:
                 u = tl.rand(seed, row * vocab + j)  # [0, 1); u = 0 gives key -inf: never drawn
@@ -48,7 +54,9 @@ def _kernel():
             better = k > best_key  # strictly: an earlier block keeps a tie
             best_idx = tl.where(better, i, best_idx)
             best_key = tl.where(better, k, best_key)
-        tl.store(out + row, best_idx.to(tl.int64))
+        out = row * tl.num_programs(1) + split
+        tl.store(keys + out, best_key)
+        tl.store(idxs + out, best_idx.to(tl.int64))
 
     return gumbel_argmax_kernel
 
@@ -62,10 +70,19 @@ def can_sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeded: b
 
 
 def gumbel_argmax(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] (rows may be strided, any float dtype), temps [B] float32 (0: greedy) -> [B] int64."""
+    """logits [B, V] (rows may be strided, any float dtype), temps [B] float32 (0: greedy) -> [B] int64.
+    Each split's best, then the first best split of each row: ties go to the lowest index, as in argmax."""
     b, vocab = logits.shape
-    out = torch.empty(b, dtype=torch.int64, device=logits.device)
-    if b:
-        seed = torch.randint(2**31 - 1, (1,), device=logits.device, dtype=torch.int64)
-        _kernel()[(b,)](logits, temps, seed, out, logits.stride(0), vocab, BLOCK=BLOCK, num_warps=8)
-    return out
+    if not b:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    blocks = -(-vocab // BLOCK)
+    splits = max(1, min(blocks, PROGRAMS // b))
+    per_split = -(-blocks // splits) * BLOCK
+    splits = -(-vocab // per_split)
+    keys = torch.empty(b, splits, dtype=torch.float32, device=logits.device)
+    idxs = torch.empty(b, splits, dtype=torch.int64, device=logits.device)
+    seed = torch.randint(2**31 - 1, (1,), device=logits.device, dtype=torch.int64)
+    _kernel()[(b, splits)](
+        logits, temps, seed, keys, idxs, logits.stride(0), vocab, per_split, BLOCK=BLOCK, num_warps=8
+    )
+    return idxs.gather(1, keys.argmax(1, keepdim=True))[:, 0]
