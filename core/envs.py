@@ -69,6 +69,12 @@ TRITON_GEMV = EnvVar("TURNOUT_TRITON_GEMV", flag, True, "0: every matmul goes to
 CONFORMANCE_ERRORS = EnvVar(
     "TURNOUT_CONFORMANCE_ERRORS", path, None, "a file the attention conformance tests append each error to"
 )
+ENABLE_MULTIPROCESSING = EnvVar(
+    "TURNOUT_ENABLE_MULTIPROCESSING",
+    flag,
+    True,
+    "0: `turnout serve` steps the engine core in a thread of the server's process, not a process of its own",
+)
 CORE: tuple[EnvVar[Any], ...] = (
     PLUGINS,
     DEVICE,
@@ -77,6 +83,7 @@ CORE: tuple[EnvVar[Any], ...] = (
     FUSED_KERNELS,
     TRITON_GEMV,
     CONFORMANCE_ERRORS,
+    ENABLE_MULTIPROCESSING,
 )
 
 

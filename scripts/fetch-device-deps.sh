@@ -11,5 +11,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 # `turnout serve` and `turnout bench serve` (the image has h11, click, httpx, prometheus-client)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
-  -d .device-deps fastapi starlette opentelemetry-api anyio uvicorn openai httpx2 httpcore2 truststore jiter sniffio
+  -d .device-deps fastapi starlette opentelemetry-api anyio uvicorn openai httpx2 httpcore2 truststore jiter sniffio \
+  pyzmq msgpack
 ls .device-deps

@@ -43,6 +43,25 @@ def survivors(pids: list[int], within: float = 10.0) -> list[str]:
     return out
 
 
+def _parents() -> dict[int, int]:
+    """pid -> parent pid, of every process."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+    return parent
+
+
+def _spawned(pid: int) -> bool:
+    """Started by multiprocessing's spawn (the engine core, a multiproc worker)."""
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 class Server:
     """`turnout serve ... --port 0` in a subprocess; the port comes from its start-up line."""
 
@@ -98,20 +117,22 @@ class Server:
             time.sleep(0.05)
         return m
 
-    def descendants(self) -> list[int]:
-        parent = {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parent[int(stat.parent.name)] = int(fields[1])
-        out, frontier = [], [self.proc.pid]
+    def descendants(self, root: int | None = None) -> list[int]:
+        """Every process below root (default: the server), at any depth."""
+        parent = _parents()
+        out, frontier = [], [root or self.proc.pid]
         while frontier:
             kids = [p for p, pp in parent.items() if pp in frontier]
             out += kids
             frontier = kids
         return out
+
+    def engine_core(self) -> int:
+        """The pid of the engine-core process: the server's one spawned child."""
+        parent = _parents()
+        cores = [p for p, pp in parent.items() if pp == self.proc.pid and _spawned(p)]
+        assert len(cores) == 1, f"engine core processes {cores}:\n{self.log.read_text()}"
+        return cores[0]
 
     def stop(self, timeout: float = 60) -> float:
         """SIGTERM; seconds until exit."""
@@ -475,6 +496,22 @@ def test_config_precedence_and_served_names(tiny: Server) -> None:
     assert out.model == "tiny-alias" and out.usage.completion_tokens == 2
 
 
+def test_engine_core_steps_in_a_process_of_its_own(tiny: Server) -> None:
+    core = tiny.engine_core()
+    assert f"engine core in a process (pid {core}); http://" in tiny.log.read_text()
+    before = _cpu_ticks(core)
+    out = tiny.client().completions.create(
+        model="tiny", prompt=[5, 6], max_tokens=200, extra_body={"ignore_eos": True}
+    )
+    assert out.usage.completion_tokens == 200 and _cpu_ticks(core) > before  # the steps ran there
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User plus system CPU time of a process, in clock ticks."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def _prompt(i: int) -> list[int]:
     return [3 + (i * 7 + j * 13) % 500 for j in range(4 + i % 9)]
 
@@ -646,9 +683,7 @@ def test_killed_worker_fails_requests_and_health(tmp_path: Path, tiny_llama: Pat
         tmp_path, str(tiny_llama), *TINY, "--executor", "multiproc", "--tensor-parallel-size", "2"
     )
     try:
-        workers = [
-            p for p in server.descendants() if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
-        ]
+        workers = [p for p in server.descendants(server.engine_core()) if _spawned(p)]
         assert len(workers) == 2
 
         async def go() -> list[str]:
@@ -669,6 +704,32 @@ def test_killed_worker_fails_requests_and_health(tmp_path: Path, tiny_llama: Pat
         procs = server.descendants()
         assert server.stop(30) < 20 and server.proc.returncode == 0
         assert survivors(procs) == []
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_killed_engine_core_fails_requests_and_health(tmp_path: Path, tiny_llama: Path) -> None:
+    server = Server(tmp_path, str(tiny_llama), *TINY)
+    try:
+        core = server.engine_core()
+
+        async def go() -> list[str]:
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+            tasks = [asyncio.create_task(_stream_to_end(client, str(tiny_llama), i, 480)) for i in range(8)]
+            await asyncio.to_thread(server.wait_metrics, lambda m: m["turnout:generation_tokens_total"] >= 16)
+            os.kill(core, signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 60)  # never hangs
+
+        ends = asyncio.run(go())
+        assert all("engine core process died (exit code -9)" in e for e in ends), ends
+        _check_error(httpx.get(f"{server.url}/health", timeout=10), 503, None, "engine_dead")
+        _check_error(
+            server.post("/v1/completions", {"prompt": [5], "max_tokens": 2}), 503, None, "engine_dead"
+        )
+        procs = server.descendants()
+        assert server.stop(30) < 20 and server.proc.returncode == 0
+        assert survivors([*procs, core]) == []
     finally:
         server.stop()
 

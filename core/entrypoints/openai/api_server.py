@@ -216,11 +216,12 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         )
         server = Server(uconfig, engine, args.shutdown_timeout)
         host, port = sock.getsockname()[:2]
-        sel = engine.selection
+        info = engine.info
         logger.info(
-            "serving %s: backend %s, model %s (%s), executor %s, graph mode %s; http://%s:%d/v1",
-            names[0], sel.attention.chosen.name, sel.model_info.path, sel.model_info.architecture,
-            sel.executor.chosen.name, sel.effective_graph.name, host, port,
+            "serving %s: backend %s, model %s (%s), executor %s, graph mode %s, engine core in a %s; "
+            "http://%s:%d/v1",
+            names[0], info.backend, info.model, info.architecture, info.executor, info.graph_mode,
+            engine.core_location, host, port,
         )  # fmt: skip
         server.run(sockets=[sock])
     finally:

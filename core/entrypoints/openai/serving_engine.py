@@ -9,7 +9,8 @@ import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from turnout.engine.async_llm import AsyncLLM, EngineBusyError, EngineDeadError, EngineOutput, EngineRequest
+from turnout.engine.async_llm import AsyncLLM
+from turnout.engine.core import EngineBusyError, EngineDeadError, EngineOutput, EngineRequest
 from turnout.engine.detokenizer import Detokenizer
 from turnout.entrypoints.openai.protocol import OpenAIError
 from turnout.errors import TurnoutError
