@@ -736,7 +736,7 @@ def test_killed_engine_core_fails_requests_and_health(tmp_path: Path, tiny_llama
 
 @pytest.mark.gpu
 def test_server_on_cuda_matches_llm_generate(tmp_path: Path, tiny_qwen3: Path) -> None:
-    """The engine core steps (and replays CUDA graphs) in its own thread: same tokens as LLM.generate."""
+    """The engine core steps (and replays CUDA graphs) in its own process: same tokens as LLM.generate."""
     kw = {"dtype": "float32", "gpu_memory_utilization": 0.25}
     prompts = [_prompt(i) for i in range(6)]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -141,15 +141,24 @@ class CoreProcClient:
     async def _read(self, sock: Any, deliver: Deliver) -> None:
         """Deliver every batch the core sends; once the process has exited and its last batch is read,
         end whatever is left with an EngineDeadError."""
+        import zmq
+
         from turnout.engine import serial
 
         while True:
             exited = self.proc.exitcode is not None  # read first: a batch sent before the exit still counts
             if await sock.poll(POLL_S * 1000):
-                batch = serial.decode_batch(await sock.recv())
-                if isinstance(batch.fail, EngineDeadError):
-                    self.dead = str(batch.fail)
-                deliver(batch)
+                while True:  # all that is queued, without a wake-up each
+                    try:
+                        batch = serial.decode_batch(self._output.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                    if isinstance(batch.fail, EngineDeadError):
+                        self.dead = str(batch.fail)
+                    try:
+                        deliver(batch)
+                    except Exception:  # noqa: BLE001 - as the event loop does with a callback that raised
+                        logger.exception("delivering an engine core batch")
             elif exited:
                 if self.dead is None:
                     self.dead = (
