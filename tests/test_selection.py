@@ -230,13 +230,13 @@ def test_why_each_valid_candidate_lost(register_plugin, plugin_manager, tiny_lla
 
 
 def test_the_documented_order_per_platform(plugin_manager):
-    """turnout.Priority's table: flash_attn > flashinfer > triton on CUDA; uniproc > ray > multiproc."""
+    """turnout.Priority's table: triton > flashinfer > flash_attn on CUDA; uniproc > ray > multiproc."""
     from turnout.selection import attention_candidates, executor_candidates
 
     ctx = AttentionContext(H200, torch.bfloat16, 128, 16, 8, 16)
     prio = {c.name: c.priority for c in attention_candidates(plugin_manager, ctx)}
-    assert prio["flash_attn"] == Priority.FIRST and prio["flashinfer"] == Priority.SECOND
-    assert prio["triton"] == Priority.THIRD and prio["cpu"] == Priority.DEFAULT
+    assert prio["triton"] == Priority.FIRST and prio["flashinfer"] == Priority.SECOND
+    assert prio["flash_attn"] == Priority.THIRD and prio["cpu"] == Priority.DEFAULT
     prio = {c.name: c.priority for c in executor_candidates(plugin_manager, ExecutorContext(CPU, 2, False))}
     assert prio["uniproc"] > prio["ray"] > prio["multiproc"]
 
