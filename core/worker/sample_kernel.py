@@ -5,8 +5,9 @@ sampler.sample draws by the exponential race, argmax_i probs_i / q_i with q_i ~ 
 probs = softmax(x / T) that is the Gumbel-max trick, argmax_i x_i / T - log(q_i). The logits are read
 once, in their own dtype, each program keeping a running (key, index) maximum over its share of a row,
 where the torch path makes about ten passes over a float32 copy. A row with temperature 0 takes
-argmax_i x_i, the first on ties, as torch.argmax does. The uniforms come from Philox, keyed by a seed drawn from torch's CUDA generator on the
-device, so the launch never syncs with the host and `torch.manual_seed` still fixes the draws.
+argmax_i x_i, the first on ties, as torch.argmax does. The uniforms come from Philox, keyed by a seed
+drawn from torch's CUDA generator on the device, so the launch never syncs with the host and
+`torch.manual_seed` still fixes the draws.
 """
 
 from __future__ import annotations
