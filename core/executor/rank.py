@@ -119,6 +119,7 @@ class RankWorker:
         return self.worker.call(method, *args, **kwargs)
 
     def shutdown(self) -> None:
+        self.worker.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -57,6 +58,14 @@ class Worker:
         if self.device.type == "cuda":
             report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return report
+
+    def shutdown(self) -> None:
+        """Release the model, KV cache and graphs: once this returns, the device memory they held is free
+        for another engine in this process."""
+        self.runner = None
+        gc.collect()  # the runner, its graphs and layers refer to each other
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self, method)(*args, **kwargs)

@@ -29,3 +29,6 @@ class UniprocExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         return [self.worker.call(method, *args, **(kwargs or {}))]
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
