@@ -1,5 +1,6 @@
 """AsyncLLM with its engine core in a process of its own and in a thread: the same tokens as LLM.generate,
-messages that survive the socket, and a start-up error that reaches the user as one line."""
+messages that survive the socket, incremental text equal to decode, and a start-up error that reaches the
+user as one line."""
 
 from __future__ import annotations
 
@@ -39,19 +40,40 @@ def test_messages_survive_the_socket() -> None:
     outs = [
         EngineOutput("a", 5, (-0.25, [(5, -0.25), (6, -2.0)]), "hé", None),
         EngineOutput("b", 9, None, None, "stop", "all of it", 4),
+        EngineOutput("c", 7, None),
     ]
     stats = SchedulerStats(3, 1, 0.5, 100, 40, 2)
     batch = CoreBatch(
         1.5, [(1, None), (2, RequestError("prompt too long"))], outs, stats, EngineDeadError("x")
     )
     back = serial.decode_batch(serial.encode_batch(batch))
-    assert (back.time, back.stats, back.outputs[1]) == (1.5, stats, outs[1])
+    assert (back.time, back.stats, back.outputs[1:]) == (1.5, stats, outs[1:])
     assert back.outputs[0].logprobs == [-0.25, [[5, -0.25], [6, -2.0]]] and back.outputs[0].text == "hé"
     (k1, e1), (k2, e2) = back.acks
     assert (k1, e1, k2, type(e2), str(e2)) == (1, None, 2, RequestError, "prompt too long")
     assert type(back.fail) is EngineDeadError and str(back.fail) == "x"
     other = serial.decode_error(serial.encode_error(RuntimeError("CUDA out of memory\nmore")))
     assert type(other) is TurnoutError and str(other) == "RuntimeError: CUDA out of memory"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_text_equals_decode(skip: bool) -> None:
+    """Token by token, the Detokenizer's text is tokenizer.decode of all the ids (special tokens too)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from turnout.engine.detokenizer import Detokenizer
+    from turnout.loader.default_model import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(default_model_path())
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 30))]
+        d = Detokenizer(tok, skip)
+        for k in range(1, len(ids) + 1):
+            d.step(ids[:k], final=k == len(ids))
+        assert d.text == tok.decode(ids, skip_special_tokens=skip), ids
 
 
 async def _generate(model: Path, multiprocessing: bool, prompts: list[list[int]], sp: SamplingParams) -> dict:

@@ -44,7 +44,7 @@ class EngineRequest:
     params: SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineOutput:
     """One request's news from one step: one new token."""
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
@@ -14,15 +15,17 @@ class Detokenizer:
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    decode: Callable[..., str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.decode = _decode_of(self.tokenizer)
 
     def step(self, token_ids: list[int], final: bool = False) -> str:
         """Append the text of newly added tokens; returns the new text (empty while a char is incomplete,
         unless this is the request's last step: then an unfinished char stays as U+FFFD, as decode gives)."""
         skip = self.skip_special_tokens
-        prefix = self.tokenizer.decode(
-            token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip
-        )
-        full = self.tokenizer.decode(token_ids[self.prefix_offset :], skip_special_tokens=skip)
+        prefix = self.decode(token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        full = self.decode(token_ids[self.prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         delta = full[len(prefix) :]
@@ -40,3 +43,16 @@ class Detokenizer:
             if i >= 0:
                 hits.append((i, s))
         return min(hits, key=lambda h: h[0]) if hits else None
+
+
+def _decode_of(tokenizer: PreTrainedTokenizerBase) -> Callable[..., str]:
+    """tokenizer.decode, or the Rust tokenizer's own decode where tokenizer.decode of a list of ids is
+    exactly that call (a tokenizers-backed tokenizer that cleans up no spaces): the same text, without
+    transformers' argument handling on every token."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return tokenizer.decode
+    if type(tokenizer)._decode is TokenizersBackend._decode and not tokenizer.clean_up_tokenization_spaces:
+        return tokenizer.backend_tokenizer.decode
+    return tokenizer.decode

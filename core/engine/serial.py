@@ -1,8 +1,8 @@
 """The engine core's messages as msgpack, for the sockets between the front and the core's process.
 
-Dataclasses travel as arrays of their fields in order, SamplingParams as a map of the fields a user sets
-(the core validates it again on arrival), an error as [class name, message]. No pickle: a message is
-data only, and the receiver builds the objects itself.
+Dataclasses travel as arrays of their fields in order (a CoreBatch's outputs as columns), SamplingParams
+as a map of the fields a user sets (the core validates it again on arrival), an error as [class name,
+message]. No pickle: a message is data only, and the receiver builds the objects itself.
 """
 
 from __future__ import annotations
@@ -82,19 +82,34 @@ def decode_info(data: list) -> EngineInfo:
     return EngineInfo(*data)
 
 
+_PLAIN_REST = (None, None, None, None, 0)  # an output that carries only its token
+
+
+def _rest(o: EngineOutput) -> tuple:
+    return (o.logprobs, o.text, o.finish_reason, o.final_text, o.num_cached_tokens)
+
+
 def encode_batch(b: CoreBatch) -> bytes:
+    """Outputs as columns: every output's req_id and token_id, then [index, the other fields] for only
+    those outputs whose other fields are not all defaults (logprobs, text, the last output)."""
     acks = [(key, encode_error(err)) for key, err in b.acks]
-    outputs = [list(vars(o).values()) for o in b.outputs]
+    outs = b.outputs
+    rare = [[i, *r] for i, o in enumerate(outs) if (r := _rest(o)) != _PLAIN_REST]
+    columns = ([o.req_id for o in outs], [o.token_id for o in outs], rare)
     stats = None if b.stats is None else list(vars(b.stats).values())
-    return pack((b.time, acks, outputs, stats, encode_error(b.fail)))
+    return pack((b.time, acks, columns, stats, encode_error(b.fail)))
 
 
 def decode_batch(data: bytes) -> CoreBatch:
-    t, acks, outputs, stats, fail = unpack(data)
+    t, acks, (req_ids, token_ids, rare), stats, fail = unpack(data)
+    outputs = [EngineOutput(r, tok, None) for r, tok in zip(req_ids, token_ids)]
+    for i, *fields in rare:
+        o = outputs[i]
+        o.logprobs, o.text, o.finish_reason, o.final_text, o.num_cached_tokens = fields
     return CoreBatch(
         t,
         [(key, decode_error(err)) for key, err in acks],
-        [EngineOutput(*o) for o in outputs],
+        outputs,
         None if stats is None else SchedulerStats(*stats),
         decode_error(fail),
     )
