@@ -10,8 +10,6 @@ own (run_engine_core) both travel as msgpack over ZeroMQ sockets (turnout.engine
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import os
 import queue
 import signal
 import threading
@@ -23,6 +21,7 @@ from typing import Any
 from turnout.config import EngineConfig
 from turnout.engine.llm_engine import LLMEngine
 from turnout.errors import TurnoutError
+from turnout.executor.rank import exit_with_parent
 from turnout.sampling_params import SamplingParams
 
 logger = logging.getLogger("turnout")
@@ -282,7 +281,7 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front's: it drains, then stops the core
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(log_level)
-    _exit_with_front()
+    exit_with_parent("front")  # the executor's workers watch this process in turn
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for sock, addr in ((inp, input_addr), (out, output_addr)):
@@ -326,18 +325,3 @@ class SocketQueue:
             return self.decode(self.sock.recv(zmq.NOBLOCK))
         except zmq.Again:
             raise queue.Empty from None
-
-
-def _exit_with_front() -> None:
-    """Leave at once when the front's process dies; the executor's workers watch this one in turn."""
-    front = mp.parent_process()
-    if front is None:
-        return
-
-    def watch() -> None:
-        from multiprocessing.connection import wait
-
-        wait([front.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="turnout-front-watch").start()

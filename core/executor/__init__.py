@@ -2,7 +2,15 @@
 and the rank bootstrap multi-process executors share (`turnout.executor.rank`)."""
 
 from turnout.executor.base import Executor, ExecutorContext, ExecutorSpec
-from turnout.executor.rank import RankInfo, RankWorker, cpu_cores, free_port, output_rank, plan_ranks
+from turnout.executor.rank import (
+    RankInfo,
+    RankWorker,
+    cpu_cores,
+    exit_with_parent,
+    free_port,
+    output_rank,
+    plan_ranks,
+)
 
 __all__ = [
     "AsyncModelRunnerOutput",
@@ -16,6 +24,7 @@ __all__ = [
     "Selection",
     "Worker",
     "cpu_cores",
+    "exit_with_parent",
     "free_port",
     "output_rank",
     "plan_ranks",

@@ -135,3 +135,21 @@ def _join(info: RankInfo, cuda: bool) -> None:
     dp = info.world_size // info.config.world_size  # replicas in this group: they share expert parallelism
     ep = info.config.enable_expert_parallel
     set_parallel_state(init_parallel_groups(info.rank, info.world_size, info.tp_size, dp, ep))
+
+
+def exit_with_parent(name: str) -> None:
+    """In a spawned process: leave at once when the process that started it dies, even while this one
+    is stuck in a collective or a step. A thread waits on the parent's sentinel."""
+    import multiprocessing as mp
+    import threading
+    from multiprocessing.connection import wait
+
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name=f"turnout-{name}-watch").start()

@@ -3,21 +3,19 @@ messages with ("ok", value) or ("error", traceback) until told to stop."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import signal
-import threading
 import traceback
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
-from turnout.executor import RankInfo, RankWorker
+from turnout.executor import RankInfo, RankWorker, exit_with_parent
 
 
 def run_worker(info: RankInfo, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle: it shuts us down
-    _exit_with_driver()
+    exit_with_parent("driver")  # even if this rank is stuck in a collective
     try:
         rank = RankWorker(info)
     except BaseException:
@@ -28,19 +26,6 @@ def run_worker(info: RankInfo, conn: Connection) -> None:
         _serve(rank, conn)
     finally:
         rank.shutdown()
-
-
-def _exit_with_driver() -> None:
-    """Leave at once when the driver dies, even if this rank is stuck in a collective."""
-    parent = mp.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="turnout-driver-watch").start()
 
 
 def _serve(rank: RankWorker, conn: Connection) -> None:
