@@ -69,6 +69,7 @@ TRITON_GEMV = EnvVar("TURNOUT_TRITON_GEMV", flag, True, "0: every matmul goes to
 CONFORMANCE_ERRORS = EnvVar(
     "TURNOUT_CONFORMANCE_ERRORS", path, None, "a file the attention conformance tests append each error to"
 )
+API_KEY = EnvVar("TURNOUT_API_KEY", str, "", "turnout serve: the API key where --api-key is not given")
 ENABLE_MULTIPROCESSING = EnvVar(
     "TURNOUT_ENABLE_MULTIPROCESSING",
     flag,
@@ -83,6 +84,7 @@ CORE: tuple[EnvVar[Any], ...] = (
     FUSED_KERNELS,
     TRITON_GEMV,
     CONFORMANCE_ERRORS,
+    API_KEY,
     ENABLE_MULTIPROCESSING,
 )
 

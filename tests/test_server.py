@@ -477,18 +477,20 @@ def test_bulk_histogram_matches_prometheus_client() -> None:
 # ---- load, cancellation, back-pressure, shutdown, faults (tiny random models: the engine is fast) ----
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path):
-    """The tiny model by its positional argument, with a config file, an env override and flags."""
+    """The tiny model by its positional argument, with a config file, env overrides (the API key too) and
+    flags."""
     tmp = tmp_path_factory.mktemp("tiny")
     (tmp / "engine.yaml").write_text("max_model_len: 256\nblock_size: 4\n")
-    args = [str(tiny_llama), "--config", str(tmp / "engine.yaml"), *TINY, "--api-key", KEY]
-    server = Server(
-        tmp, *args, "--served-model-name", "tiny", "tiny-alias", env={"TURNOUT_MAX_MODEL_LEN": "510"}
-    )
+    args = [str(tiny_llama), "--config", str(tmp / "engine.yaml"), *TINY]
+    env = {"TURNOUT_MAX_MODEL_LEN": "510", "TURNOUT_API_KEY": KEY}
+    server = Server(tmp, *args, "--served-model-name", "tiny", "tiny-alias", env=env)
     yield server
     server.stop()
 
 
 def test_config_precedence_and_served_names(tiny: Server) -> None:
+    with pytest.raises(openai.AuthenticationError):  # TURNOUT_API_KEY guards /v1/*
+        openai.OpenAI(base_url=f"{tiny.url}/v1", api_key="wrong", max_retries=0).models.list()
     models = tiny.client().models.list().data
     assert [m.id for m in models] == ["tiny", "tiny-alias"]
     assert models[0].max_model_len == 510  # the environment beat the file

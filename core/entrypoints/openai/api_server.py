@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import turnout
+from turnout import envs
 from turnout.config import EngineConfig
 from turnout.engine.async_llm import AsyncLLM
 from turnout.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, parse
@@ -207,7 +208,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         sock.close()
         raise
     try:
-        app = build_app(engine, names, args.api_key, metrics)
+        app = build_app(engine, names, args.api_key or envs.API_KEY.value or None, metrics)
         uconfig = uvicorn.Config(
             app,
             log_level="warning",

@@ -10,7 +10,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on; 0 = any free port")
-    g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (/health stays open)")
+    g.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1/* (/health stays open); default: TURNOUT_API_KEY",
+    )
     g.add_argument(
         "--served-model-name",
         nargs="+",
