@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_parallel import compare, parse_config  # noqa: E402
+from bench_parallel import compare, parse_args, parse_config  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 
 # Qwen3-30B-A3B's config.json, less its 48 layers
@@ -114,21 +113,8 @@ def main() -> None:
     ap.add_argument(
         "--tiny", action="store_true", help="hidden 64, 8 experts top-2, 2 layers (CPU smoke runs)"
     )
-    ap.add_argument("--device", choices=["auto", "cpu"], default="auto", help="cpu: TURNOUT_DEVICE=cpu")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--executor", default="multiproc", help="every config in worker processes, as dp2ep")
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--quick", action="store_true", help="mixed workload at 1/8: requests and output lengths")
-    ap.add_argument("--skip-throughput", action="store_true", help="the agreement check alone")
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    try:
-        configs = [parse(c) for c in args.configs]
-    except ValueError as e:
-        ap.error(str(e))
-    if args.device == "cpu":
-        os.environ["TURNOUT_DEVICE"] = "cpu"  # worker processes inherit it
+    args, configs = parse_args(ap, parse)
 
     if args.tiny:
         tiny = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,

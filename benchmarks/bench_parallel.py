@@ -89,22 +89,9 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--model-dir", help="default /tmp/turnout-<shape> (/tmp/turnout-tiny-qwen3 with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="tests/tiny_models' 2-layer qwen3 (CPU smoke runs)")
-    ap.add_argument("--device", choices=["auto", "cpu"], default="auto", help="cpu: TURNOUT_DEVICE=cpu")
-    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--executor", default="auto", help="auto: uniproc for 1 rank, multiproc for more")
-    ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--cudagraph-mode", help="a graph policy name; default: the engine's default")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--quick", action="store_true", help="mixed workload at 1/8: requests and output lengths")
-    ap.add_argument("--skip-throughput", action="store_true", help="the agreement check alone")
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    try:
-        configs = [parse_config(c) for c in args.configs]
-    except ValueError as e:
-        ap.error(str(e))
-    if args.device == "cpu":
-        os.environ["TURNOUT_DEVICE"] = "cpu"  # worker processes and Ray actors inherit it
+    args, configs = parse_args(ap, parse_config)
 
     if args.tiny:
         sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -125,6 +112,28 @@ def main() -> None:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     print_table([{k: r.get(k, "") for k in keys} for r in rows])
     write_json(args.json, rows, args, **extra)
+
+
+def parse_args(
+    ap: argparse.ArgumentParser, parse: Callable[[str], dict]
+) -> tuple[argparse.Namespace, list[dict]]:
+    """The options compare() reads, added to ap; then the parsed arguments and each --configs name parsed.
+    With --device cpu, TURNOUT_DEVICE=cpu is set for this process and the workers it starts."""
+    ap.add_argument("--device", choices=["auto", "cpu"], default="auto", help="cpu: TURNOUT_DEVICE=cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--quick", action="store_true", help="mixed workload at 1/8: requests and output lengths")
+    ap.add_argument("--skip-throughput", action="store_true", help="the agreement check alone")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    try:
+        configs = [parse(c) for c in args.configs]
+    except ValueError as e:
+        ap.error(str(e))
+    if args.device == "cpu":
+        os.environ["TURNOUT_DEVICE"] = "cpu"
+    return args, configs
 
 
 def compare(

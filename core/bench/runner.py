@@ -256,8 +256,10 @@ class Bench:
 
 def prefix_cache_counts(llm: Any) -> tuple[int, int] | None:
     """(prompt tokens looked up, hits) since start; None where the engine keeps no such count (DP)."""
-    stats = getattr(llm.engine, "stats", None)
-    return (lambda s: (s["prefix_cache_queries"], s["prefix_cache_hits"]))(stats()) if stats else None
+    if not hasattr(llm.engine, "stats"):
+        return None
+    s = llm.engine.stats()
+    return s["prefix_cache_queries"], s["prefix_cache_hits"]
 
 
 def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:

@@ -72,12 +72,7 @@ class OpenAIServingChat(OpenAIServing):
             choice = {"index": c.index, "delta": d, "logprobs": lp, "finish_reason": finish}
             return {**base, "choices": [choice], **u}
 
-        def tail() -> dict[str, Any] | None:
-            if include_usage:
-                return {**base, "choices": [], "usage": usage(n_prompt, completion_tokens(choices))}
-            return None
-
-        return self.sse_stream(outputs, choices, chunk, head, tail)
+        return self.sse_stream(outputs, choices, chunk, head, base if include_usage else None, n_prompt)
 
     def _check_unsupported(self, req: ChatCompletionRequest) -> None:
         if req.tools:

@@ -43,12 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice = {"index": c.index, "text": delta, "logprobs": lp, "finish_reason": finish}
                 return {**base, "choices": [choice], **u}
 
-            def tail() -> dict[str, Any] | None:
-                if include_usage:
-                    return {**base, "choices": [], "usage": usage(n_prompt, completion_tokens(choices))}
-                return None
-
-            body = self.sse_stream(outputs, choices, chunk, [], tail)
+            body = self.sse_stream(outputs, choices, chunk, [], base if include_usage else None, n_prompt)
             return StreamingResponse(body, media_type="text/event-stream")
         await self.collect(outputs, choices)
         out = [

@@ -179,11 +179,13 @@ class OpenAIServing:
         choices: dict[str, Choice],
         chunk: Callable[[Choice, str, int, str | None], dict[str, Any]],
         head: list[dict[str, Any]],
-        tail: Callable[[], dict[str, Any] | None],
+        usage_base: dict[str, Any] | None,
+        n_prompt: int,
     ) -> AsyncIterator[str]:
         """head chunks; then per choice, for what arrived since the last chunk, one chunk that adds
-        text or logprobs or ends the choice: chunk(choice, text, new logprobs, finish_reason); the tail
-        chunk (usage); [DONE]. An engine error becomes an error event before [DONE]."""
+        text or logprobs or ends the choice: chunk(choice, text, new logprobs, finish_reason); with a
+        usage_base (stream_options.include_usage), a last chunk of no choices and the usage; [DONE]. An
+        engine error becomes an error event before [DONE]."""
         try:
             with outputs:
                 for h in head:
@@ -198,8 +200,8 @@ class OpenAIServing:
                             events.append(sse(chunk(c, delta, k, outs[-1].finish_reason)))
                     if events:
                         yield "".join(events)  # one write for the batch
-            if (t := tail()) is not None:
-                yield sse(t)
+            if usage_base is not None:
+                yield sse({**usage_base, "choices": [], "usage": usage(n_prompt, completion_tokens(choices))})
         except TurnoutError as e:
             yield sse(engine_error(e).body())
         yield "data: [DONE]\n\n"
