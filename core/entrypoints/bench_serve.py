@@ -78,6 +78,12 @@ def add_bench_serve_parser(subparsers: Any) -> None:
         "--request-rate", type=float, nargs="+", default=[math.inf], help="requests/s, Poisson; inf = at once"
     )
     p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 1) // 4)),
+        help="processes the requests are dealt over, one openai client each; default: cores / 4, at most 8",
+    )
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE (TTFT, ITL)")
     p.add_argument("--repeat", type=int, default=1, help="runs per rate (and offline runs)")
     p.add_argument("--vs-offline", action="store_true", help="also run LLM.generate here; report the ratio")
@@ -144,28 +150,117 @@ async def _one(client: Any, model: str, w: Workload, i: int, stream: bool) -> Re
     return rec
 
 
-async def _run(url: str, api_key: str | None, model: str | None, w: Workload, rate: float, args: Any) -> dict:
+@dataclass
+class Share:
+    """One client process's share of a run: request i goes out at `start` + its offset (wall clock)."""
+
+    url: str
+    api_key: str | None
+    model: str
+    w: Workload
+    part: list[tuple[int, float]]
+    start: float
+    concurrency: int
+    stream: bool
+
+
+def _client_part(s: Share) -> tuple[list[tuple[int, Record]], float, float]:
+    """Run a share; return its records, the wall-clock time the last ended, and this process's CPU seconds."""
+    return asyncio.run(_client(s))
+
+
+async def _client(s: Share) -> tuple[list[tuple[int, Record]], float, float]:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key or "none", max_retries=0, timeout=3600)
-    model = model or (await client.models.list()).data[0].id
-    gate = asyncio.Semaphore(args.max_concurrency or len(w.prompts))
-    rng = random.Random(args.workload_seed + 1)  # arrival gaps
+    cpu0 = time.process_time()
+    client = openai.AsyncOpenAI(
+        base_url=f"{s.url}/v1", api_key=s.api_key or "none", max_retries=0, timeout=3600
+    )
+    gate = asyncio.Semaphore(s.concurrency)
 
-    async def gated(i: int) -> Record:
+    async def send(i: int, at: float) -> tuple[int, Record]:
+        await asyncio.sleep(max(0.0, s.start + at - time.time()))
         async with gate:
-            return await _one(client, model, w, i, args.stream)
+            return i, await _one(client, s.model, s.w, i, s.stream)
 
-    tasks = []
-    t0 = time.perf_counter()
-    for i in range(len(w.prompts)):
-        tasks.append(asyncio.create_task(gated(i)))
-        if math.isfinite(rate):
-            await asyncio.sleep(rng.expovariate(rate))
-    records = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - t0
+    records = await asyncio.gather(*(send(i, at) for i, at in s.part))
+    end = time.time()
     await client.close()
-    return _summary(records, w, duration, rate, model)
+    return records, end, time.process_time() - cpu0
+
+
+def _warm_client() -> None:
+    import openai  # noqa: F401 - a spawned client pays its imports before the clock starts
+
+    time.sleep(0.5)  # held, so that each warm-up lands on a process of its own
+
+
+def _run(url: str, api_key: str | None, model: str | None, w: Workload, rate: float, args: Any) -> dict:
+    """One run at `rate`: the requests dealt round-robin over --client-processes processes, each an
+    asyncio loop with its own openai.AsyncOpenAI, on one shared Poisson arrival schedule."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    model = model or _first_model(url, api_key)
+    rng, at, offsets = random.Random(args.workload_seed + 1), 0.0, []  # arrival gaps
+    for _ in w.prompts:
+        offsets.append(at)
+        at += rng.expovariate(rate) if math.isfinite(rate) else 0.0
+    k = max(1, min(args.client_processes, len(w.prompts)))
+    parts = [[(i, offsets[i]) for i in range(j, len(w.prompts), k)] for j in range(k)]
+    concurrency = -(-(args.max_concurrency or len(w.prompts)) // k)
+    server_cpu0 = _tree_cpu_s(args.server_pid)
+    shares = [Share(url, api_key, model, w, p, 0.0, concurrency, args.stream) for p in parts]
+    if k == 1:
+        shares[0].start = start = time.time()
+        outs = [_client_part(shares[0])]
+    else:
+        with ProcessPoolExecutor(k, mp_context=get_context("spawn")) as pool:
+            for f in [pool.submit(_warm_client) for _ in range(k)]:
+                f.result()
+            start = time.time()
+            for sh in shares:
+                sh.start = start
+            outs = list(pool.map(_client_part, shares))
+    records: list[Record] = [Record()] * len(w.prompts)
+    for recs, _, _ in outs:
+        for i, r in recs:
+            records[i] = r
+    duration = max(end for _, end, _ in outs) - start
+    res = _summary(records, w, duration, rate, model)
+    res["client_processes"] = k
+    res["client_cpu_s"] = sum(cpu for _, _, cpu in outs)
+    if args.server_pid:
+        res["server_cpu_s"] = {
+            name: after - server_cpu0.get(name, 0.0) for name, after in _tree_cpu_s(args.server_pid).items()
+        }
+    return res
+
+
+def _first_model(url: str, api_key: str | None) -> str:
+    req = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key or 'none'}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def _tree_cpu_s(pid: int | None) -> dict[str, float]:
+    """CPU seconds (user + system) of a process and each of its descendants, by "name pid", from /proc;
+    empty where /proc is not there."""
+    out: dict[str, float] = {}
+    todo = [pid] if pid else []
+    while todo:
+        p = todo.pop()
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        out["api server" if p == pid else f"{name} {p}"] = (int(fields[11]) + int(fields[12])) / os.sysconf(
+            "SC_CLK_TCK"
+        )
+        todo += map(int, kids)
+    return out
 
 
 def _pct(values: list[float]) -> dict[str, float | None]:
@@ -322,8 +417,8 @@ def _provenance() -> dict[str, Any]:
 def run_bench_serve(args: argparse.Namespace) -> int:
     if args.vs_offline and args.url:
         raise TurnoutError("--vs-offline compares with a server this command starts; leave out --url")
-    if args.repeat < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
-        raise TurnoutError("--repeat and --max-concurrency must be >= 1")
+    if min(args.repeat, args.client_processes, args.max_concurrency or 1) < 1:
+        raise TurnoutError("--repeat, --client-processes and --max-concurrency must be >= 1")
     if args.model_tag and args.model and args.model_tag != args.model:
         raise TurnoutError(f"two models given ({args.model_tag} and --model {args.model}); pass one")
     args.model, args.model_tag = args.model_tag or args.model, None  # one place: the engine flags
@@ -333,6 +428,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         args.model = str(make_random_model(random_model_dir(args.random_model), args.random_model))
     w = Workload.make(args)
     proc, url = (None, args.url.rstrip("/")) if args.url else _start_server(args, len(w.prompts))
+    args.server_pid = proc.pid if proc is not None else None
     runs = []
     try:
         modes = [False, True] if args.vs_offline else [args.stream]
@@ -340,7 +436,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             args.stream = stream
             for rate in args.request_rate:
                 for _ in range(args.repeat):
-                    res = asyncio.run(_run(url, args.api_key, args.request_model, w, rate, args))
+                    res = _run(url, args.api_key, args.request_model, w, rate, args)
                     res["mode"] = "stream" if stream else "no-stream"
                     _print(res)
                     runs.append(res)
@@ -366,7 +462,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     return 1 if any(r["failed"] or r["short"] for r in runs) else 0
 
 
-SECRET = ("fn", "api_key")
+SECRET = ("fn", "api_key", "server_pid")
 
 
 def _jsonable(v: Any) -> Any:
