@@ -7,9 +7,11 @@ between chunks) and end-to-end latency at mean, p50 and p99, and the failed coun
 benchmarks/results/.
 
 Without --url the command starts `turnout serve` itself (the engine flags are serve's) on a free port
-and stops it afterwards. --vs-offline then runs the same workload through LLM.generate in this process
-and reports server / offline output throughput, both counted as nano-vllm counts them: the sum of
-max_tokens over the wall time (ignore_eos makes every request produce all of them).
+and stops it afterwards. --vs-offline then runs the same workload through LLM.generate in this process,
+as many times as the server ran it (non-streamed, then streamed), and pairs run k with run k, so that both
+sides meet the same prefix-cache state. It reports server / offline output throughput per pair, both counted
+as nano-vllm counts them: the sum of max_tokens over the wall time (ignore_eos makes every request produce
+all of them).
 
 --workload nanovllm is nano-vllm's bench.py: 256 requests, prompt and output lengths uniform in
 [100, 1024], token ids uniform in [0, 10000], temperature 0.6, ignore_eos, seed 0.
@@ -85,7 +87,7 @@ def add_bench_serve_parser(subparsers: Any) -> None:
         help="processes the requests are dealt over, one openai client each; default: cores / 4, at most 8",
     )
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE (TTFT, ITL)")
-    p.add_argument("--repeat", type=int, default=1, help="runs per rate (and offline runs)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per rate; --vs-offline pairs each with an offline run")
     p.add_argument("--vs-offline", action="store_true", help="also run LLM.generate here; report the ratio")
     p.add_argument("--output", help="JSON record path; default benchmarks/results/<date>-<device>-serve-...")
     _engine_flags(p, skip=("seed",))  # --seed is the workload's; the engine seed comes from config or env
@@ -372,8 +374,8 @@ def _stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _offline(args: argparse.Namespace, w: Workload) -> list[float]:
-    """Output tok/s of LLM.generate on the workload, per repeat, after nano-vllm's one-prompt warm-up."""
+def _offline(args: argparse.Namespace, w: Workload, runs: int) -> list[float]:
+    """Output tok/s of LLM.generate on the workload, per run, after nano-vllm's one-prompt warm-up."""
     from turnout import LLM, SamplingParams
     from turnout.cli import _config
 
@@ -382,7 +384,7 @@ def _offline(args: argparse.Namespace, w: Workload) -> list[float]:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
         sps = [SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
         rates = []
-        for _ in range(args.repeat):
+        for _ in range(runs):
             t0 = time.perf_counter()
             llm.generate(w.prompts, sps, use_tqdm=False)
             rates.append(sum(w.max_tokens) / (time.perf_counter() - t0))
@@ -447,13 +449,16 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     record: dict[str, Any] = {"workload": "serve", "engine": "turnout", "model": model, **_provenance()}
     record["config"] = {k: _jsonable(v) for k, v in vars(args).items() if v is not None and k not in SECRET}
     record["results"] = runs
-    if args.vs_offline:
-        offline = _offline(args, w)
-        top = max(offline)
+    if args.vs_offline:  # run k of the server against run k offline: both see the same prefix-cache history
+        offline = _offline(args, w, len(runs))
+        for r, off in zip(runs, offline):
+            r["offline_output_throughput"], r["vs_offline"] = off, r["max_tokens_throughput"] / off
         for mode in ("no-stream", "stream"):
-            best = max(r["max_tokens_throughput"] for r in runs if r["mode"] == mode)
-            record[f"ratio_{mode}"] = best / top
-            print(f"server ({mode}) / offline: {best:.0f} / {top:.0f} tok/s = {best / top:.3f}")
+            pairs = [r for r in runs if r["mode"] == mode]
+            record[f"ratio_{mode}"] = sum(r["vs_offline"] for r in pairs) / len(pairs)
+            print(
+                f"server ({mode}) / offline, mean of {len(pairs)} paired runs: {record[f'ratio_{mode}']:.3f}"
+            )
         record["offline_tok_s"] = offline
     path = Path(args.output or _default_path(record, args))
     path.parent.mkdir(parents=True, exist_ok=True)
