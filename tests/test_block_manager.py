@@ -141,3 +141,23 @@ def test_a_chunk_ending_mid_block_registers_only_full_blocks():
     out = s.schedule()  # the next 10: blocks 2 to 4 full
     s.update(out, {}, {"0": long_req})
     assert sorted(bm.cached.values()) == sorted(long_req.block_ids[:5])
+
+
+def test_a_request_waits_a_step_for_a_prefix_this_step_computes():
+    """Two requests with one 64-token prompt in one step: the second would recompute what the first
+    computes now, so it waits; the next step, scheduled before the first step's tokens reach the host (async
+    scheduling), finds the first's blocks cached. A request sharing only a block of a long prompt runs now."""
+    bm = BlockManager(num_blocks=64, block_size=16)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256)
+    a, b = req(0, list(range(64))), req(1, list(range(64)))
+    c = req(2, list(range(16)) + list(range(500, 600)))  # one shared block of 116 tokens
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()
+    assert [(r.req_id, r.start_pos, len(r.token_ids)) for r in out.requests] == [("0", 0, 64), ("2", 0, 116)]
+    assert list(s.waiting) == [b]
+    out = s.schedule()  # no update() between: the first step is still in flight; a and c decode
+    assert [(r.req_id, r.start_pos, len(r.token_ids)) for r in out.requests] == [
+        ("0", 64, 1), ("2", 116, 1), ("1", 48, 16)
+    ]  # fmt: skip
+    assert b.num_cached_tokens == 48 and b.block_ids[:3] == a.block_ids[:3]

@@ -4,12 +4,16 @@ A full block is keyed by a chained hash: hash(parent block's hash, its token ids
 equal prefixes. Blocks carry reference counts; a block whose count drops to 0 keeps its hash and waits
 in the free queue (LRU: least recently freed is reused first), so a later request with the same prefix
 can take it back until it is evicted by reuse.
+
+A block is registered as soon as the step that computes it is scheduled: steps run on the device in the
+order they are launched, so every later step reads it whole, even one scheduled before that step ends
+(async scheduling). The step that computes it does not: its hash is in that step's `computing` set.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 from turnout.engine.request import Request
@@ -62,17 +66,28 @@ class BlockManager:
             hashes.append(hash((parent, tuple(req.token_slice(i * bs, bs)))))
         return hashes
 
-    def find_cached(self, req: Request) -> list[int]:
-        """Block ids of the longest cached prefix, leaving at least one token to compute."""
+    def find_cached(self, req: Request, computing: Container[int] = ()) -> list[int]:
+        """Block ids of the longest prefix cached by earlier steps (not in `computing`, the blocks the step
+        being scheduled computes), leaving at least one token to compute."""
         if not self.enable_prefix_caching:
             return []
         found = []
         for h in self._block_hashes(req, req.num_tokens - 1):
             block_id = self.cached.get(h)
-            if block_id is None:
+            if block_id is None or h in computing:
                 break
             found.append(block_id)
         return found
+
+    def num_computing(self, req: Request, start: int, computing: Container[int]) -> int:
+        """How many of req's full blocks, from block `start` on, the step being scheduled computes for
+        other requests (after find_cached, which hashed the prompt)."""
+        n = 0
+        for h in self.hashes.get(req.req_id, [])[start:]:
+            if h not in computing:
+                break
+            n += 1
+        return n
 
     def can_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
         have = len(req.block_ids) + len(cached)
@@ -111,19 +126,24 @@ class BlockManager:
         block.hash, block.ref_count = None, 1
         return block_id
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register the request's blocks that are now full of computed tokens."""
-        full, start = req.num_computed_tokens // self.block_size, self.registered.get(req.req_id, 0)
+    def cache_full_blocks(self, req: Request) -> list[int]:
+        """Register the request's blocks now full of known tokens that are computed or in a launched step;
+        return the hashes registered."""
+        known = min(req.num_computed_tokens, req.num_tokens)  # a sampled token in flight has no id yet
+        full, start = known // self.block_size, self.registered.get(req.req_id, 0)
         if not self.enable_prefix_caching or full <= start:
-            return  # no block filled up since the last call
+            return []  # no block filled up since the last call
         # find_cached may have hashed the whole prompt: a chunk that ends inside a block leaves it unhashed
-        hashes = self._block_hashes(req, req.num_computed_tokens)[:full]
+        hashes = self._block_hashes(req, known)[:full]
+        new = []
         for block_id, h in zip(req.block_ids[start:], hashes[start:]):
             block = self.blocks[block_id]
             if block.hash is None:
                 block.hash = h
                 self.cached.setdefault(h, block_id)
+                new.append(h)
         self.registered[req.req_id] = min(full, len(req.block_ids))
+        return new
 
     def free_request(self, req: Request) -> None:
         # tail blocks first, so a prefix's first blocks are the last to be evicted

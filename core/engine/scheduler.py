@@ -77,7 +77,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._num_sample_rows = 0
         budget = self.max_num_batched_tokens
-        chunks: list[tuple[Request, int]] = []
+        scheduled: list[ScheduledRequest] = []
+        computing: set[int] = set()  # hashes of the blocks this step computes
         preempted = False
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -95,36 +96,49 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                chunks.append((req, n))
+                scheduled.append(self._scheduled(req, n, computing))
                 budget -= n
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
             # prompt logprobs need every prompt position computed, so such requests skip the prefix cache
-            cached = self.bm.find_cached(req) if req.params.prompt_logprobs is None else []
+            cached = self.bm.find_cached(req, computing) if req.params.prompt_logprobs is None else []
             num_cached = len(cached) * self.bm.block_size
+            if req.params.prompt_logprobs is None and self._shares_computing(req, len(cached), computing):
+                deferred.append(req)
+                continue
             n = min(req.num_tokens - num_cached, budget)
             if not self.bm.allocate(req, n, cached):
+                self.waiting.appendleft(req)
                 break
-            self.waiting.popleft()
             self.bm.stats.queries += req.num_tokens
             self.bm.stats.hits += num_cached
             req.num_computed_tokens = req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            chunks.append((req, n))
+            scheduled.append(self._scheduled(req, n, computing))
             budget -= n
-        out = SchedulerOutput([self._scheduled(r, n) for r, n in chunks], self.finished_ids)
+        self.waiting.extendleft(reversed(deferred))
+        out = SchedulerOutput(scheduled, self.finished_ids)
         self.finished_ids = []
         return out
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        """The next n tokens of req, which now count as computed; one that samples adds a placeholder."""
+    def _shares_computing(self, req: Request, num_cached_blocks: int, computing: set[int]) -> bool:
+        """At least half of what req would compute now, this step computes for another request: req waits
+        a step, and then finds it cached."""
+        shared = self.bm.num_computing(req, num_cached_blocks, computing) * self.bm.block_size
+        return shared > 0 and 2 * shared >= req.num_tokens - num_cached_blocks * self.bm.block_size
+
+    def _scheduled(self, req: Request, n: int, computing: set[int]) -> ScheduledRequest:
+        """The next n tokens of req, which now count as computed (their full blocks join the prefix cache,
+        and `computing`); one that samples adds a placeholder."""
         start = req.num_computed_tokens
         tokens = req.token_slice(start, n)
         if len(tokens) < n:  # the one unknown token: sampled by the step in flight
             tokens.append(placeholder(req.sample_row))
         sample = start + n == req.num_tokens + req.num_output_placeholders
         req.num_computed_tokens += n
+        computing.update(self.bm.cache_full_blocks(req))
         if sample:
             req.num_output_placeholders += 1
             req.sample_row, self._num_sample_rows = self._num_sample_rows, self._num_sample_rows + 1
