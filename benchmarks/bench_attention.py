@@ -155,6 +155,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--eager", action="store_true", help="skip the CUDA-graph timings")
+    p.add_argument("--kinds", choices=("all", "decode", "prefill"), default="all")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256], help="decode batch sizes")
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096], help="decode context lengths")
     args = p.parse_args()
     if current_platform().device_type != "cuda":
         sys.exit("bench_attention: needs a CUDA device (none found, or TURNOUT_DEVICE=cpu); nothing measured")
@@ -162,8 +165,8 @@ def main() -> None:
     backends = discover(names)
     if not backends:
         sys.exit(f"bench_attention: no attention backend installed matches {names}")
-    cases = [("decode", b, c) for b in (1, 32, 256) for c in (512, 4096)]
-    cases += [("prefill", 1, 4096), ("prefill", 1, 16384)]
+    cases = [("decode", b, c) for b in args.batches for c in args.contexts] if args.kinds != "prefill" else []
+    cases += [("prefill", 1, 4096), ("prefill", 1, 16384)] if args.kinds != "decode" else []
     rows = []
     print(f"{'backend':<10}{'case':<9}{'batch':>6}{'context':>8}{'eager ms':>10}{'graph ms':>10}", end="")
     print(f"{'rate':>15}{'% peak':>8}")

@@ -44,7 +44,6 @@ from random_models import make_random_model  # noqa: E402
 
 FORWARD, SAMPLE = "decode_forward", "decode_sample"  # record_function labels of a decode step's two halves
 DEVICE_ACTIVITIES = {"kernel", "gpu_memcpy", "gpu_memset"}  # not gpu_user_annotation (our labels' GPU copy)
-PROMPT_LEN = 32
 # first match wins, on the lower-cased name; the Triton names are those of core/layers/fused.py and
 # plugins/attention/triton/turnout_triton/kernels.py ("_reduce_kernel", not torch's "::reduce_kernel")
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
@@ -234,10 +233,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def profile_decode(
-    llm, batch: int, steps: int, warmup: int, bandwidth: float, trace: Path | None
+    llm, batch: int, steps: int, warmup: int, bandwidth: float, trace: Path | None, prompt_len: int
 ) -> dict[str, Any]:
     runner = llm.engine.executor.worker.runner
-    reqs = [(PROMPT_LEN, warmup + steps + 1)] * batch
+    reqs = [(prompt_len, warmup + steps + 1)] * batch
     with DecodeTimer(runner) as timer:  # unprofiled: the wall times, and a warm-up for the profiled pass
         run(llm, reqs)
     with DecodeTimer(runner), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -280,6 +279,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["FULL"])
     ap.add_argument("--model-dir", default="/tmp/turnout-qwen3-0.6b")
     ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
+    ap.add_argument("--prompt-len", type=int, default=32, help="tokens in each prompt")
     ap.add_argument("--steps", type=int, default=20, help="decode steps counted")
     ap.add_argument("--warmup", type=int, default=5, help="decode steps dropped first")
     ap.add_argument("--top", type=int, default=20, help="kernel rows printed")
@@ -301,13 +301,15 @@ def main() -> None:
                 warmup=args.warmup, bandwidth=args.bandwidth, fused_kernels=not args.unfused)  # fmt: skip
     results, summary = [], []
     for mode in args.modes:
+        # async scheduling off: each decode step runs between the timer's synchronisations
         llm = LLM(str(path), attention_backend=args.backend, cudagraph_mode=mode, max_num_batched_tokens=2048,
-                  max_num_seqs=256, gpu_memory_utilization=0.85)  # fmt: skip
+                  max_num_seqs=256, gpu_memory_utilization=0.85, async_scheduling=False)  # fmt: skip
         eff = llm.selection.effective_graph.name
         name = f"decode_{args.backend}_{mode}_b{args.batch}.json"
         trace = Path(args.trace_dir) / name if args.trace_dir else None
         res = {"backend": args.backend, "mode": mode, "effective": eff}
-        res.update(profile_decode(llm, args.batch, args.steps, args.warmup, args.bandwidth, trace))
+        a = args
+        res.update(profile_decode(llm, a.batch, a.steps, a.warmup, a.bandwidth, trace, a.prompt_len))
         print(f"\n== {args.backend} {mode} (effective {eff}), batch {args.batch}, per decode step")
         report(res, args.top)
         t = res["totals"]

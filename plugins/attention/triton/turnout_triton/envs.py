@@ -3,4 +3,5 @@
 from turnout import EnvVar
 
 PREFILL = EnvVar("TURNOUT_TRITON_PREFILL", str, "", "prefill tiles: block_m,block_n,warps,stages[,trans_k]")
-ENV_VARS = [PREFILL]
+DECODE = EnvVar("TURNOUT_TRITON_DECODE", str, "", "decode tiles: block_n,warps,stages")
+ENV_VARS = [PREFILL, DECODE]

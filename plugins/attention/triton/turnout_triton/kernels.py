@@ -27,11 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from turnout_triton.envs import PREFILL
+from turnout_triton.envs import DECODE, PREFILL
 
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _PREFILL_OVERRIDE = PREFILL.value  # read once, when the backend first launches a kernel
+_DECODE_OVERRIDE = DECODE.value
 MAX_SPLITS = 16
 # Keys per decode split, at least: a request's split boundaries depend on its own seq_len alone, so every
 # split count that covers them gives bit-identical output, and eager steps and CUDA graphs (captured with
@@ -62,35 +63,6 @@ def _dot(a, b, PREC: tl.constexpr):
     if PREC == "upcast":  # the interpreter's dot multiplies bfloat16 bit patterns as integers (triton 3.9)
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=PREC)
-
-
-@triton.jit
-def _attend_tile(
-    qt, m, den, acc, k_cache, v_cache, bt_row, j, kv_end, qpos, d, kv_off, block_size, s_cb, s_cs,
-    scale_log2, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    PREC: tl.constexpr,
-):  # fmt: skip
-    """One BLOCK_N tile of keys [j, j + BLOCK_N) against qt [M, HEAD_P2]; keys >= kv_end are masked."""
-    pos = j + tl.arange(0, BLOCK_N)
-    kmask = pos < kv_end
-    blk = tl.load(bt_row + pos // block_size, mask=kmask, other=0).to(tl.int64)
-    off = blk * s_cb + (pos % block_size) * s_cs + kv_off  # [BLOCK_N]
-    if HEAD == HEAD_P2:
-        lmask = kmask[:, None]
-    else:
-        lmask = kmask[:, None] & (d[None, :] < HEAD)
-    kt = tl.load(k_cache + off[:, None] + d[None, :], mask=lmask, other=0.0)  # [BLOCK_N, HEAD_P2]
-    vt = tl.load(v_cache + off[:, None] + d[None, :], mask=lmask, other=0.0)
-    s = _dot(qt, tl.trans(kt), PREC) * scale_log2  # [M, BLOCK_N]
-    if CAUSAL:
-        s = tl.where(kmask[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at zero weight
-    alpha = tl.exp2(m - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    den = den * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PREC)
-    return m_new, den, acc
 
 
 @triton.jit
@@ -248,16 +220,17 @@ def _prefill_kernel(
 
 @triton.jit(do_not_specialize=["s_bt"])  # the block table's width changes from step to step
 def _decode_kernel(
-    q, k_cache, v_cache, out, part_o, part_lse, cu, seq_lens, block_table, scale_log2, block_size,
+    q, k_cache, v_cache, out, part_o, part_lse, cu, seq_lens, block_table, scale_log2,
     s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
     QPK: tl.constexpr, ROWS: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, num_kv_heads, P); only requests with query_len 1. A request's keys [0, seq_len) fall into
     chunks of max(SPLIT_KEYS, seq_len / MAX_SPLITS) keys, split s covering chunk s; program p computes
     splits p, p + P, ... one by one, each as if alone, so P changes which program works, never the bits.
-    NUM_SPLITS only has to cover the chunks. With one split it writes out, else part_o/part_lse."""
+    NUM_SPLITS only has to cover the chunks. With one split it writes out, else part_o/part_lse. As in
+    prefill, block ids are read a tile ahead; only a split's last, partial tile is masked."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     q0 = tl.load(cu + b)
@@ -278,10 +251,20 @@ def _decode_kernel(
         m = tl.full([ROWS], float("-inf"), tl.float32)
         den = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HEAD_P2], tl.float32)
-        for j in range(start, end, BLOCK_N):
-            m, den, acc = _attend_tile(
-                qt, m, den, acc, k_cache, v_cache, bt_row, j, end, qpos, d, kvh * s_ch, block_size, s_cb,
-                s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N, True, PREC,
+        full = start + (end - start) // BLOCK_N * BLOCK_N  # start is a multiple of BLOCK_N
+        ids = _block_ids(bt_row, start, full, BLOCK_N, BLOCK_SIZE)
+        for j in range(start, full, BLOCK_N):
+            cur = ids
+            ids = _block_ids(bt_row, j + BLOCK_N, full, BLOCK_N, BLOCK_SIZE)
+            m, den, acc = _prefill_tile(
+                qt, m, den, acc, k_cache, v_cache, cur, j, end, qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2,
+                HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, False, PREC,
+            )  # fmt: skip
+        for j in range(full, end, BLOCK_N):  # at most one
+            m, den, acc = _prefill_tile(
+                qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, end, BLOCK_N, BLOCK_SIZE), j, end,
+                qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, True, False,
+                PREC,
             )  # fmt: skip
         acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
         if NUM_SPLITS == 1:
@@ -386,9 +369,9 @@ def paged_attention(
     part_lse = out if s == 1 else torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     p = programs or decode_programs(b, kvh, s)
     _decode_kernel[(b, kvh, p)](
-        q, kc, vc, out, part_o, part_lse, query_start_loc, seq_lens, block_table, scale_log2, bs,
-        *io, *common, QPK=qpk, ROWS=dec["rows"], HEAD=hs, HEAD_P2=hp2, BLOCK_N=dec["block_n"], NUM_SPLITS=s,
-        PREC=prec, SPLIT_KEYS=SPLIT_KEYS, MAX_SPLITS=MAX_SPLITS, num_warps=dec["warps"],
+        q, kc, vc, out, part_o, part_lse, query_start_loc, seq_lens, block_table, scale_log2,
+        *io, *common, QPK=qpk, ROWS=dec["rows"], HEAD=hs, HEAD_P2=hp2, BLOCK_N=dec["block_n"], BLOCK_SIZE=bs,
+        NUM_SPLITS=s, PREC=prec, SPLIT_KEYS=SPLIT_KEYS, MAX_SPLITS=MAX_SPLITS, num_warps=dec["warps"],
         num_stages=dec["stages"],
     )  # fmt: skip
     if s > 1:
@@ -470,6 +453,8 @@ def decode_programs(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
 # decode 64-key tiles on 2 warps read ~3.2 TB/s at 32 x 4k. Prefill 128 x 128 tiles on 8 warps reached
 # 360 TFLOP/s at 16k before the mask-free hot loop; benchmarks/tune_triton.py sweeps the prefill tiles.
 def _decode_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
+    if _DECODE_OVERRIDE:
+        return _parse_decode_config(_DECODE_OVERRIDE, qpk_p2)
     if INTERPRET:
         return dict(rows=qpk_p2, block_n=32, warps=1, stages=1)
     rows = max(16, qpk_p2)  # tl.dot needs M >= 16
@@ -510,6 +495,16 @@ def _parse_config(text: str) -> dict:
     if not 4 <= len(vals) <= 5:
         raise ValueError(f"TURNOUT_TRITON_PREFILL={text!r}: want block_m,block_n,warps,stages[,trans_k]")
     return dict(zip(PREFILL_KEYS, vals))
+
+
+def _parse_decode_config(text: str, qpk_p2: int) -> dict:
+    try:
+        block_n, warps, stages = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"TURNOUT_TRITON_DECODE={text!r}: want block_n,warps,stages") from None
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"TURNOUT_TRITON_DECODE={text!r}: block_n must be a power of two >= 16")
+    return dict(rows=max(16, qpk_p2), block_n=block_n, warps=warps, stages=stages)
 
 
 def _fit_config(cfg: dict, qpk_p2: int) -> dict:
