@@ -83,8 +83,8 @@ def add_bench_serve_parser(subparsers: Any) -> None:
     p.add_argument(
         "--client-processes",
         type=int,
-        default=max(1, min(8, (os.cpu_count() or 1) // 4)),
-        help="processes the requests are dealt over, one openai client each; default: cores / 4, at most 8",
+        default=max(1, min(8, (os.cpu_count() or 1) // 2)),
+        help="processes the requests are dealt over, one openai client each; default: cores / 2, at most 8",
     )
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE (TTFT, ITL)")
     p.add_argument("--repeat", type=int, default=1, help="runs per rate; --vs-offline pairs each with an offline run")
