@@ -224,6 +224,17 @@ def per_file(
     return out or missing(suite)
 
 
+IDLE = {
+    "async_scheduling": "async scheduling", "batch": "batch", "ms_per_step": "ms a step",
+    "output_tok_s": "output tok/s", "gpu_idle_pct": "GPU idle %", "longest_gap_us": "longest gap (us)",
+}  # fmt: skip
+
+
+def _idle_rows(doc: Doc) -> list[dict]:
+    """gpu_idle.py's rows; the suite's throughput records are in the throughput section's format."""
+    return doc["results"] if isinstance(doc, dict) else []
+
+
 def _graph_rows(doc: Doc) -> list[dict]:
     def short(
         c: str,
@@ -321,8 +332,10 @@ def gemv_section() -> list[str]:
 
 
 def tune_section() -> list[str]:
+    """The newest prefill tile sweep (tune_triton.py) and the newest decode tile sweep."""
     out = []
-    for path, doc in files("tune-triton")[:1]:
+    docs = files("tune-triton")
+    for path, doc in [d for d in docs if d[1].get("workload") != "decode-tiles"][:1]:
         out += [
             "",
             f"{caption(path, doc)} Best: `{doc['best']}` (block_m, block_n, warps, stages, trans_k).",
@@ -332,6 +345,13 @@ def tune_section() -> list[str]:
         out += table(
             ["config", "4k (TFLOP/s)", "16k", "4x4k"],
             ([r["config"], r["4k_tflops"], r["16k_tflops"], r["4x4k_tflops"]] for r in top),
+        )
+    for path, doc in [d for d in docs if d[1].get("workload") == "decode-tiles"][:1]:
+        cases = [k for k in doc["results"][0] if k.endswith("_us")]
+        out += ["", f"{caption(path, doc)} Best: `{doc['best']}` (block_n, warps, stages).", ""]
+        out += table(
+            ["tiles", "kernel", *(c.removesuffix("_us").replace("x", " x ") + " (us)" for c in cases)],
+            ([r["tiles"], f"`{r['kernel_commit']}`", *(r[c] for c in cases)] for r in doc["results"]),
         )
     return out or missing("tune-triton")
 
@@ -365,13 +385,18 @@ def render() -> str:
         ("throughput", "Throughput: nano-vllm's bench", lambda: bench_section("throughput")),
         ("latency", "Latency at batch 1", lambda: bench_section("latency")),
         ("prefix", "Prefix caching", lambda: bench_section("prefix")),
+        (
+            "async-scheduling",
+            "GPU idle between decode steps",
+            lambda: per_file("async-scheduling", IDLE, _idle_rows),
+        ),
         ("llama-3-8b", "Llama-3-8B shape", lambda: bench_section("llama-3-8b")),
         ("cpu-vs-hf", "CPU: turnout against HF transformers", cpu_section),
         ("graphs", "CUDA graphs", lambda: per_file("graphs", GRAPHS, _graph_rows, GRAPHS_LEGEND)),
         ("attention", "Attention kernels", attention_section),
         ("gemv", "The decode GEMV", gemv_section),
         ("profile", "A decode step, kernel by kernel", lambda: per_file("profile", PROFILE, _profile_rows)),
-        ("tune-triton", "Triton prefill tiles", tune_section),
+        ("tune-triton", "Triton kernel tiles", tune_section),
         ("conformance", "Conformance", lambda: per_file("conformance", CONFORMANCE)),
         ("e2e", "End to end against HF transformers", lambda: per_file("e2e", E2E)),
         ("parallel", "Parallelism", lambda: per_file("parallel", PARALLEL)),
@@ -406,8 +431,9 @@ def headline() -> list[str]:
                     (f, r) for f, d in docs for r in d if r["engine"] == "turnout" and r.get("ratio_vs_peer")
                 )
                 if (sub := next(subs, None)) is not None:  # the newest run beside HF
+                    where = "" if sub[0] == path else f" ({cite(sub[0], '')})"
                     fig += (f"; {sub[1]['ratio_vs_peer']:.1f}x HF `generate_batch` on {sub[1]['subset']} "
-                            f"requests ({cite(sub[0], '')})")  # fmt: skip
+                            f"requests{where}")  # fmt: skip
             elif suite == "latency":
                 fig = (
                     f"TPOT {num(rep.get('tpot_ms'))} ms, TTFT {_ttft(rep.get('ttft_ms'))} ms by prompt length"
