@@ -585,6 +585,7 @@ def test_bench_serve_against_a_running_server(tiny: Server, tmp_path: Path) -> N
     before = tiny.metrics()["turnout:generation_tokens_total"]
     out = tmp_path / "bench.json"
     args = ["--url", tiny.url, "--api-key", KEY, "--num-prompts", "16", "--input-len", "4:12"]
+    args += ["--client-processes", "2"]  # requests dealt over two spawned clients
     args += [
         "--output-len",
         "6",
@@ -608,6 +609,7 @@ def test_bench_serve_against_a_running_server(tiny: Server, tmp_path: Path) -> N
         assert 0 < x["ttft_p50_ms"] <= x["ttft_p99_ms"] and 0 < x["itl_p50_ms"] <= x["itl_p99_ms"]
         assert x["tpot_p50_ms"] > 0 and x["output_throughput"] > 0
         assert x["output_throughput"] == pytest.approx(16 * 6 / x["duration_s"])
+        assert x["client_processes"] == 2 and x["client_cpu_s"] > 0
     assert tiny.metrics()["turnout:generation_tokens_total"] - before == 2 * 16 * 6  # the server agrees
 
 
