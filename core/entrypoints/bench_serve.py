@@ -87,7 +87,7 @@ def add_bench_serve_parser(subparsers: Any) -> None:
         help="processes the requests are dealt over, one openai client each; default: cores / 2, at most 8",
     )
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE (TTFT, ITL)")
-    p.add_argument("--repeat", type=int, default=1, help="runs per rate; --vs-offline pairs each with an offline run")
+    p.add_argument("--repeat", type=int, default=1, help="runs per rate (each paired with an offline run)")
     p.add_argument("--vs-offline", action="store_true", help="also run LLM.generate here; report the ratio")
     p.add_argument("--output", help="JSON record path; default benchmarks/results/<date>-<device>-serve-...")
     _engine_flags(p, skip=("seed",))  # --seed is the workload's; the engine seed comes from config or env
@@ -258,9 +258,8 @@ def _tree_cpu_s(pid: int | None) -> dict[str, float]:
         except OSError:
             continue
         name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        out["api server" if p == pid else f"{name} {p}"] = (int(fields[11]) + int(fields[12])) / os.sysconf(
-            "SC_CLK_TCK"
-        )
+        ticks = int(fields[11]) + int(fields[12])  # utime + stime
+        out["api server" if p == pid else f"{name} {p}"] = ticks / os.sysconf("SC_CLK_TCK")
         todo += map(int, kids)
     return out
 
