@@ -128,7 +128,7 @@ class BlockManager:
 
     def cache_full_blocks(self, req: Request) -> list[int]:
         """Register the request's blocks now full of known tokens that are computed or in a launched step;
-        return the hashes registered."""
+        return the hashes that now lead to its blocks."""
         known = min(req.num_computed_tokens, req.num_tokens)  # a sampled token in flight has no id yet
         full, start = known // self.block_size, self.registered.get(req.req_id, 0)
         if not self.enable_prefix_caching or full <= start:
@@ -140,8 +140,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.hash is None:
                 block.hash = h
-                self.cached.setdefault(h, block_id)
-                new.append(h)
+                if self.cached.setdefault(h, block_id) == block_id:  # else an earlier block holds it
+                    new.append(h)
         self.registered[req.req_id] = min(full, len(req.block_ids))
         return new
 
