@@ -196,3 +196,17 @@ def test_random_checkpoint_in_a_real_shape_loads_in_turnout_and_hf(tmp_path, mon
     ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
     assert ours == hf_greedy(path, [prompt], 4)[0]
     llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    "n,processes,limit", [(256, 8, None), (10, 4, 10), (10, 8, 3), (5, 8, None), (7, 3, 5)]
+)
+def test_bench_serve_deals_every_request_once_within_max_concurrency(n, processes, limit):
+    from turnout.entrypoints.bench_serve import deal
+
+    offsets = [0.1 * i for i in range(n)]
+    parts, gates = deal(offsets, processes, limit)
+    assert sorted(i for p in parts for i, _ in p) == list(range(n))  # each request once
+    assert all(at == offsets[i] for p in parts for i, at in p)  # on the shared schedule
+    assert len(parts) == len(gates) <= processes and min(gates) >= 1
+    assert sum(gates) == (limit or n)  # --max-concurrency holds across the processes

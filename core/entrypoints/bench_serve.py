@@ -208,11 +208,10 @@ def _run(url: str, api_key: str | None, model: str | None, w: Workload, rate: fl
     for _ in w.prompts:
         offsets.append(at)
         at += rng.expovariate(rate) if math.isfinite(rate) else 0.0
-    k = max(1, min(args.client_processes, len(w.prompts)))
-    parts = [[(i, offsets[i]) for i in range(j, len(w.prompts), k)] for j in range(k)]
-    concurrency = -(-(args.max_concurrency or len(w.prompts)) // k)
+    parts, gates = deal(offsets, args.client_processes, args.max_concurrency)
+    k = len(parts)
     server_cpu0 = _tree_cpu_s(args.server_pid)
-    shares = [Share(url, api_key, model, w, p, 0.0, concurrency, args.stream) for p in parts]
+    shares = [Share(url, api_key, model, w, p, 0.0, g, args.stream) for p, g in zip(parts, gates)]
     if k == 1:
         shares[0].start = start = time.time()
         outs = [_client_part(shares[0])]
@@ -237,6 +236,17 @@ def _run(url: str, api_key: str | None, model: str | None, w: Workload, rate: fl
             name: after - server_cpu0.get(name, 0.0) for name, after in _tree_cpu_s(args.server_pid).items()
         }
     return res
+
+
+def deal(
+    offsets: list[float], processes: int, max_concurrency: int | None
+) -> tuple[list[list[tuple[int, float]]], list[int]]:
+    """Requests (index, arrival offset) dealt round-robin over at most `processes` clients, and each
+    client's share of max_concurrency (all requests where None): the shares add up to it exactly."""
+    limit = max_concurrency or len(offsets)
+    k = max(1, min(processes, len(offsets), limit))
+    parts = [[(i, offsets[i]) for i in range(j, len(offsets), k)] for j in range(k)]
+    return parts, [limit // k + (j < limit % k) for j in range(k)]
 
 
 def _first_model(url: str, api_key: str | None) -> str:
