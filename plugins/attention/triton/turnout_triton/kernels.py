@@ -124,7 +124,7 @@ def _block_ids(bt_row, j, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _prefill_tile(
+def _attend_tile(
     qt, m, den, acc, k_cache, v_cache, blk, j, kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2,
     HEAD: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     MASK: tl.constexpr, K_T: tl.constexpr, PREC: tl.constexpr,
@@ -204,12 +204,12 @@ def _prefill_kernel(
     for j in range(0, full_end, BLOCK_N):
         cur = ids
         ids = _block_ids(bt_row, j + BLOCK_N, full_end, BLOCK_N, BLOCK_SIZE)
-        m, den, acc = _prefill_tile(
+        m, den, acc = _attend_tile(
             qt, m, den, acc, k_cache, v_cache, cur, j, kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2,
             HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, K_T, PREC,
         )  # fmt: skip
     for j in range(full_end, kv_end, BLOCK_N):  # the tiles that cross the diagonal: masked
-        m, den, acc = _prefill_tile(
+        m, den, acc = _attend_tile(
             qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, kv_end, BLOCK_N, BLOCK_SIZE), j, kv_end,
             qpos, d, kv_off, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, True, K_T, PREC,
         )  # fmt: skip
@@ -230,7 +230,7 @@ def _decode_kernel(
     chunks of max(SPLIT_KEYS, seq_len / MAX_SPLITS) keys, split s covering chunk s; program p computes
     splits p, p + P, ... one by one, each as if alone, so P changes which program works, never the bits.
     NUM_SPLITS only has to cover the chunks. With one split it writes out, else part_o/part_lse. As in
-    prefill, block ids are read a tile ahead; only a split's last, partial tile is masked."""
+    prefill (_attend_tile), block ids are read a tile ahead; only a split's last, partial tile is masked."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     q0 = tl.load(cu + b)
@@ -256,12 +256,12 @@ def _decode_kernel(
         for j in range(start, full, BLOCK_N):
             cur = ids
             ids = _block_ids(bt_row, j + BLOCK_N, full, BLOCK_N, BLOCK_SIZE)
-            m, den, acc = _prefill_tile(
+            m, den, acc = _attend_tile(
                 qt, m, den, acc, k_cache, v_cache, cur, j, end, qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2,
                 HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, False, PREC,
             )  # fmt: skip
         for j in range(full, end, BLOCK_N):  # at most one
-            m, den, acc = _prefill_tile(
+            m, den, acc = _attend_tile(
                 qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, end, BLOCK_N, BLOCK_SIZE), j, end,
                 qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, True, False,
                 PREC,
