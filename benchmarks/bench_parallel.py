@@ -160,8 +160,8 @@ def compare(
     check, mixed = check_workload(), workloads(args.quick)["mixed"]
     scale = 8 if args.quick else 1
     extra = dict(model=model, engine=engine_kw, quick=args.quick, reference=None,
-                  check=f"{CHECK_PROMPTS} prompts of 16..700 tokens, {CHECK_NEW} greedy tokens",
-                  mixed=f"{len(mixed)} requests, prompt 100..1024, output 100..1024 // {scale}")  # fmt: skip
+                 check=f"{CHECK_PROMPTS} prompts of 16..700 tokens, {CHECK_NEW} greedy tokens",
+                 mixed=f"{len(mixed)} requests, prompt 100..1024, output 100..1024 // {scale}")  # fmt: skip
     if args.device == "cpu":
         extra["device"] = "cpu (TURNOUT_DEVICE=cpu)"
     rows, ref = [], None

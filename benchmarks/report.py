@@ -126,9 +126,7 @@ def settings(cfg: dict[str, Any]) -> str:
     """The turnout settings a record ran with, as the section's tables tell them apart."""
     engine = cfg.get("engine", {})
     words = [f"attention {cfg.get('attention')}"]
-    on = cfg.get(
-        "async_scheduling", engine.get("async_scheduling")
-    )  # older records: the request; unset was off
+    on = cfg.get("async_scheduling", engine.get("async_scheduling"))  # else the request; unset was off
     words.append(f"async scheduling {'on' if on else 'off'}")
     if engine.get("enable_prefix_caching") is False:
         words.append("prefix caching off")
@@ -269,9 +267,9 @@ def _serve_rows(doc: Doc) -> list[dict]:
     offline = doc.get("offline_tok_s") or []
     rows = []
     for r in doc["results"]:
-        ratio = (
-            r["output_throughput"] / offline[0] if offline and "vs_offline" not in r else r.get("vs_offline")
-        )
+        ratio = r.get("vs_offline")  # against its paired offline run
+        if ratio is None and offline:  # a record without pairs: against its first offline run
+            ratio = r["output_throughput"] / offline[0]
         rows.append({**r, "mode": r.get("mode", "stream"), "vs_offline": ratio})
     for i, tok_s in enumerate(offline):
         rows.append({"mode": f"offline LLM.generate, run {i + 1}", "output_throughput": tok_s})

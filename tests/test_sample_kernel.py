@@ -73,6 +73,12 @@ def test_batches_it_takes():
         xc = x.to(DEV)
         assert sample_kernel.can_sample(xc, plain, seeded=False)
         assert not sample_kernel.can_sample(xc, plain, seeded=True)
-        for kw in ({"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}):
+        for kw in (
+            {"top_p": 0.9},
+            {"top_k": 5},
+            {"min_p": 0.1},
+            {"repetition_penalty": 1.2},
+            {"min_tokens": 2},
+        ):
             assert not sample_kernel.can_sample(xc, [SamplingParams(temperature=0.6, **kw)], seeded=False)
         assert sample_kernel.can_sample(xc, [SamplingParams(temperature=0.6, top_k=100)], seeded=False)

@@ -322,7 +322,8 @@ def test_models_version_health_metrics(smol: Server) -> None:
     assert [m.id for m in smol.client().models.list().data] == ["SmolLM2-135M-Instruct"]
     assert httpx.get(f"{smol.url}/version").json()["version"]
     assert httpx.get(f"{smol.url}/health").status_code == 200  # open without the key
-    m = smol.metrics()
+    smol.client().completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPTS[0], max_tokens=2)
+    m = smol.metrics()  # with a request of its own, whatever ran before
     names = """num_requests_running num_requests_waiting kv_cache_usage_perc prefix_cache_hit_rate
         prefix_cache_queries_total prefix_cache_hits_total num_preemptions_total prompt_tokens_total
         generation_tokens_total time_to_first_token_seconds_count inter_token_latency_seconds_count

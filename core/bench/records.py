@@ -9,7 +9,6 @@ prefix      run, speedup_vs_no_cache
 from __future__ import annotations
 
 import datetime as dt
-import itertools
 import json
 import os
 import platform
@@ -99,12 +98,11 @@ def write(records: list[dict[str, Any]], out: str | Path, workload: str, device:
         slug = re.sub(r"[^a-z0-9]+", "-", device.lower().split("(")[0]).strip("-").removeprefix("nvidia-")
         cfg = next((r["config"] for r in records if r["engine"] == "turnout"), {})
         tag = "".join(f"-{t}" for t in (cfg.get("attention"), cfg.get("async_scheduling") and "async") if t)
-        base = path / f"{stamp}-{slug}-{workload}{tag}"
-        path = next(
-            p
-            for i in itertools.count(1)
-            if not (p := Path(f"{base}{f'-{i}' if i > 1 else ''}.json")).exists()
-        )
+        base, i = path / f"{stamp}-{slug}-{workload}{tag}", 1
+        path = Path(f"{base}.json")
+        while path.exists():
+            i += 1
+            path = Path(f"{base}-{i}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(records, indent=1) + "\n")
     return path

@@ -226,13 +226,13 @@ class EngineCore:
         s = SchedulerStats()
         free = total = 0
         for e in self.engines:
-            sched, bm = e.scheduler, e.scheduler.bm
-            s.num_running += len(sched.running)
-            s.num_waiting += len(sched.waiting)
-            s.prefix_cache_queries += bm.stats.queries
-            s.prefix_cache_hits += bm.stats.hits
-            s.num_preemptions += sched.num_preemptions
-            free, total = free + bm.num_free_blocks, total + bm.num_blocks
+            st = e.stats()
+            s.num_running += len(e.scheduler.running)
+            s.num_waiting += len(e.scheduler.waiting)
+            s.prefix_cache_queries += st["prefix_cache_queries"]
+            s.prefix_cache_hits += st["prefix_cache_hits"]
+            s.num_preemptions += st["preemptions"]
+            free, total = free + st["free_blocks"], total + st["total_blocks"]
         s.kv_cache_usage = 1 - free / total if total else 0.0
         return s
 

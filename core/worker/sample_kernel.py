@@ -64,9 +64,12 @@ def _kernel():
 
 def can_sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeded: bool) -> bool:
     """Whether gumbel_argmax draws this batch as the torch path would: on CUDA with the fused kernels on,
-    no seeded row, and no row that filters its distribution."""
+    no seeded row, no row whose logits are processed first, and none that filters its distribution."""
     vocab = logits.shape[1]
-    plain = all(p.greedy or (not 0 < p.top_k < vocab and p.top_p >= 1 and p.min_p <= 0) for p in params)
+    plain = all(
+        not p.needs_processing and (p.greedy or (not 0 < p.top_k < vocab and p.top_p >= 1 and p.min_p <= 0))
+        for p in params
+    )
     return fused.enabled(logits) and not seeded and plain and logits.shape[0] * vocab < 2**31
 
 

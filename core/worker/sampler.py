@@ -239,7 +239,7 @@ class Sampler:
     ) -> SampledTensors:
         """Everything on the logits' device, with no host sync."""
         seeded = any(g is not None for g in generators)
-        if not any(p.needs_processing for p in params) and sample_kernel.can_sample(logits, params, seeded):
+        if sample_kernel.can_sample(logits, params, seeded):
             temps = _cols([(0.0 if p.greedy else p.temperature,) for p in params], logits.device)[0]
             tokens = sample_kernel.gumbel_argmax(logits, temps)
         else:
