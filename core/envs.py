@@ -66,6 +66,12 @@ FUSED_KERNELS = EnvVar(
     "TURNOUT_FUSED_KERNELS", flag, True, "0: the torch path instead of the fused CUDA kernels between GEMMs"
 )
 TRITON_GEMV = EnvVar("TURNOUT_TRITON_GEMV", flag, True, "0: every matmul goes to F.linear, no Triton GEMV")
+PDL = EnvVar(
+    "TURNOUT_PDL",
+    flag,
+    True,
+    "0: launch the Triton kernels one after another, without programmatic dependent launch",
+)
 CONFORMANCE_ERRORS = EnvVar(
     "TURNOUT_CONFORMANCE_ERRORS", path, None, "a file the attention conformance tests append each error to"
 )
@@ -83,6 +89,7 @@ CORE: tuple[EnvVar[Any], ...] = (
     CACHE_DIR,
     FUSED_KERNELS,
     TRITON_GEMV,
+    PDL,
     CONFORMANCE_ERRORS,
     API_KEY,
     ENABLE_MULTIPROCESSING,

@@ -1,7 +1,7 @@
 """Layers for model plugins: tensor-parallel linears and embeddings, norms, rotary embedding, activation,
 the Attention layer that calls the chosen backend, and FusedMoE, the experts of a sparse MoE block (with
 expert parallelism). Each picks its own kernel for the device and batch; FusedMoE gets the one chosen at
-start-up."""
+start-up. pdl_launch() gives a plugin's Triton kernels programmatic dependent launch (layers/pdl.py)."""
 
 from turnout.layers.activation import SiluAndMul
 from turnout.layers.attention import Attention
@@ -14,6 +14,7 @@ from turnout.layers.linear import (
 )
 from turnout.layers.moe import FusedMoE, num_experts
 from turnout.layers.norm import RMSNorm
+from turnout.layers.pdl import launch as pdl_launch
 from turnout.layers.rotary import RotaryEmbedding
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "SiluAndMul",
     "VocabParallelEmbedding",
     "num_experts",
+    "pdl_launch",
 ]

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from turnout import envs
+from turnout.layers import pdl
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -47,9 +48,12 @@ def _kernels() -> SimpleNamespace:
     @triton.jit
     def rms_norm_kernel(
         x, res, w, out, res_out, s_xt, s_xh, s_rt, s_ot, s_oh, s_rot, n, eps,
-        HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (T, H): one row of n values at x[t, h]."""
+        if PDL:  # layers/pdl.py
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t, h = tl.program_id(0), tl.program_id(1)
         cols = tl.arange(0, BLOCK)
         m = cols < n
@@ -67,9 +71,12 @@ def _kernels() -> SimpleNamespace:
     @triton.jit
     def qk_norm_rope_kernel(
         qkv, q_out, k_out, q_w, k_w, cos, sin, positions, s_t, s_qt, s_kt, s_c, eps,
-        HQ: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr,
+        HQ: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (T, Hq + Hkv): head h of token t; q heads first, as packed in qkv's rows."""
+        if PDL:  # layers/pdl.py
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t, h = tl.program_id(0), tl.program_id(1)
         i = tl.arange(0, HALF_P2)
         m = i < HALF
@@ -100,8 +107,11 @@ def _kernels() -> SimpleNamespace:
         tl.store(k_dst + HALF + i, o2, mask=km)
 
     @triton.jit
-    def silu_and_mul_kernel(x, out, s_xt, s_ot, n, BLOCK: tl.constexpr):
+    def silu_and_mul_kernel(x, out, s_xt, s_ot, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Grid (T, cdiv(n, BLOCK)): out[t, j] = silu(x[t, j]) * x[t, n + j], rounded as torch does."""
+        if PDL:  # layers/pdl.py
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t, b = tl.program_id(0), tl.program_id(1)
         j = b * BLOCK + tl.arange(0, BLOCK)
         m = j < n
@@ -144,7 +154,7 @@ def rms_norm(
         kn.rms_norm_kernel[(t, h)](
             x3, res, weight, out, res_out, x3.stride(0), x3.stride(1), res.stride(0),
             out.stride(0), out.stride(1), res_out.stride(0), n, eps,
-            HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block),
+            HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block), **pdl.launch(),
         )  # fmt: skip
     out = out.view(x.shape)
     return (out, res_out) if residual is not None else out
@@ -172,7 +182,7 @@ def qk_norm_rope(
         kn.qk_norm_rope_kernel[(t, num_heads + num_kv_heads)](
             qkv, q, k, qw, kw, cos, sin, positions, qkv.stride(0), q.stride(0), k.stride(0),
             cos.stride(0), eps, HQ=num_heads, HALF=half, HALF_P2=kn.next_power_of_2(half), NORM=norm,
-            num_warps=1,
+            num_warps=1, **pdl.launch(),
         )  # fmt: skip
     return q, k
 
@@ -184,6 +194,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     block = min(1024, kn.next_power_of_2(n))
     if t:
         kn.silu_and_mul_kernel[(t, -(-n // block))](
-            x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+            x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **pdl.launch()
         )
     return out

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import torch
 
 from turnout import envs
+from turnout.layers import pdl
 
 MAX_M = 2  # rows routed here by enabled(); the kernel itself takes any M
 NORM_MAX_K = 4096  # a norm prologue holds M_P2 x BLOCK_N x K floats in registers
@@ -62,13 +63,19 @@ def _kernel():
     def gemv_kernel(
         x, w, bias, y, M, N, K, s_xm, s_wn, s_ym, res, res_out, norm_w, eps, s_rm, s_rom,
         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
-        M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
-        """Grid (cdiv(N, BLOCK_N),): output features [pid * BLOCK_N, +BLOCK_N) for all M rows."""
+        """Grid (cdiv(N, BLOCK_N),): output features [pid * BLOCK_N, +BLOCK_N) for all M rows. The first w
+        tile is read before gdc_wait (layers/pdl.py): under PDL it streams in while the kernel before runs."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
         ms = tl.arange(0, M_P2)[:, None]  # [MP, 1] input rows
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros((M_P2, BLOCK_N), dtype=tl.float32)
+        w_rows, n_ok = w + rows[:, None] * s_wn, rows[:, None] < N  # [BN, 1]
+        wt = tl.load(w_rows + ks[None, :], mask=n_ok & (ks[None, :] < K), other=0.0)  # [BN, BK]
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if NORM:  # one tile holds the whole row (BLOCK_K >= K): norm it, then one pass over w
             mk = (ms < M) & (ks[None, :] < K)
             h = tl.load(x + ms * s_xm + ks[None, :], mask=mk, other=0.0)  # [MP, BK]
@@ -81,21 +88,19 @@ def _kernel():
             rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 1) / K + eps)  # [MP]
             nw = tl.load(norm_w + ks, mask=ks < K, other=0.0).to(tl.float32)
             xt = (nw[None, :] * (hf * rstd[:, None]).to(h.dtype).to(tl.float32)).to(h.dtype)
-            wt = tl.load(w + rows[:, None] * s_wn + ks[None, :], mask=(rows[:, None] < N) & (ks[None, :] < K),
-                         other=0.0)  # [BN, BK]  # fmt: skip
             acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
         else:
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in range(0, K, BLOCK_K):  # wt holds the tile at k0; the next one is read after it
                 kk = k0 + ks
                 mk = (ms < M) & (kk[None, :] < K)
-                wmask = (rows[:, None] < N) & (kk[None, :] < K)
-                wt = tl.load(w + rows[:, None] * s_wn + kk[None, :], mask=wmask, other=0.0)  # [BN, BK]
                 xt = tl.load(x + ms * s_xm + kk[None, :], mask=mk, other=0.0)  # [MP, BK]
                 if SILU_MUL:  # x is [M, 2K]: gate, then up
                     u = tl.load(x + ms * s_xm + K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
                     gf = xt.to(tl.float32)
                     xt = ((gf / (1.0 + tl.exp(-gf))).to(xt.dtype).to(tl.float32) * u).to(xt.dtype)
                 acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+                nk = kk + BLOCK_K
+                wt = tl.load(w_rows + nk[None, :], mask=n_ok & (nk[None, :] < K), other=0.0)
         if HAS_BIAS:
             acc += tl.load(bias + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
         tl.store(
@@ -141,6 +146,6 @@ def gemv(
         x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         res, res_out, norm[0] if norm else x, norm[1] if norm else 0.0, res.stride(0), res_out.stride(0),
         HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul,
-        M_P2=kern.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        M_P2=kern.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.launch(),
     )  # fmt: skip
     return (y, res_out) if norm is not None else y

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from turnout.layers import pdl_launch
 from turnout_triton.envs import DECODE, PREFILL
 
 LOG2E = 1.4426950408889634
@@ -46,8 +47,11 @@ DECODE_PROGRAMS = 1024  # decode programs to aim for (decode_programs): ~8 per S
 def _store_kv_kernel(
     k, v, k_cache, v_cache, slot_mapping,
     s_kt, s_kh, s_vt, s_vh, s_cb, s_cs, s_ch, block_size, num_kv_heads,
-    HEAD: tl.constexpr, HEAD_P2: tl.constexpr, KVH_P2: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_P2: tl.constexpr, KVH_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # turnout.layers.pdl_launch: wait for the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     h = tl.arange(0, KVH_P2)[:, None]
@@ -164,13 +168,16 @@ def _prefill_kernel(
     s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
     QPK: tl.constexpr, QPK_P2: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, K_T: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (T // BLOCK_Q + B, num_kv_heads). Requests with query_len 1 are left to the decode kernel.
 
     Program pid takes query tile num_programs - 1 - pid, so the last tiles of a request, which see the
     most keys, start first and the short ones fill the tail. Key tiles strictly below the causal
     diagonal of the tile's first row run unmasked; the one or two tiles that cross it are masked."""
+    if PDL:  # turnout.layers.pdl_launch: wait for the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_P2
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
@@ -224,13 +231,16 @@ def _decode_kernel(
     s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
     QPK: tl.constexpr, ROWS: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, num_kv_heads, P); only requests with query_len 1. A request's keys [0, seq_len) fall into
     chunks of max(SPLIT_KEYS, seq_len / MAX_SPLITS) keys, split s covering chunk s; program p computes
     splits p, p + P, ... one by one, each as if alone, so P changes which program works, never the bits.
     NUM_SPLITS only has to cover the chunks. With one split it writes out, else part_o/part_lse. As in
     prefill (_attend_tile), block ids are read a tile ahead; only a split's last, partial tile is masked."""
+    if PDL:  # turnout.layers.pdl_launch: wait for the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     q0 = tl.load(cu + b)
@@ -287,12 +297,15 @@ def _chunk(seq_len, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N:
 def _reduce_kernel(
     out, part_o, part_lse, cu, seq_lens, s_ot, s_oh,
     HEAD: tl.constexpr, HEAD_P2: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, num_heads): out = sum_s 2^(lse_s - LSE) o_s over the decode requests' written splits, summed
     one split after another: a tree sum over a NUM_SPLITS-wide tensor would pair the splits by NUM_SPLITS,
     and graphs and eager steps launch different counts. Summed in order, any NUM_SPLITS that covers the
     written splits gives the same bits."""
+    if PDL:  # turnout.layers.pdl_launch: wait for the kernel before
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     q0 = tl.load(cu + b)
@@ -328,7 +341,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     _store_kv_kernel[(t,)](
         k, v, kc, vc, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.shape[1], kvh,
-        HEAD=hs, HEAD_P2=_head_p2(hs), KVH_P2=p2(kvh), num_warps=1 if INTERPRET else 4,
+        HEAD=hs, HEAD_P2=_head_p2(hs), KVH_P2=p2(kvh), num_warps=1 if INTERPRET else 4, **pdl_launch(),
     )  # fmt: skip
 
 
@@ -372,13 +385,13 @@ def paged_attention(
         q, kc, vc, out, part_o, part_lse, query_start_loc, seq_lens, block_table, scale_log2,
         *io, *common, QPK=qpk, ROWS=dec["rows"], HEAD=hs, HEAD_P2=hp2, BLOCK_N=dec["block_n"], BLOCK_SIZE=bs,
         NUM_SPLITS=s, PREC=prec, SPLIT_KEYS=SPLIT_KEYS, MAX_SPLITS=MAX_SPLITS, num_warps=dec["warps"],
-        num_stages=dec["stages"],
+        num_stages=dec["stages"], **pdl_launch(),
     )  # fmt: skip
     if s > 1:
         _reduce_kernel[(b, h)](
             out, part_o, part_lse, query_start_loc, seq_lens, out.stride(0), out.stride(1),
             HEAD=hs, HEAD_P2=hp2, NUM_SPLITS=s, SPLIT_KEYS=SPLIT_KEYS, MAX_SPLITS=MAX_SPLITS,
-            BLOCK_N=dec["block_n"], num_warps=1 if INTERPRET else 4,
+            BLOCK_N=dec["block_n"], num_warps=1 if INTERPRET else 4, **pdl_launch(),
         )  # fmt: skip
     if max_query_len > 1:
         _launch_prefill(q, kv_cache, out, query_start_loc, seq_lens, block_table, scale, None)
@@ -429,7 +442,7 @@ def _launch_prefill(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         block_table.stride(0), QPK=qpk, QPK_P2=qpk_p2, HEAD=hs, HEAD_P2=hp2, BLOCK_Q=bq,
         BLOCK_N=cfg["block_n"], BLOCK_SIZE=bs, K_T=cfg["trans_k"], PREC=prec, num_warps=cfg["warps"],
-        num_stages=cfg["stages"],
+        num_stages=cfg["stages"], **pdl_launch(),
     )  # fmt: skip
 
 
