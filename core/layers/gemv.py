@@ -70,12 +70,12 @@ def _kernel():
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
         ms = tl.arange(0, M_P2)[:, None]  # [MP, 1] input rows
         ks = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((M_P2, BLOCK_N), dtype=tl.float32)
         w_rows, n_ok = w + rows[:, None] * s_wn, rows[:, None] < N  # [BN, 1]
-        wt = tl.load(w_rows + ks[None, :], mask=n_ok & (ks[None, :] < K), other=0.0)  # [BN, BK]
+        w0 = tl.load(w_rows + ks[None, :], mask=n_ok & (ks[None, :] < K), other=0.0)  # [BN, BK]
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros((M_P2, BLOCK_N), dtype=tl.float32)
         if NORM:  # one tile holds the whole row (BLOCK_K >= K): norm it, then one pass over w
             mk = (ms < M) & (ks[None, :] < K)
             h = tl.load(x + ms * s_xm + ks[None, :], mask=mk, other=0.0)  # [MP, BK]
@@ -88,19 +88,19 @@ def _kernel():
             rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 1) / K + eps)  # [MP]
             nw = tl.load(norm_w + ks, mask=ks < K, other=0.0).to(tl.float32)
             xt = (nw[None, :] * (hf * rstd[:, None]).to(h.dtype).to(tl.float32)).to(h.dtype)
-            acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+            acc += tl.sum(xt.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :], axis=2)
         else:
-            for k0 in range(0, K, BLOCK_K):  # wt holds the tile at k0; the next one is read after it
+            for k0 in range(0, K, BLOCK_K):
                 kk = k0 + ks
                 mk = (ms < M) & (kk[None, :] < K)
+                wt = tl.load(w_rows + kk[None, :], mask=n_ok & (kk[None, :] < K) & (k0 > 0), other=0.0)
+                wt = tl.where(k0 > 0, wt, w0)  # [BN, BK]; tile 0 was read before gdc_wait
                 xt = tl.load(x + ms * s_xm + kk[None, :], mask=mk, other=0.0)  # [MP, BK]
                 if SILU_MUL:  # x is [M, 2K]: gate, then up
                     u = tl.load(x + ms * s_xm + K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
                     gf = xt.to(tl.float32)
                     xt = ((gf / (1.0 + tl.exp(-gf))).to(xt.dtype).to(tl.float32) * u).to(xt.dtype)
                 acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
-                nk = kk + BLOCK_K
-                wt = tl.load(w_rows + nk[None, :], mask=n_ok & (nk[None, :] < K), other=0.0)
         if HAS_BIAS:
             acc += tl.load(bias + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
         tl.store(
