@@ -111,12 +111,13 @@ def _kernel():
 
 
 def tiles(m: int, n: int, k: int, norm: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps), from the H200 sweep at M <= 2: two output features a program (so even
-    N = 1024 gives every SM programs) except the LM head's 8; BLOCK_K 1024 / M_P2, the whole row under a
-    norm. The broadcast product holds M_P2 * BLOCK_N * BLOCK_K floats."""
+    """(BLOCK_N, BLOCK_K, num_warps): two output features a program (so even N = 1024 gives every SM
+    programs) except the LM head's 8, from the H200 sweep at M <= 2. Up to NORM_MAX_K the whole row is one
+    tile, so a program reads all its weights before gdc_wait (layers/pdl.py); longer rows go in tiles of
+    1024 / M_P2. The broadcast product holds M_P2 * BLOCK_N * BLOCK_K floats: 8 warps past 2048."""
     m_p2 = _kernel().next_power_of_2(m)
-    block_k = _kernel().next_power_of_2(k) if norm else max(64, 1024 // m_p2)
-    return (2 if n <= 8192 else 8), block_k, 4
+    block_k = _kernel().next_power_of_2(k) if norm or k <= NORM_MAX_K else max(64, 1024 // m_p2)
+    return (2 if n <= 8192 else 8), block_k, (8 if block_k > 2048 else 4)
 
 
 def gemv(
