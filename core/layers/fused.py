@@ -14,7 +14,8 @@ after the norm, after each product of the rotation), so fused and eager agree to
 of the float32 sum in the norm and the GPU compiler's fused multiply-adds differ. The layers they replace
 (RMSNorm, RotaryEmbedding, SiluAndMul) call them on CUDA (TURNOUT_FUSED_KERNELS=0 turns them off); the
 CPU keeps the torch path, and the tests run these kernels under TRITON_INTERPRET=1 against a float64
-reference.
+reference. Each is launched with pdl.launch() and, under PDL, waits for the kernel before it first
+(layers/pdl.py).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _kernels() -> SimpleNamespace:
         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (T, H): one row of n values at x[t, h]."""
-        if PDL:  # layers/pdl.py
+        if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t, h = tl.program_id(0), tl.program_id(1)
@@ -74,7 +75,7 @@ def _kernels() -> SimpleNamespace:
         HQ: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         """Grid (T, Hq + Hkv): head h of token t; q heads first, as packed in qkv's rows."""
-        if PDL:  # layers/pdl.py
+        if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t, h = tl.program_id(0), tl.program_id(1)
@@ -109,7 +110,7 @@ def _kernels() -> SimpleNamespace:
     @triton.jit
     def silu_and_mul_kernel(x, out, s_xt, s_ot, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """Grid (T, cdiv(n, BLOCK)): out[t, j] = silu(x[t, j]) * x[t, n + j], rounded as torch does."""
-        if PDL:  # layers/pdl.py
+        if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t, b = tl.program_id(0), tl.program_id(1)

@@ -9,7 +9,8 @@ exp2: scores are pre-multiplied by scale * log2(e); split-KV partials carry thei
 Constraints: num_heads a multiple of num_kv_heads; head_size <= 256 (padded to a power of two >= 16 in
 registers, so 64/128/256 waste nothing); any block size; q, k, v may be strided views (last dim unit
 stride). Grids depend only on tensor shapes and the split count (`num_splits`), never on per-request
-lengths, which the kernels read from device memory, so CUDA graphs replay them for any batch.
+lengths, which the kernels read from device memory, so CUDA graphs replay them for any batch. Each kernel
+is launched with turnout.layers.pdl_launch() and, under PDL, waits for the kernel before it first.
 
 Prefill: a program owns BLOCK_Q query tokens x their QPK heads against one KV head. Key tiles strictly
 below its first row's causal diagonal run in a loop without any mask (one FMA and one exp2 per score);
@@ -49,7 +50,7 @@ def _store_kv_kernel(
     s_kt, s_kh, s_vt, s_vh, s_cb, s_cs, s_ch, block_size, num_kv_heads,
     HEAD: tl.constexpr, HEAD_P2: tl.constexpr, KVH_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # turnout.layers.pdl_launch: wait for the kernel before
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
@@ -175,7 +176,7 @@ def _prefill_kernel(
     Program pid takes query tile num_programs - 1 - pid, so the last tiles of a request, which see the
     most keys, start first and the short ones fill the tail. Key tiles strictly below the causal
     diagonal of the tile's first row run unmasked; the one or two tiles that cross it are masked."""
-    if PDL:  # turnout.layers.pdl_launch: wait for the kernel before
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_P2
@@ -238,7 +239,7 @@ def _decode_kernel(
     splits p, p + P, ... one by one, each as if alone, so P changes which program works, never the bits.
     NUM_SPLITS only has to cover the chunks. With one split it writes out, else part_o/part_lse. As in
     prefill (_attend_tile), block ids are read a tile ahead; only a split's last, partial tile is masked."""
-    if PDL:  # turnout.layers.pdl_launch: wait for the kernel before
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
@@ -303,7 +304,7 @@ def _reduce_kernel(
     one split after another: a tree sum over a NUM_SPLITS-wide tensor would pair the splits by NUM_SPLITS,
     and graphs and eager steps launch different counts. Summed in order, any NUM_SPLITS that covers the
     written splits gives the same bits."""
-    if PDL:  # turnout.layers.pdl_launch: wait for the kernel before
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
