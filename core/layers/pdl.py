@@ -23,8 +23,8 @@ import torch
 from turnout import envs
 
 
-@functools.cache
-def enabled() -> bool:
+def supported() -> bool:
+    """TURNOUT_PDL on, a Hopper or newer GPU, and a Triton with gdc_wait and launch_pdl."""
     if not (envs.PDL.value and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
         return False
     try:
@@ -35,6 +35,8 @@ def enabled() -> bool:
     return hasattr(tlc, "gdc_wait") and "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
+@functools.cache
 def launch() -> dict:
-    """Keyword arguments for a kernel launch: the kernel's `PDL` constexpr, and Triton's launch_pdl."""
-    return {"PDL": True, "launch_pdl": True} if enabled() else {"PDL": False}
+    """Keyword arguments for every kernel launch (decided once; callers unpack, never change, the dict):
+    the kernel's `PDL` constexpr, and Triton's launch_pdl."""
+    return {"PDL": True, "launch_pdl": True} if supported() else {"PDL": False}
