@@ -45,10 +45,10 @@ from random_models import make_random_model  # noqa: E402
 FORWARD, SAMPLE = "decode_forward", "decode_sample"  # record_function labels of a decode step's two halves
 DEVICE_ACTIVITIES = {"kernel", "gpu_memcpy", "gpu_memset"}  # not gpu_user_annotation (our labels' GPU copy)
 # first match wins, on the lower-cased name; the Triton names are those of core/layers/fused.py and
-# plugins/attention/triton/turnout_triton/kernels.py ("_reduce_kernel", not torch's "::reduce_kernel")
+# plugins/attention/triton/turnout_triton/kernels.py
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("matmul", ("gemm", "gemv", "cublas", "nvjet", "cutlass", "xmma", "splitk")),
-    ("attention", ("attention", "_decode_kernel", "_reduce_kernel", "_prefill_kernel", "decode", "prefill",
+    ("attention", ("attention", "_decode_kernel", "_prefill_kernel", "decode", "prefill",
                    "flash", "fmha", "_fwd", "merge_state")),
     ("kv store", ("store", "cache", "append_paged_kv")),
     ("rotary", ("rope", "rotary")),

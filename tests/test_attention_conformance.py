@@ -243,11 +243,15 @@ def test_triton_decode_split_count_does_not_change_bits(dtype: torch.dtype) -> N
     kv = (m.query_start_loc, m.seq_lens, m.block_table)
     base = kn.num_splits(m.max_seq_len)
     outs = {}
-    cache = c.kv_cache.clone()
-    kn.store_kv(c.k, c.v, cache, m.slot_mapping)
+    counts = kn.split_counts(m.num_reqs * c.num_kv_heads, c.q.device)  # one buffer for every launch
     for s in sorted({base, min(2 * base, kn.MAX_SPLITS), kn.MAX_SPLITS}):
         for p in sorted({1, 2, s}):
-            outs[s, p] = kn.paged_attention(c.q, cache, *kv, c.scale, m.max_query_len, s, programs=p)[:n]
+            cache = c.kv_cache.clone()
+            out = kn.paged_attention(
+                c.q, c.k, c.v, cache, m.slot_mapping, *kv, c.scale, m.max_query_len, s, counts, programs=p
+            )
+            outs[s, p] = out[:n]
+            assert not counts.any(), f"{s} splits on {p} programs left split counters set"
     assert base < kn.MAX_SPLITS and int(m.seq_lens.max()) > kn.SPLIT_KEYS  # several splits really ran
     first = outs[base, base]
     err = ((first.double() - c.expected).norm() / c.expected.norm()).item()

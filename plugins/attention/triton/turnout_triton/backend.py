@@ -44,6 +44,8 @@ class TritonAttentionBackend(AttentionBackend):
             self.device_types = ("cuda", "cpu")
             self.min_capability = None
             self.priority = Priority.TESTING  # never preferred over a native backend
+        self._max_reqs = 0
+        self._counts: torch.Tensor | None = None  # the decode kernel's split counters, see _split_counts
 
     def import_error(self) -> str | None:
         try:
@@ -69,9 +71,24 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         kn = _kernels()
-        kn.store_kv(k, v, kv_cache, meta.slot_mapping)
         # A captured graph replays with other lengths: the model runner captures with max_seq_len at its
         # largest (max_model_len), and any split count that covers the lengths gives the same bits.
         splits = kn.num_splits(meta.max_seq_len)
         lens = (meta.query_start_loc, meta.seq_lens, meta.block_table)
-        return kn.paged_attention(q, kv_cache, *lens, self.spec.scale, meta.max_query_len, splits)
+        counts = self._split_counts(meta.num_reqs, q.device)
+        return kn.paged_attention(
+            q, k, v, kv_cache, meta.slot_mapping, *lens, self.spec.scale, meta.max_query_len, splits, counts
+        )
+
+    def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
+        self._max_reqs = max_num_reqs
+
+    def _split_counts(self, num_reqs: int, device: torch.device) -> torch.Tensor:
+        """One counter buffer for every layer and step, sized for the largest batch a graph captures before
+        the first capture (graphs keep the address they captured), and grown only outside a capture."""
+        n = max(num_reqs, self._max_reqs) * self.spec.num_kv_heads
+        if self._counts is None or self._counts.numel() < n:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"triton: a captured batch of {num_reqs} exceeds prepare_cudagraphs' size")
+            self._counts = _kernels().split_counts(n, device)
+        return self._counts

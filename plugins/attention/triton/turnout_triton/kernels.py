@@ -228,8 +228,8 @@ def _prefill_kernel(
 
 @triton.jit(do_not_specialize=["s_bt"])  # the block table's width changes from step to step
 def _decode_kernel(
-    q, k_cache, v_cache, out, part_o, part_lse, cu, seq_lens, block_table, scale_log2,
-    s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
+    q, k, v, k_cache, v_cache, out, part_o, part_lse, counts, slot_mapping, cu, seq_lens, block_table,
+    scale_log2, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
     QPK: tl.constexpr, ROWS: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
     SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr,
@@ -237,8 +237,13 @@ def _decode_kernel(
     """Grid (B, num_kv_heads, P); only requests with query_len 1. A request's keys [0, seq_len) fall into
     chunks of max(SPLIT_KEYS, seq_len / MAX_SPLITS) keys, split s covering chunk s; program p computes
     splits p, p + P, ... one by one, each as if alone, so P changes which program works, never the bits.
-    NUM_SPLITS only has to cover the chunks. With one split it writes out, else part_o/part_lse. As in
-    prefill (_attend_tile), block ids are read a tile ahead; only a split's last, partial tile is masked."""
+    NUM_SPLITS only has to cover the chunks. With one split it writes out, else part_o/part_lse, and the
+    last of the P programs of a (request, KV head) to finish, counted in counts (all zero between
+    launches), merges them (_merge_splits). As in prefill (_attend_tile), block ids are read a tile ahead;
+    only a split's last, partial tile is masked.
+
+    The program that owns a request's last split first writes the request's new k, v to the cache at its
+    slot: no other program reads that key, and store_kv need not run in decode-only steps."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -248,15 +253,23 @@ def _decode_kernel(
     is_dec = tl.load(cu + b + 1) - q0 == 1
     seq_len = tl.where(is_dec, tl.load(seq_lens + b), 0)
     chunk = _chunk(seq_len, SPLIT_KEYS, MAX_SPLITS, BLOCK_N)
+    written = tl.cdiv(seq_len, chunk)  # splits with keys
+    d = tl.arange(0, HEAD_P2)
+    slot = tl.load(slot_mapping + q0, mask=is_dec, other=-1)
+    if (slot >= 0) & ((written - 1) % tl.num_programs(2) == tl.program_id(2)):
+        dst = (slot // BLOCK_SIZE) * s_cb + (slot % BLOCK_SIZE) * s_cs + kvh * s_ch + d
+        tl.store(k_cache + dst, tl.load(k + q0 * s_kt + kvh * s_kh + d, mask=d < HEAD), mask=d < HEAD)
+        tl.store(v_cache + dst, tl.load(v + q0 * s_vt + kvh * s_vh + d, mask=d < HEAD), mask=d < HEAD)
+        tl.debug_barrier()  # the key is read back below by other threads of this program
     r = tl.arange(0, ROWS)
     head = kvh * QPK + r
-    d = tl.arange(0, HEAD_P2)
     row_dec = r < tl.where(is_dec, QPK, 0)
     io_mask = row_dec[:, None] & (d[None, :] < HEAD)
     qt = tl.load(q + q0 * s_qt + head[:, None] * s_qh + d[None, :], mask=io_mask, other=0.0)  # [ROWS, HD_P2]
     qpos = tl.full([ROWS], 0, tl.int32) + seq_len - 1
     bt_row = block_table + b.to(tl.int64) * s_bt
-    for sp in range(tl.program_id(2), tl.cdiv(seq_len, chunk), tl.num_programs(2)):  # none past seq_len
+    row0 = (b * (QPK * tl.num_programs(1)) + head) * NUM_SPLITS  # [ROWS] into [B, H, NUM_SPLITS]
+    for sp in range(tl.program_id(2), written, tl.num_programs(2)):  # none past seq_len
         start = sp * chunk
         end = tl.minimum(start + chunk, seq_len)
         m = tl.full([ROWS], float("-inf"), tl.float32)
@@ -282,10 +295,20 @@ def _decode_kernel(
             o_ptr = out + q0 * s_ot + head[:, None] * s_oh + d[None, :]
             tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=io_mask)
         else:
-            row = (b * (QPK * tl.num_programs(1)) + head) * NUM_SPLITS + sp  # [ROWS] into [B, H, NUM_SPLITS]
-            tl.store(part_o + row[:, None] * HEAD + d[None, :], acc, mask=io_mask)
+            tl.store(part_o + (row0 + sp)[:, None] * HEAD + d[None, :], acc, mask=io_mask)
             lse = tl.where(den == 0.0, float("-inf"), m + tl.log2(tl.where(den == 0.0, 1.0, den)))
-            tl.store(part_lse + row, lse, mask=row_dec)
+            tl.store(part_lse + row0 + sp, lse, mask=row_dec)
+    if NUM_SPLITS > 1:
+        n = tl.num_programs(2)
+        done = n - 1
+        if n > 1:
+            tl.debug_barrier()  # every thread's partials are stored before the count says so
+            done = tl.atomic_add(counts + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+        if done == n - 1:  # the other n - 1 programs have stored their partials
+            if n > 1:
+                tl.store(counts + b * tl.num_programs(1) + kvh, 0)
+            o_ptr = out + q0 * s_ot + head[:, None] * s_oh + d[None, :]
+            _merge_splits(o_ptr, part_o, part_lse, row0, written, row_dec, io_mask, d, HEAD, NUM_SPLITS)
 
 
 @triton.jit
@@ -295,40 +318,33 @@ def _chunk(seq_len, SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _reduce_kernel(
-    out, part_o, part_lse, cu, seq_lens, s_ot, s_oh,
-    HEAD: tl.constexpr, HEAD_P2: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
-    MAX_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+def _merge_splits(
+    o_ptr, part_o, part_lse, row0, written, row_dec, io_mask, d, HEAD: tl.constexpr, NUM_SPLITS: tl.constexpr
 ):  # fmt: skip
-    """Grid (B, num_heads): out = sum_s 2^(lse_s - LSE) o_s over the decode requests' written splits, summed
-    one split after another: a tree sum over a NUM_SPLITS-wide tensor would pair the splits by NUM_SPLITS,
-    and graphs and eager steps launch different counts. Summed in order, any NUM_SPLITS that covers the
-    written splits gives the same bits."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    q0 = tl.load(cu + b)
-    is_dec = tl.load(cu + b + 1) - q0 == 1
-    seq_len = tl.where(is_dec, tl.load(seq_lens + b), 0)
-    written = tl.cdiv(seq_len, _chunk(seq_len, SPLIT_KEYS, MAX_SPLITS, BLOCK_N))  # splits with keys
+    """o_ptr [ROWS, HEAD_P2] = sum_s 2^(lse_s - LSE) o_s over splits [0, written) of rows row0, summed one
+    split after another: a tree sum over a NUM_SPLITS-wide tensor would pair the splits by NUM_SPLITS, and
+    graphs and eager steps launch different counts. Summed in order, any NUM_SPLITS that covers the
+    written splits gives the same bits. Partials are read from L2 (.cg): other SMs wrote them."""
     sp = tl.arange(0, NUM_SPLITS)
-    row0 = (b * tl.num_programs(1) + h) * NUM_SPLITS  # this (request, head)'s first split
-    d = tl.arange(0, HEAD_P2)
-    mx = tl.max(
-        tl.load(part_lse + row0 + sp, mask=sp < written, other=float("-inf")), 0
-    )  # exact in any order
+    lse_mask = row_dec[:, None] & (sp[None, :] < written)
+    lse = tl.load(
+        part_lse + row0[:, None] + sp[None, :], mask=lse_mask, other=float("-inf"), cache_modifier=".cg"
+    )
+    mx = tl.max(lse, 1)  # exact in any order
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    io_mask = d < tl.where(is_dec, HEAD, 0)
-    acc = tl.zeros([HEAD_P2], tl.float32)
-    den = tl.zeros([HEAD_P2], tl.float32)  # sum of weights, the same in every lane
+    acc = tl.zeros(io_mask.shape, tl.float32)
+    den = tl.zeros(row_dec.shape, tl.float32)  # sum of weights
     for s in range(0, written):
-        w = tl.exp2(tl.load(part_lse + row0 + s) - mx)
-        acc += w * tl.load(part_o + (row0 + s) * HEAD + d, mask=io_mask, other=0.0)
+        w = tl.exp2(
+            tl.load(part_lse + row0 + s, mask=row_dec, other=float("-inf"), cache_modifier=".cg") - mx
+        )
+        o = tl.load(
+            part_o + (row0 + s)[:, None] * HEAD + d[None, :], mask=io_mask, other=0.0, cache_modifier=".cg"
+        )
+        acc += w[:, None] * o
         den += w
-    res = acc / tl.maximum(den, 1e-30)
-    tl.store(out + q0 * s_ot + h * s_oh + d, res.to(out.dtype.element_ty), mask=io_mask)
+    res = acc / tl.maximum(den, 1e-30)[:, None]
+    tl.store(o_ptr, res.to(o_ptr.dtype.element_ty), mask=io_mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -348,19 +364,26 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def paged_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     scale: float,
     max_query_len: int,
     num_splits: int,
+    counts: torch.Tensor | None = None,
     programs: int | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] against the cache -> [T, H, D]. Rows past query_start_loc[-1] (padding) stay unwritten.
+    """Write k, v to the cache at slot_mapping, then q [T, H, D] against the cache -> [T, H, D]. Rows past
+    query_start_loc[-1] (padding) stay unwritten.
 
-    The decode kernel always runs (its programs skip requests with query_len != 1); the prefill kernel
-    runs only when max_query_len > 1 (its programs skip requests with query_len 1).
+    The decode kernel always runs (its programs skip requests with query_len != 1) and writes the k, v of
+    the requests it serves; store_kv and the prefill kernel run only when max_query_len > 1 (the prefill
+    kernel's programs skip requests with query_len 1). counts: int32 zeros, at least B * num_kv_heads,
+    which the decode kernel leaves zero (split_counts); allocated here when None.
     """
     t, h, hs = q.shape
     kc, vc = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -369,34 +392,38 @@ def paged_attention(
     b = seq_lens.shape[0]
     if t == 0 or b == 0:
         return out
-    q = _last_dim_contiguous(q)
+    if max_query_len > 1:
+        store_kv(k, v, kv_cache, slot_mapping)
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     qpk = h // kvh
     prec = _precision(q.dtype)
     p2, hp2 = triton.next_power_of_2, _head_p2(hs)
-    common = (kc.stride(0), kc.stride(1), kc.stride(2), block_table.stride(0))
-    io = (q.stride(0), q.stride(1), out.stride(0), out.stride(1))
     scale_log2 = scale * LOG2E
-    fp32 = q.dtype == torch.float32
-    dec = _decode_config(hp2, p2(qpk), fp32)
+    dec = _decode_config(hp2, p2(qpk), q.dtype == torch.float32)
     s = num_splits
     part_o = out if s == 1 else torch.empty((b, h, s, hs), dtype=torch.float32, device=q.device)
     part_lse = out if s == 1 else torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    counts = split_counts(b * kvh, q.device) if counts is None else counts
+    if counts.numel() < b * kvh:
+        raise ValueError(f"counts holds {counts.numel()} entries, the decode kernel needs {b * kvh}")
     p = programs or decode_programs(b, kvh, s)
     _decode_kernel[(b, kvh, p)](
-        q, kc, vc, out, part_o, part_lse, query_start_loc, seq_lens, block_table, scale_log2,
-        *io, *common, QPK=qpk, ROWS=dec["rows"], HEAD=hs, HEAD_P2=hp2, BLOCK_N=dec["block_n"], BLOCK_SIZE=bs,
+        q, k, v, kc, vc, out, part_o, part_lse, counts, slot_mapping, query_start_loc, seq_lens, block_table,
+        scale_log2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), block_table.stride(0),
+        QPK=qpk, ROWS=dec["rows"], HEAD=hs, HEAD_P2=hp2, BLOCK_N=dec["block_n"], BLOCK_SIZE=bs,
         NUM_SPLITS=s, PREC=prec, SPLIT_KEYS=SPLIT_KEYS, MAX_SPLITS=MAX_SPLITS, num_warps=dec["warps"],
         num_stages=dec["stages"], **pdl_launch(),
     )  # fmt: skip
-    if s > 1:
-        _reduce_kernel[(b, h)](
-            out, part_o, part_lse, query_start_loc, seq_lens, out.stride(0), out.stride(1),
-            HEAD=hs, HEAD_P2=hp2, NUM_SPLITS=s, SPLIT_KEYS=SPLIT_KEYS, MAX_SPLITS=MAX_SPLITS,
-            BLOCK_N=dec["block_n"], num_warps=1 if INTERPRET else 4, **pdl_launch(),
-        )  # fmt: skip
     if max_query_len > 1:
         _launch_prefill(q, kv_cache, out, query_start_loc, seq_lens, block_table, scale, None)
     return out
+
+
+def split_counts(n: int, device: torch.device) -> torch.Tensor:
+    """The decode kernel's per-(request, KV head) counters of finished programs: zeros, which every launch
+    leaves zero, so one buffer serves every layer and step (and a CUDA graph keeps its address)."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def prefill_attention(
