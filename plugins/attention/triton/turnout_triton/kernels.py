@@ -237,10 +237,10 @@ def _decode_kernel(
     """Grid (B, num_kv_heads, P); only requests with query_len 1. A request's keys [0, seq_len) fall into
     chunks of max(SPLIT_KEYS, seq_len / MAX_SPLITS) keys, split s covering chunk s; program p computes
     splits p, p + P, ... one by one, each as if alone, so P changes which program works, never the bits.
-    NUM_SPLITS only has to cover the chunks. With one split it writes out, else part_o/part_lse, and the
-    last of the P programs of a (request, KV head) to finish, counted in counts (all zero between
-    launches), merges them (_merge_splits). As in prefill (_attend_tile), block ids are read a tile ahead;
-    only a split's last, partial tile is masked.
+    NUM_SPLITS only has to cover the chunks. A request with one chunk is written to out; with more, each
+    split goes to part_o/part_lse and the last of the P programs of the (request, KV head) to finish,
+    counted in counts (all zero between launches), merges them (_merge_splits). As in prefill
+    (_attend_tile), block ids are read a tile ahead; only a split's last, partial tile is masked.
 
     The program that owns a request's last split first writes the request's new k, v to the cache at its
     slot: no other program reads that key, and store_kv need not run in decode-only steps."""
@@ -269,6 +269,7 @@ def _decode_kernel(
     qpos = tl.full([ROWS], 0, tl.int32) + seq_len - 1
     bt_row = block_table + b.to(tl.int64) * s_bt
     row0 = (b * (QPK * tl.num_programs(1)) + head) * NUM_SPLITS  # [ROWS] into [B, H, NUM_SPLITS]
+    o_ptr = out + q0 * s_ot + head[:, None] * s_oh + d[None, :]
     for sp in range(tl.program_id(2), written, tl.num_programs(2)):  # none past seq_len
         start = sp * chunk
         end = tl.minimum(start + chunk, seq_len)
@@ -292,23 +293,24 @@ def _decode_kernel(
             )  # fmt: skip
         acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
         if NUM_SPLITS == 1:
-            o_ptr = out + q0 * s_ot + head[:, None] * s_oh + d[None, :]
+            tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=io_mask)
+        elif written == 1:  # a lone split: the merge would give these bits
             tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=io_mask)
         else:
             tl.store(part_o + (row0 + sp)[:, None] * HEAD + d[None, :], acc, mask=io_mask)
             lse = tl.where(den == 0.0, float("-inf"), m + tl.log2(tl.where(den == 0.0, 1.0, den)))
             tl.store(part_lse + row0 + sp, lse, mask=row_dec)
     if NUM_SPLITS > 1:
-        n = tl.num_programs(2)
-        done = n - 1
-        if n > 1:
-            tl.debug_barrier()  # every thread's partials are stored before the count says so
-            done = tl.atomic_add(counts + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
-        if done == n - 1:  # the other n - 1 programs have stored their partials
+        if written > 1:
+            n = tl.num_programs(2)
+            done = n - 1
             if n > 1:
-                tl.store(counts + b * tl.num_programs(1) + kvh, 0)
-            o_ptr = out + q0 * s_ot + head[:, None] * s_oh + d[None, :]
-            _merge_splits(o_ptr, part_o, part_lse, row0, written, row_dec, io_mask, d, HEAD, NUM_SPLITS)
+                tl.debug_barrier()  # every thread's partials are stored before the count says so
+                done = tl.atomic_add(counts + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+            if done == n - 1:  # the other n - 1 programs have stored their partials
+                if n > 1:
+                    tl.store(counts + b * tl.num_programs(1) + kvh, 0)
+                _merge_splits(o_ptr, part_o, part_lse, row0, written, row_dec, io_mask, d, HEAD, NUM_SPLITS)
 
 
 @triton.jit
