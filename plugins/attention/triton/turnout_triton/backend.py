@@ -45,7 +45,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.min_capability = None
             self.priority = Priority.TESTING  # never preferred over a native backend
         self._max_reqs = 0
-        self._counts: torch.Tensor | None = None  # the decode kernel's split counters, see _split_counts
+        self._counts: list[torch.Tensor] = []  # the decode kernel's split counters, see _split_counts
 
     def import_error(self) -> str | None:
         try:
@@ -84,11 +84,10 @@ class TritonAttentionBackend(AttentionBackend):
         self._max_reqs = max_num_reqs
 
     def _split_counts(self, num_reqs: int, device: torch.device) -> torch.Tensor:
-        """One counter buffer for every layer and step, sized for the largest batch a graph captures before
-        the first capture (graphs keep the address they captured), and grown only outside a capture."""
+        """The decode kernel's counters (kernels.split_counts): one buffer for every layer and step, sized
+        for the largest batch the graphs capture. A larger batch gets a larger buffer; those before it stay
+        allocated, since a captured graph keeps the address it captured."""
         n = max(num_reqs, self._max_reqs) * self.spec.num_kv_heads
-        if self._counts is None or self._counts.numel() < n:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"triton: a captured batch of {num_reqs} exceeds prepare_cudagraphs' size")
-            self._counts = _kernels().split_counts(n, device)
-        return self._counts
+        if not self._counts or self._counts[-1].numel() < n:
+            self._counts.append(_kernels().split_counts(n, device))
+        return self._counts[-1]
