@@ -433,9 +433,11 @@ def headline() -> list[str]:
                     fig += (f"; {sub[1]['ratio_vs_peer']:.1f}x HF `generate_batch` on {sub[1]['subset']} "
                             f"requests{where}")  # fmt: skip
             elif suite == "latency":
-                fig = (
-                    f"TPOT {num(rep.get('tpot_ms'))} ms, TTFT {_ttft(rep.get('ttft_ms'))} ms by prompt length"
-                )
+                fig = f"TPOT {num(rep.get('tpot_ms'))} ms"
+                peer = next((r for r in recs if r["engine"] != "turnout" and r["run"] == "repeat"), None)
+                if peer and peer.get("tpot_ms"):
+                    fig += f" ({peer['engine']} in the same run: {num(peer['tpot_ms'])} ms)"
+                fig += f", TTFT {_ttft(rep.get('ttft_ms'))} ms by prompt length"
             else:
                 fig = f"{num(rep.get('speedup_vs_no_cache'))}x faster with prefix caching than without"
             where = f"{first.get('model')} on {first.get('device')}"
