@@ -304,12 +304,13 @@ def _decode_kernel(
         if written > 1:
             n = tl.num_programs(2)
             done = n - 1
+            count = counts + b * tl.num_programs(1) + kvh
             if n > 1:
                 tl.debug_barrier()  # every thread's partials are stored before the count says so
-                done = tl.atomic_add(counts + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+                done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
             if done == n - 1:  # the other n - 1 programs have stored their partials
                 if n > 1:
-                    tl.store(counts + b * tl.num_programs(1) + kvh, 0)
+                    tl.store(count, 0)
                 _merge_splits(o_ptr, part_o, part_lse, row0, written, row_dec, io_mask, d, HEAD, NUM_SPLITS)
 
 
@@ -376,7 +377,7 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     num_splits: int,
-    counts: torch.Tensor | None = None,
+    counts: torch.Tensor,
     programs: int | None = None,
 ) -> torch.Tensor:
     """Write k, v to the cache at slot_mapping, then q [T, H, D] against the cache -> [T, H, D]. Rows past
@@ -384,8 +385,8 @@ def paged_attention(
 
     The decode kernel always runs (its programs skip requests with query_len != 1) and writes the k, v of
     the requests it serves; store_kv and the prefill kernel run only when max_query_len > 1 (the prefill
-    kernel's programs skip requests with query_len 1). counts: int32 zeros, at least B * num_kv_heads,
-    which the decode kernel leaves zero (split_counts); allocated here when None.
+    kernel's programs skip requests with query_len 1). counts: split_counts(n) with n >= B * num_kv_heads,
+    which the decode kernel leaves zero.
     """
     t, h, hs = q.shape
     kc, vc = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -405,7 +406,6 @@ def paged_attention(
     s = num_splits
     part_o = out if s == 1 else torch.empty((b, h, s, hs), dtype=torch.float32, device=q.device)
     part_lse = out if s == 1 else torch.empty((b, h, s), dtype=torch.float32, device=q.device)
-    counts = split_counts(b * kvh, q.device) if counts is None else counts
     if counts.numel() < b * kvh:
         raise ValueError(f"counts holds {counts.numel()} entries, the decode kernel needs {b * kvh}")
     p = programs or decode_programs(b, kvh, s)
