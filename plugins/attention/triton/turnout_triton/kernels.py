@@ -45,14 +45,21 @@ DECODE_PROGRAMS = 1024  # decode programs to aim for (decode_programs): ~8 per S
 
 
 @triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Under PDL (turnout.layers.pdl_launch()): wait until the kernel before has finished and its writes are
+    visible, then let the kernel after start."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _store_kv_kernel(
     k, v, k_cache, v_cache, slot_mapping,
     s_kt, s_kh, s_vt, s_vh, s_cb, s_cs, s_ch, block_size, num_kv_heads,
     HEAD: tl.constexpr, HEAD_P2: tl.constexpr, KVH_P2: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _pdl_wait(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     h = tl.arange(0, KVH_P2)[:, None]
@@ -176,9 +183,7 @@ def _prefill_kernel(
     Program pid takes query tile num_programs - 1 - pid, so the last tiles of a request, which see the
     most keys, start first and the short ones fill the tail. Key tiles strictly below the causal
     diagonal of the tile's first row run unmasked; the one or two tiles that cross it are masked."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _pdl_wait(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_P2
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
@@ -244,9 +249,7 @@ def _decode_kernel(
 
     The program that owns a request's last split first writes the request's new k, v to the cache at its
     slot: no other program reads that key, and store_kv need not run in decode-only steps."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     q0 = tl.load(cu + b)

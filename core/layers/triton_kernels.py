@@ -1,0 +1,196 @@
+"""The @triton.jit kernels of layers/fused.py and layers/gemv.py, and the helpers they share.
+
+This module imports triton; fused.kernels() imports it on first use, so importing turnout never does.
+Each kernel is launched with pdl.launch() and starts with pdl_wait (layers/pdl.py): under PDL it waits
+for the kernel before it, having read only what no earlier kernel writes. Every kernel rounds to the
+activation dtype where the eager torch path does (after the residual add, after a norm, after each product
+of a rotation), so fused and eager agree to about an ulp.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # when this module was (re)loaded
+next_power_of_2 = triton.next_power_of_2
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Under PDL: wait until the kernel before has finished and its writes are visible, then let the
+    kernel after start its own reads of what no kernel writes."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def norm_rope(
+    x1, x2, pos, i, m, qm, km, q_w, k_w, cos, sin, s_c, eps, NORM: tl.constexpr, HALF: tl.constexpr
+):
+    """Heads x [R, 2 HALF] given as their halves x1, x2 [R, HALF_P2] (HF's rotate-half layout; lanes i
+    [1, HALF_P2], m masks them), at positions pos [R, 1] or a scalar -> the rotated halves (o1, o2).
+    With NORM, first the per-head RMSNorm with weight q_w (lanes qm) or k_w (km), Qwen3's q/k norms. cos, sin
+    [max_pos, HALF] float32, rows s_c apart, rounded to x's dtype as HF does."""
+    dt = x1.dtype
+    if NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        ss = tl.sum(f1 * f1, axis=1, keep_dims=True) + tl.sum(f2 * f2, axis=1, keep_dims=True)
+        rstd = 1.0 / tl.sqrt(ss / (2 * HALF) + eps)  # [R, 1]
+        w1 = tl.load(q_w + i, mask=qm, other=0.0) + tl.load(k_w + i, mask=km, other=0.0)
+        w2 = tl.load(q_w + HALF + i, mask=qm, other=0.0) + tl.load(k_w + HALF + i, mask=km, other=0.0)
+        x1 = (w1.to(tl.float32) * (f1 * rstd).to(dt).to(tl.float32)).to(dt)
+        x2 = (w2.to(tl.float32) * (f2 * rstd).to(dt).to(tl.float32)).to(dt)
+    c = tl.load(cos + pos * s_c + i, mask=m, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin + pos * s_c + i, mask=m, other=0.0).to(dt).to(tl.float32)
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = ((a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
+def rms_norm_kernel(
+    x, res, w, out, res_out, s_xt, s_xh, s_rt, s_ot, s_oh, s_rot, n, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, H): one row of n values at x[t, h]."""
+    pdl_wait(PDL)
+    t, h = tl.program_id(0), tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n
+    xv = tl.load(x + t * s_xt + h * s_xh + cols, mask=m, other=0.0)
+    if HAS_RES:
+        r = tl.load(res + t * s_rt + cols, mask=m, other=0.0)
+        xv = (xv.to(tl.float32) + r.to(tl.float32)).to(xv.dtype)
+        tl.store(res_out + t * s_rot + cols, xv, mask=m)
+    xf = xv.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+    y = (xf * rstd).to(xv.dtype).to(tl.float32)
+    wv = tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + t * s_ot + h * s_oh + cols, (wv * y).to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _head_masks(h, HQ: tl.constexpr, i, m):
+    """(qm, km): lanes m where head h is a q head (h < HQ), where it is a k head."""
+    hv = i * 0 + h  # a tensor: the interpreter does not take a scalar & a tensor as a mask
+    return m & (hv < HQ), m & (hv >= HQ)
+
+
+@triton.jit
+def _store_head(q_row, k_row, h, HQ: tl.constexpr, o1, o2, i, qm, km, HALF: tl.constexpr):
+    """Head h's halves to q_row (lanes qm, head h) or k_row (lanes km, head h - HQ): rows [R, 1] of
+    pointers."""
+    q_dst, k_dst = q_row + h * 2 * HALF, k_row + (h - HQ) * 2 * HALF
+    tl.store(q_dst + i, o1, mask=qm)
+    tl.store(q_dst + HALF + i, o2, mask=qm)
+    tl.store(k_dst + i, o1, mask=km)
+    tl.store(k_dst + HALF + i, o2, mask=km)
+
+
+@triton.jit
+def qk_norm_rope_kernel(
+    qkv, q_out, k_out, q_w, k_w, cos, sin, positions, s_t, s_qt, s_kt, s_c, eps,
+    HQ: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Grid (T, Hq + Hkv): head h of token t; q heads first, as packed in qkv's rows."""
+    pdl_wait(PDL)
+    t, h = tl.program_id(0), tl.program_id(1)
+    i = tl.arange(0, HALF_P2)[None, :]
+    m = i < HALF
+    src = qkv + t * s_t + h * 2 * HALF
+    x1 = tl.load(src + i, mask=m, other=0.0)
+    x2 = tl.load(src + HALF + i, mask=m, other=0.0)
+    qm, km = _head_masks(h, HQ, i, m)
+    o1, o2 = norm_rope(x1, x2, tl.load(positions + t), i, m, qm, km, q_w, k_w, cos, sin, s_c, eps, NORM, HALF)
+    _store_head(q_out + t * s_qt, k_out + t * s_kt, h, HQ, o1, o2, i, qm, km, HALF)
+
+
+@triton.jit
+def silu_and_mul_kernel(x, out, s_xt, s_ot, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Grid (T, cdiv(n, BLOCK)): out[t, j] = silu(x[t, j]) * x[t, n + j], rounded as torch does."""
+    pdl_wait(PDL)
+    t, b = tl.program_id(0), tl.program_id(1)
+    j = b * BLOCK + tl.arange(0, BLOCK)
+    m = j < n
+    g = tl.load(x + t * s_xt + j, mask=m, other=0.0)
+    u = tl.load(x + t * s_xt + n + j, mask=m, other=0.0).to(tl.float32)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    tl.store(out + t * s_ot + j, (act * u).to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def gemv_kernel(
+    x, w, bias, y, M, N, K, s_xm, s_wn, s_ym, res, res_out, norm_w, eps, s_rm, s_rom,
+    q_out, k_out, positions, cos, sin, q_w, k_w, rope_eps, counts, s_qm, s_km, s_c,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
+    ROPE: tl.constexpr, QK_NORM: tl.constexpr, HQ: tl.constexpr, HQK: tl.constexpr, HALF: tl.constexpr,
+    HALF_P2: tl.constexpr, M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """Grid (cdiv(N, BLOCK_N),): output features [pid * BLOCK_N, +BLOCK_N) for all M rows (layers/gemv.py).
+    The first w tile is read before pdl_wait: under PDL it streams in while the kernel before runs.
+
+    ROPE: y is a qkv projection whose first HQK heads of 2 HALF features (q's HQ, then k's) are rotated
+    (norm_rope) into q_out, k_out. BLOCK_N divides 2 HALF, so a program's features lie in one head. The
+    programs of a q/k head store their y rows, then count themselves in counts[head] (zero between
+    launches); the last to arrive resets it and rotates the whole head, reading y through L2 (.cg)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
+    ms = tl.arange(0, M_P2)[:, None]  # [MP, 1] input rows
+    ks = tl.arange(0, BLOCK_K)
+    w_rows, n_ok = w + rows[:, None] * s_wn, rows[:, None] < N  # [BN, 1]
+    w0 = tl.load(w_rows + ks[None, :], mask=n_ok & (ks[None, :] < K), other=0.0)  # [BN, BK]
+    pdl_wait(PDL)
+    acc = tl.zeros((M_P2, BLOCK_N), dtype=tl.float32)
+    if NORM:  # one tile holds the whole row (BLOCK_K >= K): norm it, then one pass over w
+        mk = (ms < M) & (ks[None, :] < K)
+        h = tl.load(x + ms * s_xm + ks[None, :], mask=mk, other=0.0)  # [MP, BK]
+        if HAS_RES:
+            r = tl.load(res + ms * s_rm + ks[None, :], mask=mk, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            if pid == 0:
+                tl.store(res_out + ms * s_rom + ks[None, :], h, mask=mk)
+        hf = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 1) / K + eps)  # [MP]
+        nw = tl.load(norm_w + ks, mask=ks < K, other=0.0).to(tl.float32)
+        xt = (nw[None, :] * (hf * rstd[:, None]).to(h.dtype).to(tl.float32)).to(h.dtype)
+        acc += tl.sum(xt.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :], axis=2)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            mk = (ms < M) & (kk[None, :] < K)
+            wt = tl.load(w_rows + kk[None, :], mask=n_ok & (kk[None, :] < K) & (k0 > 0), other=0.0)
+            wt = tl.where(k0 > 0, wt, w0)  # [BN, BK]; tile 0 was read before pdl_wait
+            xt = tl.load(x + ms * s_xm + kk[None, :], mask=mk, other=0.0)  # [MP, BK]
+            if SILU_MUL:  # x is [M, 2K]: gate, then up
+                u = tl.load(x + ms * s_xm + K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
+                gf = xt.to(tl.float32)
+                xt = ((gf / (1.0 + tl.exp(-gf))).to(xt.dtype).to(tl.float32) * u).to(xt.dtype)
+            acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(bias + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y + ms * s_ym + rows[None, :], acc.to(y.dtype.element_ty), mask=(ms < M) & (rows[None, :] < N))
+    if ROPE:
+        head = pid * BLOCK_N // (2 * HALF)
+        if head < HQK:
+            tl.debug_barrier()  # every thread's y rows are stored before the count says so
+            count = counts + head
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == 2 * HALF // BLOCK_N - 1:
+                tl.store(count, 0)
+                i = tl.arange(0, HALF_P2)[None, :]
+                m = (i < HALF) & (ms < M)
+                src = y + ms * s_ym + head * 2 * HALF
+                x1 = tl.load(src + i, mask=m, other=0.0, cache_modifier=".cg")  # [MP, HALF_P2]
+                x2 = tl.load(src + HALF + i, mask=m, other=0.0, cache_modifier=".cg")
+                pos = tl.load(positions + ms, mask=ms < M, other=0)  # [MP, 1]
+                qm, km = _head_masks(head, HQ, i, m)
+                o1, o2 = norm_rope(
+                    x1, x2, pos, i, m, qm, km, q_w, k_w, cos, sin, s_c, rope_eps, QK_NORM, HALF
+                )
+                _store_head(q_out + ms * s_qm, k_out + ms * s_km, head, HQ, o1, o2, i, qm, km, HALF)
