@@ -97,8 +97,12 @@ SUITES = {
         ],
     ),
     "gemv": Suite(
-        "The Triton GEMV against cuBLAS at the Qwen3-0.6B projection shapes, 1-8 rows, with a tile sweep",
-        ["python benchmarks/bench_gemv.py --json {out}/{stamp}-triton-vs-cublas.json"],
+        "The Triton GEMV against cuBLAS at the Qwen3-0.6B projection shapes, 1-8 rows, with a tile sweep; "
+        "then its tiles chosen in a captured batch-1 step, where weight reads overlap the kernel before",
+        [
+            "python benchmarks/bench_gemv.py --json {out}/{stamp}-triton-vs-cublas.json",
+            "python benchmarks/bench_gemv.py --chain --json {out}/{stamp}-chain.json",
+        ],
     ),
     "profile": Suite(
         "One decode step, kernel by kernel (torch profiler): batch 1 in FULL, batch 256 in "

@@ -66,6 +66,26 @@ FUSED_KERNELS = EnvVar(
     "TURNOUT_FUSED_KERNELS", flag, True, "0: the torch path instead of the fused CUDA kernels between GEMMs"
 )
 TRITON_GEMV = EnvVar("TURNOUT_TRITON_GEMV", flag, True, "0: every matmul goes to F.linear, no Triton GEMV")
+
+
+def tile_map(raw: str) -> dict[tuple[int, int], tuple[int, int]]:
+    """ "NxK=a,b;..." -> {(N, K): (a, b)}; empty means none."""
+    out = {}
+    for item in filter(None, (i.strip() for i in raw.split(";"))):
+        shape, tile = item.split("=")
+        n, k = (int(v) for v in shape.split("x"))
+        a, b = (int(v) for v in tile.split(","))
+        out[(n, k)] = (a, b)
+    return out
+
+
+GEMV_TILES = EnvVar(
+    "TURNOUT_GEMV_TILES",
+    tile_map,
+    {},
+    "the Triton GEMV's (BLOCK_N, num_warps) per weight shape, e.g. 4096x1024=4,4;1024x3072=8,8 "
+    "(benchmarks/bench_gemv.py --chain finds them); unset shapes keep gemv.tiles()'s choice",
+)
 PDL = EnvVar(
     "TURNOUT_PDL",
     flag,
@@ -89,6 +109,7 @@ CORE: tuple[EnvVar[Any], ...] = (
     CACHE_DIR,
     FUSED_KERNELS,
     TRITON_GEMV,
+    GEMV_TILES,
     PDL,
     CONFORMANCE_ERRORS,
     API_KEY,

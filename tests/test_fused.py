@@ -211,48 +211,6 @@ def test_gemv_silu_mul_prologue(dtype: torch.dtype, tile: tuple[int, int, int] |
         assert torch.equal(y, gemv.gemv(fused.silu_and_mul(gate_up), w, tile=tile))  # the same rounding
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("m", [1, 2])
-@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
-@pytest.mark.parametrize("head,block_n", [(64, 2), (48, 4)])
-def test_gemv_rope_epilogue(dtype: torch.dtype, m: int, qk_norm: bool, head: int, block_n: int) -> None:
-    """A qkv GEMV that also writes q and k through the per-head norms and rotary embedding: against float64,
-    and against the GEMV followed by the kernel it replaces (fused.qk_norm_rope). Twice, with the same
-    counter buffer: every launch leaves it zero."""
-    hq, hkv, hidden, eps = 4, 2, 96, 1e-6
-    n = (hq + 2 * hkv) * head
-    g = torch.Generator().manual_seed(head + m + qk_norm)
-    x = torch.randn(m, hidden, generator=g).to(DEV, dtype)
-    w = (torch.randn(n, hidden, generator=g) / hidden**0.5).to(DEV, dtype)
-    bias = (0.1 * torch.randn(n, generator=g)).to(DEV, dtype)
-    pos = torch.tensor([3, 200][:m], device=DEV)
-    rot = RotaryEmbedding(head, 512, 10000.0, None).to(DEV)
-    qn, kn = RMSNorm(head, eps).to(DEV), RMSNorm(head, eps).to(DEV)
-    qn.weight.data = (1 + 0.3 * torch.randn(head, generator=g)).to(DEV, dtype)
-    kn.weight.data = (1 + 0.3 * torch.randn(head, generator=g)).to(DEV, dtype)
-    nw = (qn.weight, kn.weight, eps) if qk_norm else (None, None, 0.0)
-    for _ in range(2):
-        q, k = (
-            torch.empty(m, hq, head, dtype=dtype, device=DEV),
-            torch.empty(m, hkv, head, dtype=dtype, device=DEV),
-        )
-        qkv = gemv.gemv(x, w, bias, (block_n, 128, 4), rope=gemv.Rope(pos, rot.cos, rot.sin, *nw, q, k))
-        assert not gemv._rope_counts(x.device).any()  # the last program of each head reset its counter
-    ref = x.double() @ w.double().T + bias.double()
-    assert _rel(qkv, ref) < _tol(dtype)  # y keeps the unrotated rows
-    q_ref, k_ref = (
-        ref[:, : hq * head].view(m, hq, head),
-        ref[:, hq * head : (hq + hkv) * head].view(m, hkv, head),
-    )
-    if qk_norm:
-        q_ref, k_ref = _ref_norm(q_ref, qn.weight, eps), _ref_norm(k_ref, kn.weight, eps)
-    assert _rel(q, _ref_rope(q_ref, pos, rot)) < _tol(dtype)
-    assert _rel(k, _ref_rope(k_ref, pos, rot)) < _tol(dtype)
-    if DEV == "cuda" or dtype != torch.bfloat16:  # the interpreter's bf16 truncates
-        q2, k2 = fused.qk_norm_rope(qkv, pos, hq, hkv, rot.cos, rot.sin, *nw)
-        assert _ulps_apart(q, q2, 2) and _ulps_apart(k, k2, 2)  # the norm's sum may run in another order
-
-
 def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     """Every kernel a layer launches from now on, as (kernel, rows, out features, options), in order."""
     calls: list[tuple] = []
@@ -266,10 +224,8 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
         monkeypatch.setattr(module, name, wrapper)
 
-    def gemv_call(x, w, bias=None, tile=None, *, norm=None, residual=None, residual_out=None, silu_mul=False,
-                  rope=None):  # fmt: skip
+    def gemv_call(x, w, bias=None, tile=None, *, norm=None, residual=None, residual_out=None, silu_mul=False):
         opts = ("norm" if norm else "") + ("+residual" if residual is not None else "") + ("silu" * silu_mul)
-        opts += "+rope" * (rope is not None)
         return ("gemv", x.shape[0], w.shape[0], opts)
 
     spy(gemv, "gemv", gemv_call)
@@ -282,9 +238,9 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
 def test_decoder_layer_picks_kernels_in_its_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3 decoder layer at decode size, with the GEMV routing on and off. Its layers pick the kernels:
-    on, both RMSNorms run in the prologue of the GEMV after them, the q/k norms and rotary in the qkv GEMV's
-    epilogue and SiLU-and-mul in down_proj's prologue (four GEMVs); off, a kernel per op. Both give the same
-    result to a few ulps. Each token is a one-token sequence: its attention output is its v."""
+    on, both RMSNorms run in the prologue of the GEMV after them and SiLU-and-mul in down_proj's (four GEMVs
+    and the fused q/k norm + rotary); off, a kernel per op. Both give the same result to a few ulps. Each
+    token is a one-token sequence: its attention output is its v."""
     from turnout.layers.attention import ForwardContext, forward_context
     from turnout.models.decoder import DecoderLayer
 
@@ -314,8 +270,8 @@ def test_decoder_layer_picks_kernels_in_its_layers(monkeypatch: pytest.MonkeyPat
     x = torch.randn(2, 64, device=DEV, dtype=dtype)
     qkv_n, inter = (4 + 2 * 2) * 32, 160
     g, a = "gemv", "attention"
-    gemv_path = [(g, 2, qkv_n, "norm+residual+rope"), (a, 2, 4, ""), (g, 2, 64, ""),
-                 (g, 2, 2 * inter, "norm+residual"), (g, 2, 64, "silu")]  # fmt: skip
+    gemv_path = [(g, 2, qkv_n, "norm+residual"), ("qk_norm_rope", 2, 6, ""), (a, 2, 4, ""),
+                 (g, 2, 64, ""), (g, 2, 2 * inter, "norm+residual"), (g, 2, 64, "silu")]  # fmt: skip
     lin = "linear"
     per_op = [("rms_norm", 2, 64, ""), (lin, 2, qkv_n, ""), ("qk_norm_rope", 2, 6, ""), (a, 2, 4, ""),
               (lin, 2, 64, ""), ("rms_norm", 2, 64, ""), (lin, 2, 2 * inter, ""),

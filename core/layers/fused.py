@@ -6,8 +6,7 @@ reads, set the decode time. Here each is one kernel:
 
 - `rms_norm`: optional residual add, then RMSNorm over the last dim, rows given by (token, head) strides.
 - `qk_norm_rope`: from the packed qkv rows, per-head RMSNorm of q and k (Qwen3) and the rotary embedding,
-  written to contiguous q [T, Hq, D] and k [T, Hkv, D]. At decode sizes the qkv GEMV does it in its
-  epilogue instead (layers/gemv.py).
+  written to contiguous q [T, Hq, D] and k [T, Hkv, D].
 - `silu_and_mul`: [T, 2I] -> [T, I].
 
 The kernels are in layers/triton_kernels.py (`kernels()` imports it). They round as the eager torch path

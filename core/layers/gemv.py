@@ -14,11 +14,8 @@ launch gap:
 - `silu_mul`: x is gate_up [M, 2K]; the GEMV reads silu(gate) * up, rounded as fused.silu_and_mul. A
   SiluAndMul built with feeds_linear=True hands the row-parallel linear after it a PendingSiluMul.
 
-Its epilogue can do the op after a qkv projection: `rope` (Rope), the per-head q/k RMSNorm and rotary
-embedding of fused.qk_norm_rope, by the last program to finish each head (QKVParallelLinear.forward_rope).
-
-With all three, a batch-1 FULL step of the shared decoder runs five kernels a layer (four GEMVs and
-attention) instead of the nine of one kernel per op.
+With both, a batch-1 FULL step of the shared decoder runs 236 kernels instead of 320, and its TPOT is
+about a quarter lower than with cuBLAS on an H200.
 
 The kernel is in layers/triton_kernels.py. TURNOUT_TRITON_GEMV=0 sends every matmul to F.linear. Tested
 against float64 under TRITON_INTERPRET=1 (tests/test_fused.py); `benchmarks/bench_gemv.py` times it
@@ -28,7 +25,6 @@ against cuBLAS and sweeps its tiles.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -58,41 +54,22 @@ def enabled(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     )
 
 
-@dataclass
-class Rope:
-    """The epilogue of a qkv GEMV: Qwen3's per-head RMSNorm (when q_weight and k_weight are given) and the
-    rotary embedding of the num_heads q heads and num_kv_heads k heads that open y's rows, written to q_out
-    [M, num_heads, D] and k_out [M, num_kv_heads, D], as fused.qk_norm_rope does; y keeps the unrotated rows
-    (v's follow them). It saves that kernel and its launch gap."""
-
-    positions: torch.Tensor  # [M]
-    cos: torch.Tensor  # [max_position, D / 2] float32
-    sin: torch.Tensor
-    q_weight: torch.Tensor | None  # [D]
-    k_weight: torch.Tensor | None
-    eps: float
-    q_out: torch.Tensor  # [M, num_heads, D] contiguous
-    k_out: torch.Tensor  # [M, num_kv_heads, D] contiguous
-
-
-MAX_ROPE_HEADS = 4096  # q + k heads a Rope epilogue may rotate: the size of its counter buffer
-
-
 @functools.cache
-def _rope_counts(device: torch.device) -> torch.Tensor:
-    """The Rope epilogue's per-head counters of finished programs: zeros, which every launch leaves zero, so
-    one buffer serves every layer and step (and a CUDA graph keeps its address)."""
-    return torch.zeros(MAX_ROPE_HEADS, dtype=torch.int32, device=device)
+def tile_overrides() -> dict[tuple[int, int], tuple[int, int]]:
+    """TURNOUT_GEMV_TILES, read once: {(N, K): (BLOCK_N, num_warps)} that replace tiles()'s choice."""
+    return envs.GEMV_TILES.value
 
 
 def tiles(m: int, n: int, k: int, norm: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps): two output features a program (so even N = 1024 gives every SM
-    programs) except the LM head's 8, from the H200 sweep at M <= 2. Up to NORM_MAX_K the whole row is one
-    tile, so a program reads all its weights before gdc_wait (layers/pdl.py); longer rows go in tiles of
-    1024 / M_P2. The broadcast product holds M_P2 * BLOCK_N * BLOCK_K floats: 8 warps past 2048."""
+    programs) except the LM head's 8, from the H200 sweep at M <= 2, unless TURNOUT_GEMV_TILES names the
+    shape. Up to NORM_MAX_K the whole row is one tile, so a program reads all its weights before gdc_wait
+    (layers/pdl.py); longer rows go in tiles of 1024 / M_P2. The broadcast product holds M_P2 * BLOCK_N *
+    BLOCK_K floats: 8 warps past 2048."""
     m_p2 = fused.kernels().next_power_of_2(m)
     block_k = fused.kernels().next_power_of_2(k) if norm or k <= NORM_MAX_K else max(64, 1024 // m_p2)
-    return (2 if n <= 8192 else 8), block_k, (8 if block_k > 2048 else 4)
+    block_n, warps = tile_overrides().get((n, k), ((2 if n <= 8192 else 8), (8 if block_k > 2048 else 4)))
+    return block_n, block_k, warps
 
 
 def gemv(
@@ -105,7 +82,6 @@ def gemv(
     residual: torch.Tensor | None = None,  # [M, K], only with norm
     residual_out: torch.Tensor | None = None,  # [M, K] contiguous: where x + residual goes (default: new)
     silu_mul: bool = False,
-    rope: Rope | None = None,  # y is a qkv projection: also write its rotated q and k (Rope)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # y [M, N]; with norm (y, x + residual or x)
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     assert x.shape[1] == (2 * k if silu_mul else k) and not (norm and silu_mul), (x.shape, weight.shape)
@@ -119,20 +95,10 @@ def gemv(
     kern = fused.kernels()
     block_n, block_k, warps = tile or tiles(m, n, k, norm is not None)
     assert norm is None or block_k >= k, "a norm needs the whole row in one tile"
-    hq, hk, d = (rope.q_out.shape[1], rope.k_out.shape[1], rope.q_out.shape[2]) if rope else (0, 0, 2)
-    if rope is not None:
-        assert d % block_n == 0 and hq + hk <= MAX_ROPE_HEADS and (hq + 2 * hk) * d == n, (rope, block_n, n)
-    r = rope or Rope(x, x, x, None, None, 0.0, y[:, None], y[:, None])  # unread without ROPE
-    qk_norm = r.q_weight is not None and r.k_weight is not None
-    qw, kw = (r.q_weight, r.k_weight) if qk_norm else (x, x)  # unread without QK_NORM
     kern.gemv_kernel[(-(-n // block_n),)](
         x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         res, res_out, norm[0] if norm else x, norm[1] if norm else 0.0, res.stride(0), res_out.stride(0),
-        r.q_out, r.k_out, r.positions, r.cos, r.sin, qw, kw,
-        r.eps, _rope_counts(x.device) if rope else x, r.q_out.stride(0), r.k_out.stride(0), r.cos.stride(0),
         HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RES=residual is not None, SILU_MUL=silu_mul,
-        ROPE=rope is not None, QK_NORM=qk_norm, HQ=hq, HQK=hq + hk, HALF=d // 2,
-        HALF_P2=kern.next_power_of_2(d // 2), M_P2=kern.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, **pdl.launch(),
+        M_P2=kern.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.launch(),
     )  # fmt: skip
     return (y, res_out) if norm is not None else y

@@ -8,10 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from turnout.distributed import get_parallel_state, tp_all_reduce
-from turnout.layers import fused, gemv
+from turnout.layers import gemv
 from turnout.layers.activation import PendingSiluMul
-from turnout.layers.norm import PendingNorm, RMSNorm
-from turnout.layers.rotary import RotaryEmbedding, qk_norm_weights
+from turnout.layers.norm import PendingNorm
 
 
 def pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
@@ -75,17 +74,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):
-            if gemv.enabled(x.x, self.weight):
-                return self._gemv(x)
+            if gemv.enabled(x.x, self.weight):  # the norm runs in the GEMV's prologue
+                norm = (x.weight, x.eps)
+                return gemv.gemv(x.x, self.weight, self.bias, norm=norm, residual=x.residual,
+                                 residual_out=x.residual_out)[0]  # fmt: skip
             x = x.materialize()
         return linear(x, self.weight, self.bias, self.packed_weight)
-
-    def _gemv(self, x: torch.Tensor | PendingNorm, rope: gemv.Rope | None = None) -> torch.Tensor:
-        """The GEMV (gemv.enabled), with a PendingNorm's norm in its prologue and rope in its epilogue."""
-        if isinstance(x, PendingNorm):
-            return gemv.gemv(x.x, self.weight, self.bias, norm=(x.weight, x.eps), residual=x.residual,
-                             residual_out=x.residual_out, rope=rope)[0]  # fmt: skip
-        return gemv.gemv(x, self.weight, self.bias, rope=rope)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -115,39 +109,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_replicas = max(1, tp // num_kv_heads)  # ranks that share one KV head
         out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp
         super().__init__(hidden, out, bias)
-
-    def forward_rope(
-        self,
-        x: torch.Tensor | PendingNorm,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        rotary: RotaryEmbedding,
-        q_norm: RMSNorm | None = None,  # per-head norms applied before the rotation (Qwen3)
-        k_norm: RMSNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, Hkv, D] rotated by `rotary` (after q_norm, k_norm), and v [T, Hkv, D]. At
-        decode sizes the GEMV rotates q and k in its epilogue (gemv.Rope) instead of a kernel after it."""
-        rows = x.x if isinstance(x, PendingNorm) else x
-        if fused.enabled(rows) and gemv.enabled(rows, self.weight):
-            q = torch.empty(
-                rows.shape[0], self.num_heads, self.head_size, dtype=rows.dtype, device=rows.device
-            )
-            k = torch.empty(
-                rows.shape[0], self.num_kv_heads, self.head_size, dtype=rows.dtype, device=rows.device
-            )
-            qkv = self._gemv(
-                x, gemv.Rope(positions, rotary.cos, rotary.sin, *qk_norm_weights(q_norm, k_norm), q, k)
-            )
-            return q, k, self.split(qkv)[2]
-        q, k, v = self.split(self(x))
-        q, k = rotary(positions, q, k, q_norm, k_norm)
-        return q, k, v
-
-    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[T, (H + 2 Hkv) D] -> views q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]."""
-        q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        q, k, v = qkv.split([q, kv, kv], -1)
-        return (q.view(-1, self.num_heads, self.head_size), k.view(-1, self.num_kv_heads, self.head_size),
-                v.view(-1, self.num_kv_heads, self.head_size))  # fmt: skip
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
         q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size

@@ -56,22 +56,17 @@ class RotaryEmbedding(nn.Module):
         and k are views of one packed qkv row (k's heads right after q's), one fused kernel does the norms
         and the rotation and writes new q and k."""
         if fused.enabled(q) and (qk := _packed(q, k)) is not None:
-            w = qk_norm_weights(q_norm, k_norm)
+            w = (
+                (q_norm.weight, k_norm.weight, q_norm.eps)
+                if q_norm is not None and k_norm is not None
+                else (None, None, 0.0)
+            )
             return fused.qk_norm_rope(qk, positions, q.shape[1], k.shape[1], self.cos, self.sin, *w)
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D/2]
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-
-def qk_norm_weights(
-    q_norm: RMSNorm | None, k_norm: RMSNorm | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-    """(q weight, k weight, eps) as the fused kernels take them; (None, None, 0.0) without both norms."""
-    if q_norm is None or k_norm is None:
-        return None, None, 0.0
-    return q_norm.weight, k_norm.weight, q_norm.eps
 
 
 def _packed(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

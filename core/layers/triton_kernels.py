@@ -28,31 +28,6 @@ def pdl_wait(PDL: tl.constexpr):
 
 
 @triton.jit
-def norm_rope(
-    x1, x2, pos, i, m, qm, km, q_w, k_w, cos, sin, s_c, eps, NORM: tl.constexpr, HALF: tl.constexpr
-):
-    """Heads x [R, 2 HALF] given as their halves x1, x2 [R, HALF_P2] (HF's rotate-half layout; lanes i
-    [1, HALF_P2], m masks them), at positions pos [R, 1] or a scalar -> the rotated halves (o1, o2).
-    With NORM, first the per-head RMSNorm with weight q_w (lanes qm) or k_w (km), Qwen3's q/k norms. cos, sin
-    [max_pos, HALF] float32, rows s_c apart, rounded to x's dtype as HF does."""
-    dt = x1.dtype
-    if NORM:
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        ss = tl.sum(f1 * f1, axis=1, keep_dims=True) + tl.sum(f2 * f2, axis=1, keep_dims=True)
-        rstd = 1.0 / tl.sqrt(ss / (2 * HALF) + eps)  # [R, 1]
-        w1 = tl.load(q_w + i, mask=qm, other=0.0) + tl.load(k_w + i, mask=km, other=0.0)
-        w2 = tl.load(q_w + HALF + i, mask=qm, other=0.0) + tl.load(k_w + HALF + i, mask=km, other=0.0)
-        x1 = (w1.to(tl.float32) * (f1 * rstd).to(dt).to(tl.float32)).to(dt)
-        x2 = (w2.to(tl.float32) * (f2 * rstd).to(dt).to(tl.float32)).to(dt)
-    c = tl.load(cos + pos * s_c + i, mask=m, other=0.0).to(dt).to(tl.float32)
-    s = tl.load(sin + pos * s_c + i, mask=m, other=0.0).to(dt).to(tl.float32)
-    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    o1 = ((a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)).to(dt)
-    o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
-    return o1, o2
-
-
-@triton.jit
 def rms_norm_kernel(
     x, res, w, out, res_out, s_xt, s_xh, s_rt, s_ot, s_oh, s_rot, n, eps,
     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -75,24 +50,6 @@ def rms_norm_kernel(
 
 
 @triton.jit
-def _head_masks(h, HQ: tl.constexpr, i, m):
-    """(qm, km): lanes m where head h is a q head (h < HQ), where it is a k head."""
-    hv = i * 0 + h  # a tensor: the interpreter does not take a scalar & a tensor as a mask
-    return m & (hv < HQ), m & (hv >= HQ)
-
-
-@triton.jit
-def _store_head(q_row, k_row, h, HQ: tl.constexpr, o1, o2, i, qm, km, HALF: tl.constexpr):
-    """Head h's halves to q_row (lanes qm, head h) or k_row (lanes km, head h - HQ): rows [R, 1] of
-    pointers."""
-    q_dst, k_dst = q_row + h * 2 * HALF, k_row + (h - HQ) * 2 * HALF
-    tl.store(q_dst + i, o1, mask=qm)
-    tl.store(q_dst + HALF + i, o2, mask=qm)
-    tl.store(k_dst + i, o1, mask=km)
-    tl.store(k_dst + HALF + i, o2, mask=km)
-
-
-@triton.jit
 def qk_norm_rope_kernel(
     qkv, q_out, k_out, q_w, k_w, cos, sin, positions, s_t, s_qt, s_kt, s_c, eps,
     HQ: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
@@ -100,14 +57,33 @@ def qk_norm_rope_kernel(
     """Grid (T, Hq + Hkv): head h of token t; q heads first, as packed in qkv's rows."""
     pdl_wait(PDL)
     t, h = tl.program_id(0), tl.program_id(1)
-    i = tl.arange(0, HALF_P2)[None, :]
+    i = tl.arange(0, HALF_P2)
     m = i < HALF
+    qm, km = m & (i * 0 + h < HQ), m & (i * 0 + h >= HQ)  # this head is q / is k
     src = qkv + t * s_t + h * 2 * HALF
-    x1 = tl.load(src + i, mask=m, other=0.0)
+    x1 = tl.load(src + i, mask=m, other=0.0)  # [HALF_P2], the rotate-half layout's two halves
     x2 = tl.load(src + HALF + i, mask=m, other=0.0)
-    qm, km = _head_masks(h, HQ, i, m)
-    o1, o2 = norm_rope(x1, x2, tl.load(positions + t), i, m, qm, km, q_w, k_w, cos, sin, s_c, eps, NORM, HALF)
-    _store_head(q_out + t * s_qt, k_out + t * s_kt, h, HQ, o1, o2, i, qm, km, HALF)
+    dt = x1.dtype
+    if NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / (2 * HALF) + eps)
+        w1 = tl.load(q_w + i, mask=qm, other=0.0) + tl.load(k_w + i, mask=km, other=0.0)
+        w2 = tl.load(q_w + HALF + i, mask=qm, other=0.0)
+        w2 += tl.load(k_w + HALF + i, mask=km, other=0.0)
+        x1 = (w1.to(tl.float32) * (f1 * rstd).to(dt).to(tl.float32)).to(dt)
+        x2 = (w2.to(tl.float32) * (f2 * rstd).to(dt).to(tl.float32)).to(dt)
+    pos = tl.load(positions + t)
+    c = tl.load(cos + pos * s_c + i, mask=m, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin + pos * s_c + i, mask=m, other=0.0).to(dt).to(tl.float32)
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = ((a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+    q_dst = q_out + t * s_qt + h * 2 * HALF
+    k_dst = k_out + t * s_kt + (h - HQ) * 2 * HALF
+    tl.store(q_dst + i, o1, mask=qm)
+    tl.store(q_dst + HALF + i, o2, mask=qm)
+    tl.store(k_dst + i, o1, mask=km)
+    tl.store(k_dst + HALF + i, o2, mask=km)
 
 
 @triton.jit
@@ -127,19 +103,11 @@ def silu_and_mul_kernel(x, out, s_xt, s_ot, n, BLOCK: tl.constexpr, PDL: tl.cons
 @triton.jit
 def gemv_kernel(
     x, w, bias, y, M, N, K, s_xm, s_wn, s_ym, res, res_out, norm_w, eps, s_rm, s_rom,
-    q_out, k_out, positions, cos, sin, q_w, k_w, rope_eps, counts, s_qm, s_km, s_c,
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr,
-    ROPE: tl.constexpr, QK_NORM: tl.constexpr, HQ: tl.constexpr, HQK: tl.constexpr, HALF: tl.constexpr,
-    HALF_P2: tl.constexpr, M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(N, BLOCK_N),): output features [pid * BLOCK_N, +BLOCK_N) for all M rows (layers/gemv.py).
-    The first w tile is read before pdl_wait: under PDL it streams in while the kernel before runs.
-
-    ROPE: y is a qkv projection whose first HQK heads of 2 HALF features (q's HQ, then k's) are rotated
-    (norm_rope) into q_out, k_out. BLOCK_N divides 2 HALF, so a program's features lie in one head. The
-    programs of a q/k head store their y rows, then count themselves in counts[head] (zero between
-    launches); the last to arrive resets it and rotates the whole head, reading y through L2 (.cg)."""
+    The first w tile is read before pdl_wait: under PDL it streams in while the kernel before runs."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
     ms = tl.arange(0, M_P2)[:, None]  # [MP, 1] input rows
@@ -176,21 +144,3 @@ def gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(bias + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y + ms * s_ym + rows[None, :], acc.to(y.dtype.element_ty), mask=(ms < M) & (rows[None, :] < N))
-    if ROPE:
-        head = pid * BLOCK_N // (2 * HALF)
-        if head < HQK:
-            tl.debug_barrier()  # every thread's y rows are stored before the count says so
-            count = counts + head
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == 2 * HALF // BLOCK_N - 1:
-                tl.store(count, 0)
-                i = tl.arange(0, HALF_P2)[None, :]
-                m = (i < HALF) & (ms < M)
-                src = y + ms * s_ym + head * 2 * HALF
-                x1 = tl.load(src + i, mask=m, other=0.0, cache_modifier=".cg")  # [MP, HALF_P2]
-                x2 = tl.load(src + HALF + i, mask=m, other=0.0, cache_modifier=".cg")
-                pos = tl.load(positions + ms, mask=ms < M, other=0)  # [MP, 1]
-                qm, km = _head_masks(head, HQ, i, m)
-                o1, o2 = norm_rope(
-                    x1, x2, pos, i, m, qm, km, q_w, k_w, cos, sin, s_c, rope_eps, QK_NORM, HALF
-                )
-                _store_head(q_out + ms * s_qm, k_out + ms * s_km, head, HQ, o1, o2, i, qm, km, HALF)

@@ -41,7 +41,11 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.forward_rope(x, positions, self.rotary, self.q_norm, self.k_norm)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        q, k, v = qkv.split([self.num_heads * self.head_size] + [self.num_kv_heads * self.head_size] * 2, -1)
+        q = q.view(-1, self.num_heads, self.head_size)  # [T, H, D]
+        k, v = k.view(-1, self.num_kv_heads, self.head_size), v.view(-1, self.num_kv_heads, self.head_size)
+        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v))
 
 
