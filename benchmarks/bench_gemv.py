@@ -128,7 +128,7 @@ def run_chain(args: argparse.Namespace) -> None:
     from turnout.layers.gemv import tiles
 
     m = 1
-    best = {name: tiles(m, n, k, name in ("qkv", "gate_up")) for name, n, k, _ in SHAPES}
+    best = {name: tiles(m, n, k, name in ("qkv", "gate_up"), name == "down") for name, n, k, _ in SHAPES}
 
     step = chain_step(m)
 

@@ -60,15 +60,23 @@ def tile_overrides() -> dict[tuple[int, int], tuple[int, int]]:
     return envs.GEMV_TILES.value
 
 
-def tiles(m: int, n: int, k: int, norm: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): two output features a program (so even N = 1024 gives every SM
-    programs) except the LM head's 8, from the H200 sweep at M <= 2, unless TURNOUT_GEMV_TILES names the
-    shape. Up to NORM_MAX_K the whole row is one tile, so a program reads all its weights before gdc_wait
-    (layers/pdl.py); longer rows go in tiles of 1024 / M_P2. The broadcast product holds M_P2 * BLOCK_N *
-    BLOCK_K floats: 8 warps past 2048."""
+def tiles(m: int, n: int, k: int, norm: bool = False, silu_mul: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps), unless TURNOUT_GEMV_TILES names the shape. Up to NORM_MAX_K the whole
+    row is one tile, so a program reads all its weights before gdc_wait (layers/pdl.py); longer rows go in
+    tiles of 1024 / M_P2. From the H200 sweeps at M = 1 (bench_gemv.py, isolated and --chain):
+    - two output features a program, so even N = 1024 gives every SM programs; 8 warps past BLOCK_K 2048,
+      where the broadcast product holds M_P2 * BLOCK_N * BLOCK_K floats;
+    - with silu_mul, four on 4 warps: every program computes SiLU(gate) * up over the whole row again;
+    - the LM head's 8 on 4 warps."""
     m_p2 = fused.kernels().next_power_of_2(m)
     block_k = fused.kernels().next_power_of_2(k) if norm or k <= NORM_MAX_K else max(64, 1024 // m_p2)
-    block_n, warps = tile_overrides().get((n, k), ((2 if n <= 8192 else 8), (8 if block_k > 2048 else 4)))
+    if n > 8192:
+        block_n, warps = 8, 4
+    elif silu_mul:
+        block_n, warps = 4, 4
+    else:
+        block_n, warps = 2, (8 if block_k > 2048 else 4)
+    block_n, warps = tile_overrides().get((n, k), (block_n, warps))
     return block_n, block_k, warps
 
 
@@ -93,7 +101,7 @@ def gemv(
         res_out = residual_out if residual_out is not None else torch.empty_like(x)
     res = residual.contiguous() if residual is not None else x
     kern = fused.kernels()
-    block_n, block_k, warps = tile or tiles(m, n, k, norm is not None)
+    block_n, block_k, warps = tile or tiles(m, n, k, norm is not None, silu_mul)
     assert norm is None or block_k >= k, "a norm needs the whole row in one tile"
     kern.gemv_kernel[(-(-n // block_n),)](
         x, weight, bias if bias is not None else x, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
