@@ -316,8 +316,8 @@ def attention_section() -> list[str]:
 
 
 def gemv_section() -> list[str]:
-    out = []
-    for path, doc in files("gemv")[:1]:
+    out, docs = [], files("gemv")
+    for path, doc in [(p, d) for p, d in docs if "step" in d][:1]:
         out += ["", caption(path, doc), "", "A decode step's matmuls, by rows (M):", ""]
         out += table(["M", "cuBLAS (us)", "Triton GEMV, best tile (us)"],
                      ([s["M"], s["cublas_step_us"], s["best_step_us"]] for s in doc["step"]))  # fmt: skip
@@ -326,6 +326,14 @@ def gemv_section() -> list[str]:
         out += table(["shape", "N x K", "cuBLAS (us)", "% of bandwidth", "Triton (us)", "% of bandwidth"],
                      ([r["shape"], f"{r['N']} x {r['K']}", r["cublas_us"], r["cublas_pct_bw"], r["best_us"],
                        r["best_pct_bw"]] for r in one))  # fmt: skip
+    for path, doc in [(p, d) for p, d in docs if "best_tiles" in d][:1]:
+        out += ["", caption(path, doc), "",
+                f"In a captured batch-1 step (`--chain`): {doc['default_step_us']:.0f} us with the commit's "
+                f"tiles, {doc['best_step_us']:.0f} us with the best of each shape "
+                f"(`TURNOUT_GEMV_TILES='{doc['env']}'`). Each tile was tried with the other shapes held "
+                "at their best so far:", ""]  # fmt: skip
+        out += table(["shape", "tile (BLOCK_N, BLOCK_K, warps)", "step (us)"],
+                     ([r["shape"], r["tile"], r["step_us"]] for r in doc["results"]))  # fmt: skip
     return out or missing("gemv")
 
 
@@ -407,6 +415,15 @@ def render() -> str:
 
 
 # ---- README's headline block ----
+def pick_peers(docs: list[tuple[Path, Doc]]) -> list[tuple[Path, Doc]]:
+    """The runs whose records include a peer with a repeat TPOT, newest first."""
+
+    def peer(r: dict[str, Any]) -> bool:
+        return r["engine"] != "turnout" and r.get("run") == "repeat" and bool(r.get("tpot_ms"))
+
+    return [(p, d) for p, d in docs if any(peer(r) for r in d)]
+
+
 def headline() -> list[str]:
     """About ten lines: the newest figure of each kind, each with its file."""
     lines = []
@@ -416,7 +433,10 @@ def headline() -> list[str]:
         ("prefix", "Prefix caching"),
     ):
         docs = files(suite)  # the newest run beside its peers, else the newest
-        for path, recs in sorted(docs, key=lambda d: not any(r["engine"] != "turnout" for r in d[1]))[:1]:
+        pick = sorted(docs, key=lambda d: not any(r["engine"] != "turnout" for r in d[1]))
+        if suite == "latency":  # the newest run of a commit as it stands (an A/B run carries a note)
+            pick = [d for d in docs if not any(r.get("note") for r in d[1])] or docs
+        for path, recs in pick[:1]:
             ours = {(r["run"], r.get("subset")): r for r in recs if r["engine"] == "turnout"}
             first, rep = ours.get(("first", None), {}), ours.get(("repeat", None), {})
             if suite == "throughput":
@@ -433,11 +453,15 @@ def headline() -> list[str]:
                     fig += (f"; {sub[1]['ratio_vs_peer']:.1f}x HF `generate_batch` on {sub[1]['subset']} "
                             f"requests{where}")  # fmt: skip
             elif suite == "latency":
-                fig = f"TPOT {num(rep.get('tpot_ms'))} ms"
-                peer = next((r for r in recs if r["engine"] != "turnout" and r["run"] == "repeat"), None)
-                if peer and peer.get("tpot_ms"):
-                    fig += f" ({peer['engine']} in the same run: {num(peer['tpot_ms'])} ms)"
-                fig += f", TTFT {_ttft(rep.get('ttft_ms'))} ms by prompt length"
+                fig = (
+                    f"TPOT {num(rep.get('tpot_ms'))} ms, TTFT {_ttft(rep.get('ttft_ms'))} ms by prompt length"
+                )
+                for ppath, precs in pick_peers(docs)[:1]:  # the newest run beside a peer
+                    mine = next(r for r in precs if r["engine"] == "turnout" and r["run"] == "repeat")
+                    peer = next(r for r in precs if r["engine"] != "turnout" and r["run"] == "repeat")
+                    where = "the same run" if ppath == path else cite(ppath, "")
+                    fig += (f"; beside a peer in {where}, TPOT {num(mine['tpot_ms'])} ms against "
+                            f"{peer['engine']}'s {num(peer['tpot_ms'])} ms")  # fmt: skip
             else:
                 fig = f"{num(rep.get('speedup_vs_no_cache'))}x faster with prefix caching than without"
             where = f"{first.get('model')} on {first.get('device')}"
