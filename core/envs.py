@@ -69,7 +69,7 @@ TRITON_GEMV = EnvVar("TURNOUT_TRITON_GEMV", flag, True, "0: every matmul goes to
 
 
 def tile_map(raw: str) -> dict[tuple[int, int], tuple[int, int]]:
-    """ "NxK=a,b;..." -> {(N, K): (a, b)}; empty means none."""
+    """Shapes and tiles as NxK=a,b separated by ";" -> {(N, K): (a, b)}; empty means none."""
     out = {}
     for item in filter(None, (i.strip() for i in raw.split(";"))):
         shape, tile = item.split("=")

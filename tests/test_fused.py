@@ -166,6 +166,26 @@ def test_linear_routes_small_cuda_batches_unless_switched_off(monkeypatch: pytes
     gemv.switched_on.cache_clear()
 
 
+def test_gemv_tiles_env_names_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TURNOUT_GEMV_TILES replaces tiles()'s (BLOCK_N, num_warps) for the shapes it names, and a value that
+    does not parse is one ConfigError that names the variable."""
+    from turnout.errors import ConfigError
+
+    default = gemv.tiles(1, 4096, 1024, norm=True)
+    monkeypatch.setenv("TURNOUT_GEMV_TILES", "4096x1024=8,2; 1024x3072=1,8")
+    gemv.tile_overrides.cache_clear()
+    try:
+        assert gemv.tiles(1, 4096, 1024, norm=True) == (8, default[1], 2) != default
+        assert gemv.tiles(1, 1024, 3072, silu_mul=True)[::2] == (1, 8)
+        assert gemv.tiles(1, 1024, 2048) == (2, 2048, 4)  # not named: unchanged
+        monkeypatch.setenv("TURNOUT_GEMV_TILES", "4096x1024=8")
+        gemv.tile_overrides.cache_clear()
+        with pytest.raises(ConfigError, match="TURNOUT_GEMV_TILES"):
+            gemv.tiles(1, 4096, 1024)
+    finally:
+        gemv.tile_overrides.cache_clear()
+
+
 def _ulps_apart(a: torch.Tensor, b: torch.Tensor, n: int) -> bool:
     """a within n units in the last place of b's largest magnitude (both the same half-precision dtype)."""
     ulp = {torch.bfloat16: 2**-8, torch.float16: 2**-11}[b.dtype]

@@ -1,4 +1,4 @@
-"""The @triton.jit kernels of layers/fused.py and layers/gemv.py, and the helpers they share.
+"""The @triton.jit kernels of layers/fused.py and layers/gemv.py, and the pdl_wait they share.
 
 This module imports triton; fused.kernels() imports it on first use, so importing turnout never does.
 Each kernel is launched with pdl.launch() and starts with pdl_wait (layers/pdl.py): under PDL it waits
