@@ -114,8 +114,12 @@ SUITES = {
         ],
     ),
     "tune-triton": Suite(
-        "A sweep of the Triton prefill kernel's tiles (4k, 16k and 4x4k tokens), checked against torch SDPA",
-        ["python benchmarks/tune_triton.py --json {out}/{stamp}-prefill-tiles.json"],
+        "Sweeps of the Triton attention kernels' tiles, each best checked against torch SDPA: prefill at 4k, "
+        "16k and 4x4k tokens; decode at 64 and 256 requests of 512-2048 keys",
+        [
+            "python benchmarks/tune_triton.py --json {out}/{stamp}-prefill-tiles.json",
+            "python benchmarks/tune_triton.py --decode --json {out}/{stamp}-decode-tiles.json",
+        ],
     ),
     "conformance": Suite(
         "The attention conformance suite on every installed backend (relative error against float64), the "

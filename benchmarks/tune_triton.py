@@ -1,4 +1,5 @@
-"""Tile sweep for the Triton prefill kernel (turnout_triton.kernels._prefill_kernel).
+"""Tile sweeps for the Triton attention kernels (turnout_triton.kernels): prefill, and with --decode the
+decode kernel.
 
 On CUDA: causal prefill of 1 x 4k, 1 x 16k and 4 x 4k tokens, shaped as in bench_attention.py (bf16,
 32 query / 8 KV heads, head 128, block_size 16, shuffled block table). Each config of the grid
@@ -11,8 +12,15 @@ is the geometric mean over the cases. The best config is checked against torch S
 (relative error < 1e-2). Use the winner with TURNOUT_TRITON_PREFILL=block_m,block_n,warps,stages,trans_k
 or make it the default in _prefill_config.
 
+--decode: decode batches of 64 and 256 requests at 512, 1024 and 2048 keys (Qwen3-0.6B heads: 16 query /
+8 KV, head 128; bf16, block_size 16, shuffled block table), for every (block_n, warps, stages) of the grid
+and the current default first, each timed with CUDA events after an L2 flush (median); the score is the
+geometric mean time over the cases. The best is checked against torch SDPA in float32. Use it with
+TURNOUT_TRITON_DECODE=block_n,warps,stages or make it the default in _decode_config.
+
   python benchmarks/tune_triton.py --json /tmp/tune.json   # suite: tune-triton
-  TRITON_INTERPRET=1 python benchmarks/tune_triton.py --smoke   # CPU: tiny shapes, checks the script
+  python benchmarks/tune_triton.py --decode --json /tmp/decode.json   # suite: tune-triton
+  TRITON_INTERPRET=1 python benchmarks/tune_triton.py --smoke [--decode]   # CPU: tiny shapes, checks it
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from types import ModuleType
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cuda_time_ms, print_table, write_json  # noqa: E402
+from common import cuda_time_ms, print_table, provenance, write_json  # noqa: E402
 
 KERNELS = Path(__file__).resolve().parents[1] / "plugins/attention/triton/turnout_triton/kernels.py"
 SMEM_BYTES = 227 * 1024  # per block on an H100/H200
@@ -206,9 +214,107 @@ def measure(cfg: dict, cases: dict[str, dict], args: argparse.Namespace, cuda: b
     return row
 
 
+def make_decode_case(batch: int, ctx: int, heads: tuple[int, int, int], bs: int, dev: str, seed: int) -> dict:
+    """One query token per request against ctx cached keys (a shuffled paged cache); no new k, v stored."""
+    h, kvh, d = heads
+    g = torch.Generator().manual_seed(seed)
+    per = -(-ctx // bs)
+    table = torch.randperm(batch * per, generator=g).to(torch.int32).view(batch, per)
+    kv_cache = torch.randn(2, batch * per, bs, kvh, d, generator=g).to(torch.bfloat16)
+    q = torch.randn(batch, h, d, generator=g).to(torch.bfloat16)
+
+    def full(v: int) -> torch.Tensor:
+        return torch.full((batch,), v, dtype=torch.int32, device=dev)
+
+    return dict(
+        q=q.to(dev), kv_cache=kv_cache.to(dev), table=table.to(dev), seq_lens=full(ctx),
+        slots=full(-1).long(), qsl=torch.arange(batch + 1, dtype=torch.int32, device=dev), scale=d**-0.5,
+        ctx=ctx, counts=kernels().split_counts(batch * kvh, dev), splits=kernels().num_splits(ctx),
+    )  # fmt: skip
+
+
+def run_decode(c: dict) -> torch.Tensor:
+    kv = c["q"][:, : c["kv_cache"].shape[3]]  # unread: slots are -1
+    return kernels().paged_attention(c["q"], kv, kv, c["kv_cache"], c["slots"], c["qsl"], c["seq_lens"],
+                                     c["table"], c["scale"], 1, c["splits"], c["counts"])  # fmt: skip
+
+
+def decode_reference(c: dict) -> torch.Tensor:
+    """Each request's query against all its keys, torch SDPA in float32."""
+    q, kv, ctx = c["q"].float(), c["kv_cache"], c["ctx"]
+    h, kvh = q.shape[1], kv.shape[3]
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        k, v = (
+            kv[i, c["table"][b].long()].flatten(0, 1)[:ctx].float().repeat_interleave(h // kvh, 1)
+            for i in (0, 1)
+        )
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[b, :, None], k.transpose(0, 1), v.transpose(0, 1), scale=c["scale"]
+        )
+        out[b] = o[:, 0]
+    return out
+
+
+def decode_main(args: argparse.Namespace, cuda: bool) -> None:
+    """--decode: the decode kernel's tile sets against the current default (see the module docstring)."""
+    kn, dev = kernels(), "cuda" if cuda else "cpu"
+    if args.smoke:
+        heads, bs, batches, ctxs = (8, 2, 64), 16, [2], [40, 100]
+        grid_ = dict(block_n=[16, 32], warps=[1], stages=[1])
+    else:
+        heads, bs, batches, ctxs = (16, 8, 128), 16, [64, 256], [512, 1024, 2048]
+        grid_ = dict(block_n=[32, 64, 128], warps=[2, 4, 8], stages=[2, 3, 4])
+    sets = [
+        ",".join(map(str, t)) for t in itertools.product(*(getattr(args, k) or v for k, v in grid_.items()))
+    ]
+    cases = {f"b{b}x{c}": make_decode_case(b, c, heads, bs, dev, seed=i)
+             for i, (b, c) in enumerate(itertools.product(batches, ctxs))}  # fmt: skip
+    qpk_p2 = 1 << max(0, math.ceil(math.log2(heads[0] // heads[1])))
+    cfg = kn._decode_config(max(16, heads[2]), qpk_p2, False)
+    default = f"{cfg['block_n']},{cfg['warps']},{cfg['stages']}"
+    commit = provenance().get("commit")
+    rows, failed = [], {}
+    print(f"{len(sets)} tile sets and the default ({default}) x {len(cases)} cases on {dev}, heads {heads}")
+    for tiles in ["", *(t for t in sets if t != default)]:
+        kn._DECODE_OVERRIDE = tiles  # read by _decode_config at each launch
+        try:
+            row = {"tiles": tiles or default, "kernel_commit": commit}
+            row |= {
+                f"{n}_us": time_ms(lambda c=c: run_decode(c), args.rep, cuda) * 1e3 for n, c in cases.items()
+            }
+        except Exception as e:  # noqa: BLE001 - compile or launch failure: skip the tile set
+            failed[tiles] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            continue
+        row["score_us"] = math.exp(statistics.fmean(math.log(row[f"{n}_us"]) for n in cases))
+        rows.append(row)
+        print(f"  {row['tiles']:<10}" + "".join(f"{row[f'{n}_us']:10.1f}" for n in cases), flush=True)
+    if not rows:
+        sys.exit(f"tune_triton: no tile set ran; failures: {failed}")
+    rows.sort(key=lambda r: r["score_us"])
+    best = rows[0]["tiles"]
+    kn._DECODE_OVERRIDE = best
+    verify = {n: rel_err(run_decode(c), decode_reference(c)) for n, c in cases.items()}
+    ok = all(e < TOL for e in verify.values())
+    print_table(rows[: args.top])
+    if failed:
+        print(
+            f"{len(failed)} tile sets failed: " + "; ".join(f"{k} ({v})" for k, v in list(failed.items())[:6])
+        )
+    errs = ", ".join(f"{n} {e:.1e}" for n, e in verify.items())
+    print(f"best {best} vs torch SDPA (float32): relative error {errs}: {'ok' if ok else 'FAILED'}")
+    print(f"use it: TURNOUT_TRITON_DECODE={best}")
+    write_json(args.json, rows, args, workload="decode-tiles", heads=heads, block_size=bs, best=best,
+               default=default, device_kind=dev, triton=_version("triton"), interpret=kn.INTERPRET,
+               verify_rel_err=verify, verify_ok=ok, failed=failed)  # fmt: skip
+    if not ok:
+        sys.exit(1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes and grid; runs under TRITON_INTERPRET=1")
+    p.add_argument("--decode", action="store_true", help="sweep the decode kernel's tiles instead")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--block-m", type=_ints, default=None, help="comma list (default 64,128)")
     p.add_argument("--block-n", type=_ints, default=None, help="comma list (default 32,64,128)")
@@ -226,6 +332,8 @@ def main() -> None:
         sys.exit("tune_triton: needs a CUDA device (or --smoke under TRITON_INTERPRET=1); nothing measured")
     if not cuda:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (by kernels())
+    if args.decode:
+        return decode_main(args, cuda)
     start = time.perf_counter()
     kn = kernels()
     dev = "cuda" if cuda else "cpu"
