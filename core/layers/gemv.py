@@ -66,13 +66,14 @@ def tiles(m: int, n: int, k: int, norm: bool = False, silu_mul: bool = False) ->
     tiles of 1024 / M_P2. From the H200 sweeps at M = 1 (bench_gemv.py, isolated and --chain):
     - two output features a program, so even N = 1024 gives every SM programs; 8 warps past BLOCK_K 2048,
       where the broadcast product holds M_P2 * BLOCK_N * BLOCK_K floats;
-    - with silu_mul, four on 4 warps: every program computes SiLU(gate) * up over the whole row again;
+    - with silu_mul at M = 1, four on 4 warps: every program computes SiLU(gate) * up over the whole row
+      again (at M = 2 that tile would hold twice the floats, and it was not measured there);
     - the LM head's 8 on 4 warps."""
     m_p2 = fused.kernels().next_power_of_2(m)
     block_k = fused.kernels().next_power_of_2(k) if norm or k <= NORM_MAX_K else max(64, 1024 // m_p2)
     if n > 8192:
         block_n, warps = 8, 4
-    elif silu_mul:
+    elif silu_mul and m_p2 == 1:
         block_n, warps = 4, 4
     else:
         block_n, warps = 2, (8 if block_k > 2048 else 4)
