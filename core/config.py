@@ -172,11 +172,14 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 def _read_env() -> dict[str, Any]:
     """TURNOUT_<FIELD>=value; values are parsed as YAML scalars/lists (so 'true', '2', '[1, 2]' work).
-    Switches declared in turnout.envs or by a plugin's turnout_env_vars are not fields."""
+    Switches declared in turnout.envs or by a plugin's turnout_env_vars are not fields; each one set is
+    parsed here, so a bad value fails at start-up even where no component reads it."""
     out = {}
     switches = envs.registry() if any(k.startswith(ENV_PREFIX) for k in os.environ) else {}
     for key, raw in os.environ.items():
-        if key.startswith(ENV_PREFIX) and key not in switches:
+        if key in switches:
+            _ = switches[key].value  # raises ConfigError naming the switch
+        elif key.startswith(ENV_PREFIX):
             field = key[len(ENV_PREFIX) :].lower()
             out[field] = yaml.safe_load(raw) if raw else None
     return out

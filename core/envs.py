@@ -75,6 +75,8 @@ def tile_map(raw: str) -> dict[tuple[int, int], tuple[int, int]]:
         shape, tile = item.split("=")
         n, k = (int(v) for v in shape.split("x"))
         a, b = (int(v) for v in tile.split(","))
+        if min(a, b) < 1 or a & (a - 1) or b & (b - 1):
+            raise ValueError(f"{item}: both tile values must be powers of two")
         out[(n, k)] = (a, b)
     return out
 

@@ -56,6 +56,16 @@ def test_values_parse_with_defaults_and_one_line_errors(monkeypatch):
         _ = bad.value
 
 
+def test_a_bad_switch_fails_config_on_any_device(monkeypatch):
+    """A switch only a CUDA kernel reads is still parsed when the config loads: on the CPU too, a bad value
+    is one ConfigError naming it, not ignored."""
+    monkeypatch.setenv("TURNOUT_GEMV_TILES", "4096x1024=3,4")
+    with pytest.raises(ConfigError, match=r"^TURNOUT_GEMV_TILES='4096x1024=3,4' does not parse"):
+        EngineConfig.load()
+    monkeypatch.setenv("TURNOUT_GEMV_TILES", "4096x1024=4,4")
+    assert EngineConfig.load().max_num_seqs == 256
+
+
 def _sources() -> list[Path]:
     return [p for d in ("core", "plugins") for p in (ROOT / d).rglob("*.py")]
 

@@ -178,10 +178,11 @@ def test_gemv_tiles_env_names_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
         assert gemv.tiles(1, 4096, 1024, norm=True) == (8, default[1], 2) != default
         assert gemv.tiles(1, 1024, 3072, silu_mul=True)[::2] == (1, 8)
         assert gemv.tiles(1, 1024, 2048) == (2, 2048, 4)  # not named: unchanged
-        monkeypatch.setenv("TURNOUT_GEMV_TILES", "4096x1024=8")
-        gemv.tile_overrides.cache_clear()
-        with pytest.raises(ConfigError, match="TURNOUT_GEMV_TILES"):
-            gemv.tiles(1, 4096, 1024)
+        for bad in ("4096x1024=8", "4096x1024=6,4"):
+            monkeypatch.setenv("TURNOUT_GEMV_TILES", bad)
+            gemv.tile_overrides.cache_clear()
+            with pytest.raises(ConfigError, match="TURNOUT_GEMV_TILES"):
+                gemv.tiles(1, 4096, 1024)
     finally:
         gemv.tile_overrides.cache_clear()
 
