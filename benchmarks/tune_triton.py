@@ -214,6 +214,16 @@ def measure(cfg: dict, cases: dict[str, dict], args: argparse.Namespace, cuda: b
     return row
 
 
+def summary(failed: dict[str, str], best: str, verify: dict[str, float], use: str) -> None:
+    """A sweep's closing lines: what was skipped, the best's check against torch SDPA, how to use it."""
+    if failed:
+        print(f"{len(failed)} skipped: " + "; ".join(f"{k} ({v})" for k, v in list(failed.items())[:6]))
+    errs = ", ".join(f"{n} {e:.1e}" for n, e in verify.items())
+    ok = all(e < TOL for e in verify.values())
+    print(f"best {best} vs torch SDPA (float32): relative error {errs}: {'ok' if ok else 'FAILED'}")
+    print(f"use it: {use}")
+
+
 def make_decode_case(batch: int, ctx: int, heads: tuple[int, int, int], bs: int, dev: str, seed: int) -> dict:
     """One query token per request against ctx cached keys (a shuffled paged cache); no new k, v stored."""
     h, kvh, d = heads
@@ -297,13 +307,7 @@ def decode_main(args: argparse.Namespace, cuda: bool) -> None:
     verify = {n: rel_err(run_decode(c), decode_reference(c)) for n, c in cases.items()}
     ok = all(e < TOL for e in verify.values())
     print_table(rows[: args.top])
-    if failed:
-        print(
-            f"{len(failed)} tile sets failed: " + "; ".join(f"{k} ({v})" for k, v in list(failed.items())[:6])
-        )
-    errs = ", ".join(f"{n} {e:.1e}" for n, e in verify.items())
-    print(f"best {best} vs torch SDPA (float32): relative error {errs}: {'ok' if ok else 'FAILED'}")
-    print(f"use it: TURNOUT_TRITON_DECODE={best}")
+    summary(failed, best, verify, f"TURNOUT_TRITON_DECODE={best}")
     write_json(args.json, rows, args, workload="decode-tiles", heads=heads, block_size=bs, best=best,
                default=default, device_kind=dev, triton=_version("triton"), interpret=kn.INTERPRET,
                verify_rel_err=verify, verify_ok=ok, failed=failed)  # fmt: skip
@@ -406,13 +410,8 @@ def main() -> None:
         if r["config"] == default:
             rates = ", ".join(f"{n} {r[f'{n}_tflops']:.1f}" for n in cases)
             print(f"current default {default}: {rates} TFLOP/s")
-    if failed:
-        print(
-            f"{len(failed)} configs skipped: " + "; ".join(f"{k} ({v})" for k, v in list(failed.items())[:6])
-        )
-    errs = ", ".join(f"{n} {e:.1e}" for n, e in verify.items())
-    print(f"best {best['config']} vs torch SDPA (float32): relative error {errs}: {'ok' if ok else 'FAILED'}")
-    print(f"use it: TURNOUT_TRITON_PREFILL={best['config']}   ({time.perf_counter() - start:.0f}s in all)")
+    use = f"TURNOUT_TRITON_PREFILL={best['config']}   ({time.perf_counter() - start:.0f}s in all)"
+    summary(failed, best["config"], verify, use)
     write_json(
         args.json, rows, args, heads=heads,
         block_size=bs, dtype=str(dtype), cases={n: c["qlens"] for n, c in cases.items()}, device_kind=dev,
