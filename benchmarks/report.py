@@ -439,6 +439,7 @@ def headline() -> list[str]:
         for path, recs in pick[:1]:
             ours = {(r["run"], r.get("subset")): r for r in recs if r["engine"] == "turnout"}
             first, rep = ours.get(("first", None), {}), ours.get(("repeat", None), {})
+            last = path  # the file cited at the end of the line
             if suite == "throughput":
                 fig = (f"{num(first.get('output_tokens_per_s'))} output tok/s on the first run, "
                        f"{num(rep.get('output_tokens_per_s'))} on a repeat")  # fmt: skip
@@ -459,13 +460,14 @@ def headline() -> list[str]:
                 for ppath, precs in pick_peers(docs)[:1]:  # the newest run beside a peer
                     mine = next(r for r in precs if r["engine"] == "turnout" and r["run"] == "repeat")
                     peer = next(r for r in precs if r["engine"] != "turnout" and r["run"] == "repeat")
-                    where = "the same run" if ppath == path else cite(ppath, "")
-                    fig += (f"; beside a peer in {where}, TPOT {num(mine['tpot_ms'])} ms against "
-                            f"{peer['engine']}'s {num(peer['tpot_ms'])} ms")  # fmt: skip
+                    if ppath != path:
+                        fig, last = f"{fig} ({cite(path, '')}); in the newest run beside a peer", ppath
+                    fig += (f", TPOT {num(mine['tpot_ms'])} ms against {peer['engine']}'s "
+                            f"{num(peer['tpot_ms'])} ms")  # fmt: skip
             else:
                 fig = f"{num(rep.get('speedup_vs_no_cache'))}x faster with prefix caching than without"
             where = f"{first.get('model')} on {first.get('device')}"
-            lines.append(f"- {what}, {where}: {fig} ({cite(path, '')})")
+            lines.append(f"- {what}, {where}: {fig} ({cite(last, '')})")
     for path, doc in files("serve"):
         if doc.get("offline_tok_s"):
             no_stream = next(r for r in doc["results"] if r.get("mode") == "no-stream")
