@@ -432,10 +432,11 @@ def headline() -> list[str]:
         ("latency", "Latency at batch 1"),
         ("prefix", "Prefix caching"),
     ):
-        docs = files(suite)  # the newest run beside its peers, else the newest
-        pick = sorted(docs, key=lambda d: not any(r["engine"] != "turnout" for r in d[1]))
+        docs = files(suite)
         if suite == "latency":  # the newest run of a commit as it stands (an A/B run carries a note)
             pick = [d for d in docs if not any(r.get("note") for r in d[1])] or docs
+        else:  # the newest run beside its peers, else the newest
+            pick = sorted(docs, key=lambda d: not any(r["engine"] != "turnout" for r in d[1]))
         for path, recs in pick[:1]:
             ours = {(r["run"], r.get("subset")): r for r in recs if r["engine"] == "turnout"}
             first, rep = ours.get(("first", None), {}), ours.get(("repeat", None), {})

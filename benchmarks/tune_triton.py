@@ -129,6 +129,11 @@ def time_ms(fn: Callable[[], object], rep_ms: float, cuda: bool) -> float:
     return cuda_time_ms(fn, n, warmup=0)
 
 
+def _qpk_p2(heads: tuple[int, int, int]) -> int:
+    """Query heads per KV head, to a power of two: the rows a KV head's tile holds per query token."""
+    return 1 << max(0, math.ceil(math.log2(heads[0] // heads[1])))
+
+
 def key(cfg: dict) -> str:
     return ",".join(str(int(cfg[k])) for k in ("block_m", "block_n", "warps", "stages", "trans_k"))
 
@@ -136,7 +141,7 @@ def key(cfg: dict) -> str:
 def grid(args: argparse.Namespace, heads: tuple[int, int, int], esz: int) -> list[dict]:
     """The configs worth compiling, most promising first: tiles that fit shared memory (K and V tiles per
     stage) and registers (the fp32 score and output tiles, at most 160 floats a thread)."""
-    qpk_p2 = 1 << max(0, math.ceil(math.log2(heads[0] // heads[1])))
+    qpk_p2 = _qpk_p2(heads)
     hp2 = max(16, 1 << math.ceil(math.log2(heads[2])))
     out = []
     for bm, bn, w, st in itertools.product(args.block_m, args.block_n, args.warps, args.stages):
@@ -214,14 +219,16 @@ def measure(cfg: dict, cases: dict[str, dict], args: argparse.Namespace, cuda: b
     return row
 
 
-def summary(failed: dict[str, str], best: str, verify: dict[str, float], use: str) -> None:
-    """A sweep's closing lines: what was skipped, the best's check against torch SDPA, how to use it."""
+def summary(failed: dict[str, str], best: str, verify: dict[str, float], use: str) -> bool:
+    """A sweep's closing lines: what was skipped, the best's check against torch SDPA, how to use it.
+    Returns whether the check passed."""
     if failed:
         print(f"{len(failed)} skipped: " + "; ".join(f"{k} ({v})" for k, v in list(failed.items())[:6]))
     errs = ", ".join(f"{n} {e:.1e}" for n, e in verify.items())
     ok = all(e < TOL for e in verify.values())
     print(f"best {best} vs torch SDPA (float32): relative error {errs}: {'ok' if ok else 'FAILED'}")
     print(f"use it: {use}")
+    return ok
 
 
 def make_decode_case(batch: int, ctx: int, heads: tuple[int, int, int], bs: int, dev: str, seed: int) -> dict:
@@ -280,7 +287,7 @@ def decode_main(args: argparse.Namespace, cuda: bool) -> None:
     ]
     cases = {f"b{b}x{c}": make_decode_case(b, c, heads, bs, dev, seed=i)
              for i, (b, c) in enumerate(itertools.product(batches, ctxs))}  # fmt: skip
-    qpk_p2 = 1 << max(0, math.ceil(math.log2(heads[0] // heads[1])))
+    qpk_p2 = _qpk_p2(heads)
     cfg = kn._decode_config(max(16, heads[2]), qpk_p2, False)
     default = f"{cfg['block_n']},{cfg['warps']},{cfg['stages']}"
     commit = provenance().get("commit")
@@ -305,9 +312,8 @@ def decode_main(args: argparse.Namespace, cuda: bool) -> None:
     best = rows[0]["tiles"]
     kn._DECODE_OVERRIDE = best
     verify = {n: rel_err(run_decode(c), decode_reference(c)) for n, c in cases.items()}
-    ok = all(e < TOL for e in verify.values())
     print_table(rows[: args.top])
-    summary(failed, best, verify, f"TURNOUT_TRITON_DECODE={best}")
+    ok = summary(failed, best, verify, f"TURNOUT_TRITON_DECODE={best}")
     write_json(args.json, rows, args, workload="decode-tiles", heads=heads, block_size=bs, best=best,
                default=default, device_kind=dev, triton=_version("triton"), interpret=kn.INTERPRET,
                verify_rel_err=verify, verify_ok=ok, failed=failed)  # fmt: skip
@@ -396,7 +402,6 @@ def main() -> None:
     verify = {}
     for name, case in cases.items():
         verify[name] = rel_err(run(case, cfg), reference(case))
-    ok = all(e < TOL for e in verify.values())
 
     print(f"\ntop {args.top} of {len(rows)} (score: geometric mean TFLOP/s over {', '.join(cases)})")
     cols = ["config", *(f"{n}_tflops" for n in cases), "score", "regs", "spills", "smem"]
@@ -404,14 +409,14 @@ def main() -> None:
     for name in cases:
         r = max(rows, key=lambda r: r[f"{name}_tflops"])
         print(f"best at {name}: {r['config']} {r[f'{name}_tflops']:.1f} TFLOP/s")
-    qpk_p2 = 1 << max(0, math.ceil(math.log2(heads[0] // heads[1])))
+    qpk_p2 = _qpk_p2(heads)
     default = key(kn._fit_config(kn._prefill_config(max(16, heads[2]), qpk_p2, False), qpk_p2))
     for r in rows:
         if r["config"] == default:
             rates = ", ".join(f"{n} {r[f'{n}_tflops']:.1f}" for n in cases)
             print(f"current default {default}: {rates} TFLOP/s")
     use = f"TURNOUT_TRITON_PREFILL={best['config']}   ({time.perf_counter() - start:.0f}s in all)"
-    summary(failed, best["config"], verify, use)
+    ok = summary(failed, best["config"], verify, use)
     write_json(
         args.json, rows, args, heads=heads,
         block_size=bs, dtype=str(dtype), cases={n: c["qlens"] for n, c in cases.items()}, device_kind=dev,

@@ -54,6 +54,19 @@ def names(raw: str) -> frozenset[str]:
     return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
 
+def tile_map(raw: str) -> dict[tuple[int, int], tuple[int, int]]:
+    """Shapes and tiles as NxK=a,b separated by ";" -> {(N, K): (a, b)}; empty means none."""
+    out = {}
+    for item in filter(None, (i.strip() for i in raw.split(";"))):
+        shape, tile = item.split("=")
+        n, k = (int(v) for v in shape.split("x"))
+        a, b = (int(v) for v in tile.split(","))
+        if min(a, b) < 1 or a & (a - 1) or b & (b - 1):
+            raise ValueError(f"{item}: both tile values must be powers of two")
+        out[(n, k)] = (a, b)
+    return out
+
+
 PLUGINS = EnvVar(
     "TURNOUT_PLUGINS", names, None, "plugin entry-point names to load: unset loads all, empty loads none"
 )
@@ -66,19 +79,6 @@ FUSED_KERNELS = EnvVar(
     "TURNOUT_FUSED_KERNELS", flag, True, "0: the torch path instead of the fused CUDA kernels between GEMMs"
 )
 TRITON_GEMV = EnvVar("TURNOUT_TRITON_GEMV", flag, True, "0: every matmul goes to F.linear, no Triton GEMV")
-
-
-def tile_map(raw: str) -> dict[tuple[int, int], tuple[int, int]]:
-    """Shapes and tiles as NxK=a,b separated by ";" -> {(N, K): (a, b)}; empty means none."""
-    out = {}
-    for item in filter(None, (i.strip() for i in raw.split(";"))):
-        shape, tile = item.split("=")
-        n, k = (int(v) for v in shape.split("x"))
-        a, b = (int(v) for v in tile.split(","))
-        if min(a, b) < 1 or a & (a - 1) or b & (b - 1):
-            raise ValueError(f"{item}: both tile values must be powers of two")
-        out[(n, k)] = (a, b)
-    return out
 
 
 GEMV_TILES = EnvVar(

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -215,11 +219,6 @@ def test_bench_serve_deals_every_request_once_within_max_concurrency(n, processe
 def test_decode_tile_sweep_smoke_checks_its_best_against_sdpa(tmp_path):
     """benchmarks/tune_triton.py --decode on the CPU (the interpreter): every tile set and the default ran,
     and the best one's output matched torch SDPA, or the script exits 1."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = Path(__file__).parents[1] / "benchmarks/tune_triton.py"
     out = tmp_path / "d.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -171,13 +171,13 @@ def test_gemv_tiles_env_names_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     does not parse is one ConfigError that names the variable."""
     from turnout.errors import ConfigError
 
-    default = gemv.tiles(1, 4096, 1024, norm=True)
+    default, unnamed = gemv.tiles(1, 4096, 1024, norm=True), gemv.tiles(1, 1024, 2048)
     monkeypatch.setenv("TURNOUT_GEMV_TILES", "4096x1024=8,2; 1024x3072=1,8")
     gemv.tile_overrides.cache_clear()
     try:
         assert gemv.tiles(1, 4096, 1024, norm=True) == (8, default[1], 2) != default
         assert gemv.tiles(1, 1024, 3072, silu_mul=True)[::2] == (1, 8)
-        assert gemv.tiles(1, 1024, 2048) == (2, 2048, 4)  # not named: unchanged
+        assert gemv.tiles(1, 1024, 2048) == unnamed  # not named: unchanged
         for bad in ("4096x1024=8", "4096x1024=6,4"):
             monkeypatch.setenv("TURNOUT_GEMV_TILES", bad)
             gemv.tile_overrides.cache_clear()

@@ -295,9 +295,7 @@ def _decode_kernel(
                 PREC,
             )  # fmt: skip
         acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
-        if NUM_SPLITS == 1:
-            tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=io_mask)
-        elif written == 1:  # a lone split: the merge would give these bits
+        if (NUM_SPLITS == 1) | (written == 1):  # a lone split: the merge would give these bits
             tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=io_mask)
         else:
             tl.store(part_o + (row0 + sp)[:, None] * HEAD + d[None, :], acc, mask=io_mask)
