@@ -1,25 +1,45 @@
 """Decode-sized matmuls: cuBLAS (F.linear) against turnout's Triton GEMV (core/layers/gemv.py) at the
-Qwen3-0.6B shapes, with a sweep of the GEMV's tiles (issue #5: the matmuls are 907 of a batch-1 step's
-1306 us of kernel time on the H200).
+Qwen3-0.6B shapes (or Qwen3-8B's, --shape qwen3-8b), with a sweep of the GEMV's tiles (issue #5: the
+matmuls are 907 of a batch-1 step's 1306 us of kernel time on the H200).
 
   python benchmarks/bench_gemv.py --json /tmp/gemv.json   # suite: gemv
   TRITON_INTERPRET=1 python benchmarks/bench_gemv.py --smoke   # CPU: small shapes, checks the script
 
 Each case is timed with CUDA events after an L2 flush (median of --iters) and reported as achieved
 bandwidth, counting the weight, x and y bytes, against 4.3 TB/s. Every tile's output is checked against
-F.linear first (max abs difference within two bf16 ulps of the output). The last line projects one
-decode step's matmul time (28 layers of the four projections, plus the LM head) for each M: cuBLAS,
-and the best tile per shape. Use a tile with gemv(..., tile=) or make it the default in gemv.tiles().
+F.linear first (max abs difference within two bf16 ulps of the output). The last lines project one
+decode step's matmul time (the layers' four projections, plus the LM head) for each M: cuBLAS, and the
+best tile per shape; then a summary per shape and M: the default tile's time, the best tile's, cuBLAS's,
+the floor (weight bytes at 4.3 TB/s) and the best tile as a TURNOUT_GEMV_TILES entry. That variable sets
+only (BLOCK_N, num_warps); BLOCK_K stays gemv.tiles()'s (the whole row up to K = 4096), so a winner with
+another BLOCK_K is marked, and the entry given is the best tile with tiles()'s BLOCK_K. Use a tile with
+gemv(..., tile=) or make it the default in gemv.tiles().
+
+--prologue times qkv and gate_up with their RMSNorm (+ residual) prologue and down with SiLU-and-mul, as
+the model launches them (a norm needs the whole row in one tile, so those shapes sweep no shorter
+BLOCK_K); cuBLAS is still the matmul alone. Off by default, as before.
 
 --chain times tiles where they run: one batch-1 decode step's kernels as the model launches them (per
 layer: the qkv GEMV with its norm prologue, the q/k norm + rotary kernel, the o GEMV on q's rows in
 place of attention, gate_up with its norm, down with SiLU-and-mul; then the LM head), each layer with
 its own weights, captured in one CUDA graph with programmatic dependent launch, as a FULL graph runs
-them. Isolated timings miss how a GEMV's weight reads overlap the kernel before it. Each shape's
-(BLOCK_N, num_warps) is chosen in turn, the others held at their best so far (median replay time over
---iters, each replay after an L2 flush); it prints the winners as a TURNOUT_GEMV_TILES value.
+them. Isolated timings miss how a GEMV's weight reads overlap the kernel before it. Each shape's tile
+is chosen in turn, the others held at their best so far (median replay time over --iters, each replay
+after an L2 flush); it prints the winners as a TURNOUT_GEMV_TILES value, the step with that value's
+tiles, and the same step with cuBLAS matmuls and separate norm and SiLU-and-mul kernels.
 
   python benchmarks/bench_gemv.py --chain --json /tmp/gemv-chain.json   # suite: gemv
+
+--shape qwen3-8b: 36 layers of hidden 4096 (qkv 6144 x 4096, o 4096 x 4096, gate_up 24576 x 4096,
+down 4096 x 12288) and an untied 151936 x 4096 LM head, M = 1 and 2 by default. Its sweep tries whole-row
+tiles of BLOCK_N 1-16 on 4-16 warps and, where there is no norm prologue, BLOCK_K 1024-4096 below the
+row, keeping each thread's share of the [M, BLOCK_N, BLOCK_K] product at most 128 floats (64 when
+looping over K): the default tile there (8 x 4096 on 4 warps, 256 a thread) spills. --layers cuts the
+chain (and the step projection) to fewer layers. About a minute for each mode on an H200:
+
+  python benchmarks/bench_gemv.py --shape qwen3-8b --prologue --json /tmp/gemv8b.json
+  python benchmarks/bench_gemv.py --shape qwen3-8b --chain --json /tmp/gemv8b-chain.json
+  TRITON_INTERPRET=1 python benchmarks/bench_gemv.py --smoke --shape qwen3-8b [--prologue | --chain]
 """
 
 from __future__ import annotations
@@ -28,6 +48,8 @@ import argparse
 import itertools
 import os
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,18 +58,91 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cuda_time_ms, print_table, write_json  # noqa: E402
 
-# (name, N, K, times per step): Qwen3-0.6B at TP=1, 28 layers, tied 151936-token LM head
-SHAPES = [("qkv", 4096, 1024, 28), ("o", 1024, 2048, 28), ("gate_up", 6144, 1024, 28),
-          ("down", 1024, 3072, 28), ("lm_head", 151936, 1024, 1)]  # fmt: skip
+
+@dataclass(frozen=True)
+class Model:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    def shapes(self, layers: int | None = None) -> list[tuple[str, int, int, int]]:
+        """(name, N, K, times per step) of the projections at TP=1, then the LM head."""
+        per, d = layers or self.layers, self.head_dim
+        return [("qkv", (self.heads + 2 * self.kv_heads) * d, self.hidden, per),
+                ("o", self.hidden, self.heads * d, per), ("gate_up", 2 * self.intermediate, self.hidden, per),
+                ("down", self.hidden, self.intermediate, per), ("lm_head", self.vocab, self.hidden, 1)]  # fmt: skip
+
+
+MODELS = {
+    "qwen3-0.6b": Model(28, 1024, 16, 8, 128, 3072, 151936),  # tied LM head
+    "qwen3-8b": Model(36, 4096, 32, 8, 128, 12288, 151936),  # untied LM head
+}
+SMOKE_MODELS = {  # the same head ratios, small enough for the interpreter
+    "qwen3-0.6b": Model(2, 64, 4, 2, 16, 96, 200),
+    "qwen3-8b": Model(2, 64, 4, 1, 16, 96, 200),
+}
+SHAPES = MODELS["qwen3-0.6b"].shapes()  # qkv 4096x1024, o 1024x2048, gate_up 6144x1024, down 1024x3072, lm_head
 SMOKE_SHAPES = [("small", 96, 160, 1)]
+SMOKE_TILES = [(4, 64, 4), (8, 128, 2)]
+NORM, SILU = ("qkv", "gate_up"), ("down",)  # the shapes whose GEMV has a norm / SiLU-and-mul prologue
 BANDWIDTH = 4.3e12
+EPS = 1e-6
 
 
-def tile_grid(m: int, smoke: bool) -> list[tuple[int, int, int]]:
-    if smoke:
-        return [(4, 64, 4), (8, 128, 2)]
+def tile_grid(m: int) -> list[tuple[int, int, int]]:
+    """The Qwen3-0.6B sweep's (BLOCK_N, BLOCK_K, num_warps) at M rows."""
     ks = [k for k in (128, 256, 512, 1024) if k * m <= 2048]  # [M_P2, BN, BK] floats in registers
     return list(itertools.product((2, 4, 8), ks, (1, 2, 4)))  # ~18 compiles per M: a minute or two in all
+
+
+def chain_candidates(name: str, k: int) -> list[tuple[int, int, int]]:
+    """(BLOCK_N, whole-row BLOCK_K, num_warps) to try for a Qwen3-0.6B shape at M = 1."""
+    bk = 1 << (k - 1).bit_length()
+    bns = (4, 8, 16, 32) if name == "lm_head" else (1, 2, 4, 8)
+    return [(bn, bk, w) for bn in bns for w in (2, 4, 8) if bn * bk <= 128 * 32 * w]  # product floats/thread
+
+
+def sweep_tiles(m: int, k: int, norm: bool) -> list[tuple[int, int, int]]:
+    """(BLOCK_N, BLOCK_K, num_warps) for the Qwen3-8B shapes at M rows. Whole-row tiles (rows up to 4096,
+    the kernel's norm limit) of at most 128 product floats a thread; without a norm also BLOCK_K 1024-4096
+    below the row, 8-64 floats a thread (ptxas for sm_90 keeps those in registers; past 128 it spills)."""
+    m_p2, row = 1 << (m - 1).bit_length(), 1 << (k - 1).bit_length()
+    out = []
+    if row <= 4096:
+        out += [(bn, row, w) for bn in (1, 2, 4, 8, 16) for w in (4, 8, 16) if m_p2 * bn * row <= 128 * 32 * w]
+    if not norm:
+        out += [(bn, bk, w) for bk in (1024, 2048, 4096) if bk < row for bn in (1, 2, 4, 8) for w in (4, 8, 16)
+                if 8 * 32 * w <= m_p2 * bn * bk <= 64 * 32 * w]  # fmt: skip
+    return out
+
+
+def candidates(args: argparse.Namespace, name: str, m: int, k: int, norm: bool) -> list[tuple[int, int, int]]:
+    if args.smoke:
+        grid = SMOKE_TILES
+    elif args.shape == "qwen3-0.6b":
+        grid = chain_candidates(name, k) if args.chain else tile_grid(m)
+    else:
+        grid = sweep_tiles(m, k, norm)
+    return [t for t in grid if not norm or t[1] >= k]  # a norm prologue needs the whole row in one tile
+
+
+def env_entry(m: int, name: str, n: int, k: int, tile: tuple[int, int, int]) -> str:
+    """tile as a TURNOUT_GEMV_TILES entry, or why it cannot be one: the variable sets (BLOCK_N, num_warps)
+    and BLOCK_K stays tiles()'s for the shape's prologue."""
+    from turnout.layers.gemv import tiles
+
+    bk = tiles(m, n, k, name in NORM, name in SILU)[1]
+    if tile[1] != bk:
+        return f"BLOCK_K {tile[1]} not expressible (TURNOUT_GEMV_TILES keeps {bk})"
+    return f"{n}x{k}={tile[0]},{tile[2]}"
+
+
+def fmt(tile: tuple[int, int, int] | None) -> str:
+    return ",".join(map(str, tile)) if tile else "-"
 
 
 def time_ms(fn, smoke: bool, iters: int) -> float:
@@ -57,139 +152,237 @@ def time_ms(fn, smoke: bool, iters: int) -> float:
     return cuda_time_ms(fn, iters=iters, warmup=3)
 
 
-def bench_case(name: str, n: int, k: int, m: int, smoke: bool, iters: int) -> dict:
+def prologue_ref(x: torch.Tensor, res: torch.Tensor | None, norm_w: torch.Tensor | None, silu: bool):
+    """The matmul's input as the model's unfused kernels compute it (layers/fused.py), which round as the
+    GEMV's prologue does (under the interpreter too, whose float32 -> bf16 truncates)."""
+    from turnout.layers import fused
+
+    if silu:  # x is [M, 2K]: gate, then up
+        return fused.silu_and_mul(x)
+    return x if norm_w is None else fused.rms_norm(x, norm_w, EPS, res)[0]
+
+
+def bench_case(args, name: str, n: int, k: int, m: int, w: torch.Tensor, norm: bool, silu: bool) -> dict:
     from turnout.layers.gemv import gemv, tiles
 
-    g = torch.Generator().manual_seed(n + k + m)
-    x = torch.randn(m, k, generator=g).to("cpu" if smoke else "cuda", torch.bfloat16)  # [M, K]
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(x.device, torch.bfloat16)  # [N, K]
-    ref = F.linear(x, w)
+    smoke, iters = args.smoke, args.iters
+    g = torch.Generator(device=w.device).manual_seed(n + k + m)
+    x = torch.randn(m, 2 * k if silu else k, generator=g, device=w.device).to(torch.bfloat16)  # [M, K]
+    res = torch.randn(m, k, generator=g, device=w.device).to(torch.bfloat16) if norm else None
+    norm_w = torch.ones(k, dtype=torch.bfloat16, device=w.device) if norm else None
+    xt = prologue_ref(x, res, norm_w, silu)
+    ref = F.linear(xt, w)
     ulp2 = 2 * 2**-8 * ref.float().abs().max().item() + 1e-3
     nbytes = 2 * (n * k + m * k + m * n)
-    cublas = time_ms(lambda: F.linear(x, w), smoke, iters)
+    kwargs = {"norm": (norm_w, EPS), "residual": res} if norm else {"silu_mul": True} if silu else {}
+
+    def run(tile):
+        y = gemv(x, w, tile=tile, **kwargs)
+        return y[0] if norm else y
+
+    cublas = time_ms(lambda: F.linear(xt, w), smoke, iters)
+    default = tiles(m, n, k, norm, silu)
     timed = {}
-    for tile in [tiles(m, n, k), *tile_grid(m, smoke)]:
+    for tile in dict.fromkeys([default, *candidates(args, name, m, k, norm)]):
         try:
-            y = gemv(x, w, tile=tile)
+            y = run(tile)
         except Exception as e:  # a tile that does not compile (registers, shared memory)
             print(f"{name} m={m} tile {tile}: {type(e).__name__}", flush=True)
             continue
         if (y.float() - ref.float()).abs().max().item() > ulp2:
             raise SystemExit(f"{name} m={m} tile {tile}: output differs from F.linear")
-        timed[tile] = time_ms(lambda t=tile: gemv(x, w, tile=t), smoke, iters)
-    best = min(timed, key=lambda t: timed[t] if timed[t] == timed[t] else 0.0)  # nan (smoke): any
-    return {"shape": name, "N": n, "K": k, "M": m, "cublas_us": cublas * 1e3,
-            "cublas_pct_bw": nbytes / (cublas * 1e-3) / BANDWIDTH * 100,
-            "triton_default_us": timed.get(tiles(m, n, k), float("nan")) * 1e3,
-            "best_tile": ",".join(map(str, best)),
-            "best_us": timed[best] * 1e3, "best_pct_bw": nbytes / (timed[best] * 1e-3) / BANDWIDTH * 100,
-            "speedup_best": cublas / timed[best]}  # fmt: skip
+        timed[tile] = time_ms(lambda t=tile: run(t), smoke, iters)
+    if not timed:
+        raise SystemExit(f"{name} m={m}: no tile ran")
+
+    def pick(pool):  # nan (smoke): any
+        return min(pool, key=lambda t: timed[t] if timed[t] == timed[t] else 0.0) if pool else None
+
+    best = pick(list(timed))
+    best_env = pick([t for t in timed if "=" in env_entry(m, name, n, k, t)])
+    row = {"shape": name, "N": n, "K": k, "M": m, "cublas_us": cublas * 1e3,
+           "cublas_pct_bw": nbytes / (cublas * 1e-3) / BANDWIDTH * 100,
+           "triton_default_us": timed.get(default, float("nan")) * 1e3,
+           "best_tile": fmt(best),
+           "best_us": timed[best] * 1e3, "best_pct_bw": nbytes / (timed[best] * 1e-3) / BANDWIDTH * 100,
+           "speedup_best": cublas / timed[best]}  # fmt: skip
+    summary = {"shape": name, "M": m, "N x K": f"{n}x{k}", "default_tile": fmt(default),
+               "default_us": row["triton_default_us"], "best_tile": fmt(best), "best_us": row["best_us"],
+               "cublas_us": row["cublas_us"], "floor_us": 2 * n * k / BANDWIDTH * 1e6,
+               "env": env_entry(m, name, n, k, best)}  # fmt: skip
+    if best_env != best:
+        summary["env"] += f"; best expressible {fmt(best_env)}" + (
+            f" {timed[best_env] * 1e3:.1f} us = {env_entry(m, name, n, k, best_env)}" if best_env else ""
+        )
+    return {**row, "_summary": summary, "_env": env_entry(m, name, n, k, best_env) if best_env else None}
 
 
-def chain_step(m: int):
-    """A batch-m decode step's GEMVs and q/k norm + rotary kernels (Qwen3-0.6B shapes, random weights,
-    28 layers): returns step(tile_of) -> logits, which launches them with the tiles of tile_of[shape]."""
+def run_isolated(args: argparse.Namespace, model: Model) -> None:
+    if args.smoke and args.shape == "qwen3-0.6b":
+        shapes = SMOKE_SHAPES
+    else:
+        shapes = model.shapes(args.layers)
+    dev = "cpu" if args.smoke else "cuda"
+    rows, step, summary, env = [], {}, [], {}
+    for name, n, k, per_step in shapes:
+        g = torch.Generator(device=dev).manual_seed(n + k)
+        w = (torch.randn(n, k, generator=g, device=dev) / k**0.5).to(torch.bfloat16)  # [N, K]
+        norm, silu = args.prologue and name in NORM, args.prologue and name in SILU
+        for m in args.m:
+            row = bench_case(args, name, n, k, m, w, norm, silu)
+            summary.append(row.pop("_summary"))
+            if (entry := row.pop("_env")) is not None:
+                env.setdefault(m, []).append(entry)
+            rows.append(row)
+            print(row, flush=True)
+            acc = step.setdefault(m, {"M": m, "cublas_step_us": 0.0, "best_step_us": 0.0})
+            acc["cublas_step_us"] += per_step * row["cublas_us"]
+            acc["best_step_us"] += per_step * row["best_us"]
+        del w
+    print_table(rows)
+    print()
+    print_table(list(step.values()))
+    print(f"\n{args.shape}: by shape and M (us; floor = weight bytes at {BANDWIDTH / 1e12:.1f} TB/s)")
+    print_table(summary)
+    envs = {m: ";".join(e) for m, e in env.items()}
+    for m, value in envs.items():
+        print(f"M = {m}: TURNOUT_GEMV_TILES='{value}'  (best tiles with tiles()'s BLOCK_K)")
+    write_json(args.json, rows, args, step=list(step.values()), bandwidth=BANDWIDTH, summary=summary,
+               env_by_m={str(m): v for m, v in envs.items()},
+               triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")  # fmt: skip
+
+
+def chain_step(m: int, model: Model, layers: int, device: str):
+    """A batch-m decode step's GEMVs and q/k norm + rotary kernels (random weights, `layers` layers, each
+    its own): returns (step(tile_of) -> logits, which launches them with the tiles of tile_of[shape], and
+    step_cublas() -> logits, the same step with F.linear and separate norm and SiLU-and-mul kernels)."""
     from turnout.layers import fused
     from turnout.layers.gemv import gemv
 
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g, device="cuda") / shape[-1] ** 0.5).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=g, device=device) / shape[-1] ** 0.5).to(torch.bfloat16)
 
-    layers = [{name: rand(n, k) for name, n, k, per in SHAPES if per > 1} for _ in range(28)]
-    lm_head = rand(151936, 1024)
-    ones = torch.ones(1024, dtype=torch.bfloat16, device="cuda")
-    cos, sin = torch.randn(4096, 64, device="cuda"), torch.randn(4096, 64, device="cuda")
-    x, pos = rand(m, 1024), torch.arange(m, device="cuda") + 100
+    shapes = model.shapes(layers)
+    weights = [{name: rand(n, k) for name, n, k, _ in shapes if name != "lm_head"} for _ in range(layers)]
+    lm_head = rand(*shapes[-1][1:3])
+    ones = torch.ones(model.hidden, dtype=torch.bfloat16, device=device)
+    head_ones = torch.ones(model.head_dim, dtype=torch.bfloat16, device=device)
+    half = model.head_dim // 2
+    cos, sin = torch.randn(4096, half, device=device), torch.randn(4096, half, device=device)
+    x, pos = rand(m, model.hidden), torch.arange(m, device=device) + 100
+    heads = (model.heads, model.kv_heads)
 
     def step(tile_of: dict[str, tuple[int, int, int]]) -> torch.Tensor:
         h, res = x, x
-        for w in layers:
-            qkv, res = gemv(h, w["qkv"], tile=tile_of["qkv"], norm=(ones, 1e-6), residual=res)
-            q, _ = fused.qk_norm_rope(qkv, pos, 16, 8, cos, sin, ones[:128], ones[:128], 1e-6)
+        for w in weights:
+            qkv, res = gemv(h, w["qkv"], tile=tile_of["qkv"], norm=(ones, EPS), residual=res)
+            q, _ = fused.qk_norm_rope(qkv, pos, *heads, cos, sin, head_ones, head_ones, EPS)
             o = gemv(q.view(m, -1), w["o"], tile=tile_of["o"])
-            gu, res = gemv(o, w["gate_up"], tile=tile_of["gate_up"], norm=(ones, 1e-6), residual=res)
+            gu, res = gemv(o, w["gate_up"], tile=tile_of["gate_up"], norm=(ones, EPS), residual=res)
             h = gemv(gu, w["down"], tile=tile_of["down"], silu_mul=True)
-        return gemv(fused.rms_norm(h, ones, 1e-6, res)[0], lm_head, tile=tile_of["lm_head"])
+        return gemv(fused.rms_norm(h, ones, EPS, res)[0], lm_head, tile=tile_of["lm_head"])
 
-    return step
+    def step_cublas() -> torch.Tensor:
+        h, res = x, x
+        for w in weights:
+            a, res = fused.rms_norm(h, ones, EPS, res)
+            q, _ = fused.qk_norm_rope(F.linear(a, w["qkv"]), pos, *heads, cos, sin, head_ones, head_ones, EPS)
+            a, res = fused.rms_norm(F.linear(q.view(m, -1), w["o"]), ones, EPS, res)
+            h = F.linear(fused.silu_and_mul(F.linear(a, w["gate_up"])), w["down"])
+        return F.linear(fused.rms_norm(h, ones, EPS, res)[0], lm_head)
+
+    return step, step_cublas
 
 
-def chain_candidates(name: str, k: int) -> list[tuple[int, int, int]]:
-    """(BLOCK_N, whole-row BLOCK_K, num_warps) to try for a shape at M = 1."""
-    bk = 1 << (k - 1).bit_length()
-    bns = (4, 8, 16, 32) if name == "lm_head" else (1, 2, 4, 8)
-    return [(bn, bk, w) for bn in bns for w in (2, 4, 8) if bn * bk <= 128 * 32 * w]  # product floats/thread
-
-
-def run_chain(args: argparse.Namespace) -> None:
+def run_chain(args: argparse.Namespace, model: Model) -> None:
     """Coordinate descent over the shapes' tiles, each candidate timed as a replayed CUDA graph of a step."""
     from turnout.layers.gemv import tiles
 
     m = 1
-    best = {name: tiles(m, n, k, name in ("qkv", "gate_up"), name == "down") for name, n, k, _ in SHAPES}
+    layers = args.layers or model.layers
+    shapes = model.shapes(layers)
+    default = {name: tiles(m, n, k, name in NORM, name in SILU) for name, n, k, _ in shapes}
+    best = dict(default)
+    step, step_cublas = chain_step(m, model, layers, "cpu" if args.smoke else "cuda")
 
-    step = chain_step(m)
-
-    def time_step(tile_of: dict) -> float:
-        step(tile_of)  # compile outside the capture
+    def time_step(fn) -> float:
+        fn()  # compile outside the capture
+        if args.smoke:  # the interpreter: the step runs eagerly, untimed
+            return float("nan")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            step(tile_of)
+            fn()
         return cuda_time_ms(graph.replay, iters=args.iters, warmup=3) * 1e3
 
-    default_us = time_step(best)
+    ref, logits = step_cublas(), step(best)
+    rel = ((logits.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    print(f"default tiles against the cuBLAS step: max |difference| {rel:.3g} of max |logit|", flush=True)
+    if args.smoke and not rel < 0.05:
+        raise SystemExit("the Triton step's logits differ from the cuBLAS step's")
+    cublas_us = time_step(step_cublas)
+    default_us = time_step(lambda: step(best))
     rows = [{"shape": "default", "tile": "", "step_us": default_us}]
     print(rows[0], flush=True)
     best_us = default_us
-    for name, _, k, _ in SHAPES:
-        for tile in chain_candidates(name, k):
+    best_env = {name: (tile, default_us) for name, tile in default.items()}  # tiles()'s BLOCK_K
+    for name, n, k, _ in shapes:
+        for tile in candidates(args, name, m, k, name in NORM):
             if tile == best[name]:
                 continue
             try:
-                us = time_step({**best, name: tile})
+                us = time_step(lambda t={**best, name: tile}: step(t))
             except Exception as e:  # registers or shared memory: the tile does not fit
                 print(f"{name} {tile}: {type(e).__name__}", flush=True)
                 continue
-            rows.append({"shape": name, "tile": ",".join(map(str, tile)), "step_us": us})
+            rows.append({"shape": name, "tile": fmt(tile), "step_us": us})
             print(rows[-1], flush=True)
             if us < best_us:
                 best[name], best_us = tile, us
-    env = ";".join(f"{n}x{k}={best[name][0]},{best[name][2]}" for name, n, k, _ in SHAPES)
+            if "=" in env_entry(m, name, n, k, tile) and us < best_env[name][1]:
+                best_env[name] = (tile, us)
+    env_tiles = {name: t for name, (t, _) in best_env.items()}
+    env = ";".join(env_entry(m, name, n, k, env_tiles[name]) for name, n, k, _ in shapes)
+    env_us = best_us if env_tiles == best else time_step(lambda: step(env_tiles))
+    floor_us = sum(per * 2 * n * k for _, n, k, per in shapes) / BANDWIDTH * 1e6
     print_table(rows)
+    summary = [{"shape": name, "N x K": f"{n}x{k}", "default_tile": fmt(default[name]),
+                "best_tile": fmt(best[name]), "env": env_entry(m, name, n, k, best[name])
+                + ("" if env_tiles[name] == best[name] else f"; best expressible {fmt(env_tiles[name])}")}
+               for name, n, k, _ in shapes]  # fmt: skip
+    print(f"\n{args.shape}, {layers} layers, batch 1: best tile per shape (BLOCK_N, BLOCK_K, warps)")
+    print_table(summary)
     print(
-        f"\nstep {default_us:.1f} us with the default tiles, {best_us:.1f} us with TURNOUT_GEMV_TILES='{env}'"
+        f"\nstep: {default_us:.1f} us with the default tiles, {best_us:.1f} us with the best, {env_us:.1f} us "
+        f"with TURNOUT_GEMV_TILES='{env}'; cuBLAS {cublas_us:.1f} us; floor {floor_us:.1f} us "
+        f"(weight bytes at {BANDWIDTH / 1e12:.1f} TB/s)"
     )
     write_json(args.json, rows, args, default_step_us=default_us, best_step_us=best_us,
-               best_tiles={name: list(t) for name, t in best.items()}, env=env)  # fmt: skip
+               best_tiles={name: list(t) for name, t in best.items()}, env=env, env_step_us=env_us,
+               env_tiles={name: list(t) for name, t in env_tiles.items()}, cublas_step_us=cublas_us,
+               floor_step_us=floor_us, layers=layers, summary=summary)  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--shape", choices=sorted(MODELS), default="qwen3-0.6b", help="the model's matmul shapes")
+    ap.add_argument("--m", type=int, nargs="+", help="rows (default 1 2 4 8; 1 2 for qwen3-8b)")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--layers", type=int, help="decoder layers in the chain and the step (default: the model's)")
+    ap.add_argument("--prologue", action="store_true", help="time the model's norm / SiLU-and-mul prologues")
     ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: small shapes")
     ap.add_argument("--chain", action="store_true", help="time tiles in a captured batch-1 step (CUDA)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.m is None:
+        args.m = [1, 2] if args.shape == "qwen3-8b" else [1, 2, 4, 8]
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("needs CUDA (or --smoke with TRITON_INTERPRET=1)")
-    if args.chain:
-        return run_chain(args)
-    rows, step = [], {}
-    for (name, n, k, per_step), m in itertools.product(SMOKE_SHAPES if args.smoke else SHAPES, args.m):
-        row = bench_case(name, n, k, m, args.smoke, args.iters)
-        rows.append(row)
-        print(row, flush=True)
-        acc = step.setdefault(m, {"M": m, "cublas_step_us": 0.0, "best_step_us": 0.0})
-        acc["cublas_step_us"] += per_step * row["cublas_us"]
-        acc["best_step_us"] += per_step * row["best_us"]
-    print_table(rows)
-    print()
-    print_table(list(step.values()))
-    write_json(args.json, rows, args, step=list(step.values()), bandwidth=BANDWIDTH,
-               triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")  # fmt: skip
+    model = (SMOKE_MODELS if args.smoke else MODELS)[args.shape]
+    start = time.perf_counter()
+    (run_chain if args.chain else run_isolated)(args, model)
+    print(f"{time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

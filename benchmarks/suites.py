@@ -113,6 +113,15 @@ SUITES = {
             "--json {out}/{stamp}-b256-full-and-piecewise.json",
         ],
     ),
+    "profile-step": Suite(
+        "Engine steps kernel bucket by bucket (torch profiler) on the Qwen3-8B shape, default selection: "
+        "batch-1 and batch-256 decode at 512 tokens of context, one 16,384-token prefill; wall, GPU busy "
+        "and idle per step, the floors; then cuBLAS against turnout's GEMV at the shape's linears",
+        [
+            "python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,prefill "
+            "--cublas --out {out}"
+        ],
+    ),
     "tune-triton": Suite(
         "Sweeps of the Triton attention kernels' tiles, each best checked against torch SDPA: prefill at 4k, "
         "16k and 4x4k tokens; decode at 64 and 256 requests of 512-2048 keys",

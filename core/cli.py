@@ -23,6 +23,7 @@ from turnout.errors import RequestError, TurnoutError
 from turnout.outputs import CompletionOutput, Logprob, RequestOutput
 from turnout.prompts import check_conversation, parse_prompt
 from turnout.sampling_params import SamplingParams
+from turnout.tuning.cli import add_tune_parser
 
 if TYPE_CHECKING:
     from turnout.selection import Choice, Selection
@@ -119,8 +120,44 @@ def _explain_doc(sel: Selection, config: EngineConfig) -> dict[str, Any]:
         "kinds": kinds,
         "graph_mode": _graph_mode(sel),
         "settings": _settings(config, sel),
+        "attention_phases": {p: c.name for p, c in sel.attention.phases.items()} or None,
+        "measured": _measured_doc(sel),
         **({"experts": {"kernel": sel.moe.chosen.name, **sel.experts}} if sel.moe and sel.experts else {}),
     }
+
+
+def _measured_doc(sel: Selection) -> dict[str, Any] | None:
+    """The measured tier: the record read, each candidate's figures, and the decision."""
+    m = sel.measured
+    if m is None:
+        return None
+    doc: dict[str, Any] = {"state": m.state, "summary": m.describe(), "reasons": m.reasons}
+    if m.record is not None:
+        r = m.record
+        doc["record"] = str(r.path) if r.path else None
+        doc["metric"] = r.metric
+        doc["candidates"] = [{"label": c.label, "settings": c.settings, "runs": c.runs} for c in r.candidates]
+        doc["winner"] = m.decision.winner.label if m.decision.winner else None
+    return doc
+
+
+def _print_measured(sel: Selection) -> None:
+    m = sel.measured
+    if m is None:
+        return
+    print(f"\nmeasured tier: {m.describe()}")
+    if m.record is None:
+        return
+    r, d = m.record, m.decision
+    print(f"  record: {r.path} ({r.workload} workload, {r.metric}, higher is better: {r.higher_is_better})")
+    base = d.baseline.median if d.baseline else None
+    rows = []
+    for c in r.candidates:
+        vs = f"{(c.median / base - 1) * 100:+.1f}%" if base else ""
+        mark = "*" if d.winner is c or (not d.settings and d.baseline is c) else ""
+        runs = ", ".join(f"{x:,.1f}" for x in c.runs)
+        rows.append([c.label, f"{c.median:,.1f}", runs, vs, mark])
+    _table(["candidate", "median", "runs", "vs default", "chosen"], rows, "  ")
 
 
 def _graph_mode(sel: Selection) -> dict[str, str | None]:
@@ -137,6 +174,8 @@ def _print_explain(sel: Selection, config: EngineConfig) -> None:
     for c in sel.choices:
         print(f"\n{KIND_LABELS[c.kind]} (requested: {c.requested})")
         _table(header, _choice_rows(c), indent="  ")
+    for phase, half in sel.attention.phases.items():
+        print(f"  {phase} steps: {half.name} ({half.plugin})")
     graph = _graph_mode(sel)
     print(f"\ngraph mode: requested {graph['requested']}, effective {graph['effective']}")
     if graph["reason"]:
@@ -147,6 +186,7 @@ def _print_explain(sel: Selection, config: EngineConfig) -> None:
         print(f"  {experts['layout']}")
         for rank, (start, stop) in enumerate(experts["experts_per_rank"] if experts["ep_size"] > 1 else []):
             print(f"  rank {rank}: experts {start}-{stop - 1} ({stop - start})")
+    _print_measured(sel)
     print("\nengine settings")
     rows = [[k, str(v["value"]), v["source"]] for k, v in _settings(config, sel).items()]
     _table(["setting", "value", "source"], rows, "  ")
@@ -522,6 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     _explain_parser(sub)
     _generate_parser(sub)
     _serve_parser(sub)
+    add_tune_parser(sub)
     add_bench_serve_parser(add_bench_parser(sub))
     return p
 

@@ -53,9 +53,23 @@ class EngineConfig(BaseModel):
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="force this many KV blocks")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prefixes")
     # selection
-    attention_backend: str = Field("auto", description="attention backend name, or auto")
+    attention_backend: str = Field(
+        "auto",
+        description="attention backend name, auto, or one per phase: 'decode+mixed' or a table "
+        "{decode = ..., mixed = ...} (uniform-decode steps to the first, the others to the second)",
+    )
     executor: str = Field("auto", description="executor name, or auto")
     moe_kernel: str = Field("auto", description="MoE models: expert kernel name (triton, torch), or auto")
+    tuned: Literal["on", "off"] = Field(
+        "on", description="on = a matching `turnout tune` record adds a measured tier above the priorities"
+    )
+    tune: Literal["off", "auto"] = Field(
+        "off", description="auto = tune once before serving where no record matches (turnout tune)"
+    )
+    tune_workload: str = Field(
+        "throughput", description="the workload profile records are read for: throughput, latency, prefix"
+    )
+    tune_budget: float = Field(120, gt=0, description="seconds that tune = auto may spend")
     # parallelism
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
@@ -95,6 +109,21 @@ class EngineConfig(BaseModel):
         if v is not None and (not v or min(v) < 1):
             raise ValueError("must be a non-empty list of positive integers")
         return sorted(set(v)) if v else v
+
+    @field_validator("attention_backend", mode="before")
+    @classmethod
+    def _per_phase(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        if set(v) != {"decode", "mixed"}:
+            raise ValueError("a per-phase table needs exactly the keys decode and mixed")
+        return f"{v['decode']}+{v['mixed']}"
+
+    @field_validator("tuned", "tune", mode="before")
+    @classmethod
+    def _switch(cls, v: Any) -> Any:
+        """YAML reads a bare off / on (a config file's, or TURNOUT_TUNED=off) as a bool."""
+        return {False: "off", True: "on"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator("data_parallel_rank")
     @classmethod

@@ -12,7 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from turnout.config import EngineConfig
-from turnout.engine.llm_engine import LLMEngine
+from turnout.engine.core import make_engine
 from turnout.engine.request import Request, TokenLogprobs
 from turnout.errors import RequestError
 from turnout.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
@@ -45,12 +45,7 @@ class LLM:
         else:
             cfg = EngineConfig.load(config, model=model, **overrides)
         self.config = cfg
-        if cfg.data_parallel_size > 1:  # replicas behind one front that speaks LLMEngine's request API
-            from turnout.engine.dp import DataParallelEngine
-
-            self.engine = DataParallelEngine(cfg)
-        else:
-            self.engine = LLMEngine(cfg)
+        self.engine = make_engine(cfg)  # with tune = auto, tuned first where no record matches
         self.tokenizer = self.engine.tokenizer
         logger.info("selected %s", self.engine.selection.summary())
         self.request_counter = itertools.count()  # request ids are unique over this LLM's life

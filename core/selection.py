@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from turnout.attention.backend import AttentionBackend, AttentionContext
+from turnout.attention.per_phase import PerPhaseBackend, split_name
 from turnout.config import EngineConfig
 from turnout.defaults import fit_defaults
 from turnout.errors import ConfigError, SelectionError
@@ -80,15 +81,17 @@ class Choice:
     requested: str
     candidates: list[Candidate]
     chosen: Candidate
+    phases: dict[str, Candidate] = field(default_factory=dict)  # per-phase attention: phase -> its half
 
     @property
     def obj(self) -> Any:
         return self.chosen.obj
 
     def loss(self, c: Candidate) -> Loss | None:
-        """Why valid candidate c lost to the chosen one; None for the chosen and for invalid ones."""
+        """Why valid candidate c lost to the chosen one; None for the chosen, a per-phase half and invalid
+        candidates."""
         w = self.chosen
-        if c is w or not c.valid:
+        if c is w or not c.valid or c in self.phases.values():
             return None
         if c.name != self.requested and self.requested != "auto":
             return Loss.NOT_REQUESTED
@@ -99,6 +102,8 @@ class Choice:
     def why_lost(self, c: Candidate) -> str:
         """loss(c) in words, e.g. "priority -5 < cpu 0"; empty where c did not lose."""
         w, loss = self.chosen, self.loss(c)
+        if phase := next((p for p, h in self.phases.items() if h is c), None):
+            return f"serves the {phase} steps of {w.name}"
         winner = w.name if w.name != c.name else f"plugin {w.plugin}"
         if loss is Loss.NOT_REQUESTED:
             return f"not requested ({CONFIG_KEYS[self.kind]} = {self.requested})"
@@ -155,6 +160,25 @@ def _candidates(
 def attention_candidates(pm: PluginManager, ctx: AttentionContext) -> list[Candidate]:
     check = lambda _, b: b.check(ctx)
     return _candidates(pm, "turnout_attention_backends", "attention", check, platform=ctx.platform)
+
+
+def choose_attention(candidates: list[Candidate], requested: str, ctx: AttentionContext) -> Choice:
+    """One backend (a name or "auto"), or one per phase ("decode+mixed"): each half must be valid alone,
+    and the two must share one KV cache (attention.per_phase)."""
+    pair = split_name(requested)
+    if pair is None:
+        return choose("attention", candidates, requested)
+    halves = [choose("attention", candidates, name).chosen for name in pair]
+    for c in candidates:
+        c.chosen = False
+    backend = PerPhaseBackend(halves[0].obj, halves[1].obj)
+    if why := backend.check(ctx):
+        raise SelectionError(f"attention backend '{requested}' cannot be used: {'; '.join(why)}")
+    plugins = "+".join(dict.fromkeys(h.plugin for h in halves))
+    chosen = Candidate("attention", backend.name, plugins, backend.priority, [], backend, chosen=True)
+    return Choice(
+        "attention", requested, [*candidates, chosen], chosen, dict(zip(("decode", "mixed"), halves))
+    )
 
 
 def model_candidates(pm: PluginManager, architecture: str) -> list[Candidate]:
@@ -228,6 +252,7 @@ class Selection:
     fitted: dict[str, tuple[Any, str]] = field(default_factory=dict)  # turnout.defaults: (value, why)
     moe: Choice | None = None  # MoE models only
     experts: dict[str, Any] | None = None  # MoE models: the experts each rank holds (describe_placement)
+    measured: MeasuredTier | None = None  # the tuning record read, and its decision
 
     def apply(self, config: EngineConfig) -> EngineConfig:
         """config with every setting it left unset replaced by its fitted value."""
@@ -269,7 +294,13 @@ def select_all(
     actx = AttentionContext(
         platform, dtype, info.head_size, info.num_heads, info.num_kv_heads, config.block_size
     )
-    attention = choose("attention", attention_candidates(pm, actx), config.attention_backend)
+    measured = measured_tier(config, info, platform, pm)
+    if measured.decision is not None and measured.decision.settings:
+        config = config.model_copy(update=measured.decision.settings)
+        actx = AttentionContext(
+            platform, dtype, info.head_size, info.num_heads, info.num_kv_heads, config.block_size
+        )
+    attention = choose_attention(attention_candidates(pm, actx), config.attention_backend, actx)
     model = _choose_model(pm, info.architecture)
     executor = choose_executor(pm, config, platform)
     graph = choose("graph", graph_candidates(pm), config.cudagraph_mode)
@@ -287,6 +318,9 @@ def select_all(
     async_on, async_note = resolve_async_scheduling(config.async_scheduling, executor.obj, platform)
     if config.async_scheduling is None:
         fitted["async_scheduling"] = (async_on, async_note)
+    if measured.decision is not None:
+        for key, value in measured.decision.settings.items():
+            fitted[key] = (value, f"measured, {measured.source}")
     experts = None
     if moe is not None:
         tp, dp, ep = config.tensor_parallel_size, config.data_parallel_size, config.enable_expert_parallel
@@ -294,7 +328,48 @@ def select_all(
     return Selection(
         platform, info, dtype, attention, model, executor, graph, effective, note,
         fitted=fitted, moe=moe, experts=experts, async_scheduling=async_on, async_scheduling_note=async_note,
+        measured=measured,
     )  # fmt: skip
+
+
+@dataclass
+class MeasuredTier:
+    """What the tuning records say for this config: the record used (if any), why others were not, and
+    the decision against the static default."""
+
+    state: str  # "off" (tuned = off), "none" (no matching record) or "used"
+    reasons: list[str] = field(default_factory=list)  # why no record matched
+    record: Any = None  # turnout.tuning.TuningRecord
+    decision: Any = None  # turnout.tuning.Decision
+
+    @property
+    def source(self) -> str:
+        path = getattr(self.record, "path", None)
+        return f"record {path.name}" if path else "tuning record"
+
+    def describe(self) -> str:
+        """One line for explain and the start-up log."""
+        if self.state == "off":
+            return "off (tuned = off): tuning records are not read"
+        if self.decision is None:
+            return "no record used: " + "; ".join(self.reasons)
+        return f"{self.decision.why} ({self.source})"
+
+
+def measured_tier(
+    config: EngineConfig, info: ModelInfo, platform: Platform, pm: PluginManager
+) -> MeasuredTier:
+    """The measured tier above the static priorities: a tuning record whose key matches this machine,
+    model and workload decides the settings the user left unset; a user's setting always wins."""
+    if config.tuned == "off":
+        return MeasuredTier("off")
+    from turnout import tuning  # at call time: the tuner builds engines, which select
+
+    key = tuning.tuning_key(config, info, platform, pm, config.tune_workload)
+    lookup = tuning.find_record(key)
+    if lookup.record is None:
+        return MeasuredTier("none", lookup.reasons)
+    return MeasuredTier("used", [], lookup.record, tuning.decide(lookup.record, tuning.user_settings(config)))
 
 
 def resolve_async_scheduling(
@@ -327,6 +402,7 @@ def worker_handoff(
     pinned = config.model_copy(
         update={
             "model": str(selection.model_info.path),
+            "tuned": "off",  # the driver's measured choices travel pinned below
             "attention_backend": selection.attention.chosen.name,
             "executor": selection.executor.chosen.name,
             "cudagraph_mode": selection.graph.chosen.name,

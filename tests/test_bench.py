@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from turnout.bench import records, roofline, workloads
-from turnout.cli import main
+from turnout.cli import build_parser, main
 from turnout.errors import TurnoutError
 
 from tiny_models import make_tiny_model
@@ -88,8 +88,9 @@ def test_record_schema():
         records.check(_record("latency", tpot_ms=1.0))
     with pytest.raises(TurnoutError, match="workload 'serving'"):
         records.check(_record("serving"))
-    with pytest.raises(TurnoutError, match="engine 'vllm'"):
-        records.check({**_record("prefix", speedup_vs_no_cache=3.0), "engine": "vllm"})
+    records.check({**_record("latency", tpot_ms=1.0, ttft_ms={}), "engine": "vllm"})
+    with pytest.raises(TurnoutError, match="engine 'sglang'"):
+        records.check({**_record("prefix", speedup_vs_no_cache=3.0), "engine": "sglang"})
     with pytest.raises(TurnoutError, match="lacks commit"):
         records.check({k: v for k, v in _record("prefix", speedup_vs_no_cache=3.0).items() if k != "commit"})
 
@@ -97,7 +98,9 @@ def test_record_schema():
 @pytest.mark.parametrize(
     "argv, error",
     [
-        (["throughput", "--peers", "vllm"], "unknown peer 'vllm'"),
+        (["throughput", "--peers", "sglang"], "unknown peer 'sglang'"),
+        (["throughput", "--peers", "vllm", "--max-input-len", "64"], "vllm runs nano-vllm's bench.py"),
+        (["latency", "--peers", "vllm", "--tpot-tokens", "8"], "vllm's TPOT is over 256 tokens"),
         (["prefix", "--peers", "hf-generate"], "drop --peers"),
         (["throughput", "--peers", "nano-vllm", "--num-prompts", "8"], "nano-vllm runs its own bench.py"),
         (["latency", "--peers", "hf-generate-batch"], "no batch-1 latency mode"),
@@ -193,6 +196,7 @@ def test_random_checkpoint_in_a_real_shape_loads_in_turnout_and_hf(tmp_path, mon
     monkeypatch.setitem(random_models.SHAPES, "tiny", ("qwen3", shape))
     monkeypatch.setattr(random_models, "SHARD_BYTES", 64 * 1024)  # several shards and their index
     path = random_models.make_random_model(tmp_path / "tiny", "tiny")
+    assert json.loads((path / "config.json").read_text())["max_position_embeddings"] == 40960
     assert len(list(path.glob("*.safetensors"))) > 1 and (path / "model.safetensors.index.json").is_file()
     llm = LLM(str(path), dtype="float32", max_model_len=64)
     assert llm.selection.dtype == torch.float32 and llm.engine.info.architecture == "Qwen3ForCausalLM"
@@ -231,3 +235,144 @@ def test_decode_tile_sweep_smoke_checks_its_best_against_sdpa(tmp_path):
         "tiles"
     ]
     assert all(e < 1e-2 for e in doc["verify_rel_err"].values())
+
+
+# ---- vLLM as a peer: vllmbench.py and vLLM itself are external, so the test writes stand-ins for them ----
+FAKE_VLLMBENCH = """import json, os, sys
+res = {"engine": "vllm", "version": "0.0-test", "startup_s": 1.5, "argv": sys.argv[1:],
+       "PYTHONPATH": os.environ.get("PYTHONPATH"), "mode": os.environ.get("MODE")}
+res.update({"tpot_ms": 2.5} if os.environ.get("MODE") == "tpot" else {"first": 1000, "repeat": 2000})
+print("some log line")
+print("RESULT", json.dumps(res))
+"""
+FAKE_VLLM = """import json, os, time
+__version__ = "0.0-test"
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+
+class TokensPrompt(dict):
+    pass
+
+class LLM:
+    def __init__(self, model, **kw):
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps({"model": model, **kw, "PYTHONPATH": os.environ["PYTHONPATH"]}) + "\\n")
+
+    def generate(self, prompts, params, use_tqdm=True):
+        time.sleep(sum(len(p["prompt_token_ids"]) for p in prompts if isinstance(p, dict)) * 1e-4)
+        return []
+"""
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A peers dir with a vllmbench.py, a site folder with a vllm package, and the log its LLM writes."""
+    peers_dir, site = tmp_path / "peers", tmp_path / "vllm-site"
+    (site / "vllm").mkdir(parents=True)
+    peers_dir.mkdir()
+    (peers_dir / "vllmbench.py").write_text(FAKE_VLLMBENCH)
+    (site / "vllm/__init__.py").write_text(FAKE_VLLM)
+    log = tmp_path / "llm.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "flashinfer-site"))  # turnout's own, never vLLM's
+    monkeypatch.setenv("MODE", "tpot")  # a stray MODE does not turn a throughput run into a TPOT one
+    return peers_dir, site, log
+
+
+def test_vllm_runs_with_its_site_as_its_whole_pythonpath(fake_vllm, tmp_path):
+    from turnout.bench import peers
+
+    peers_dir, site, _ = fake_vllm
+    res = peers.vllm("/m", peers_dir, site, tpot=False, timeout=60)
+    assert res["PYTHONPATH"] == str(site) and res["mode"] is None and res["argv"] == ["/m"]
+    assert (res["first"], res["repeat"]) == (1000, 2000)
+    res = peers.vllm("/m", peers_dir, site, tpot=True, timeout=60)
+    assert res["mode"] == "tpot" and res["tpot_ms"] == 2.5
+    with pytest.raises(TurnoutError, match=r"no vllm/ in .*nowhere; pass --vllm-site DIR") as e:
+        peers.vllm("/m", peers_dir, tmp_path / "nowhere", tpot=False, timeout=60)
+    assert len(str(e.value).splitlines()) == 1
+    with pytest.raises(TurnoutError, match="no vllmbench.py in"):
+        peers.find_peers_dir(str(tmp_path), "vllmbench.py")
+
+
+def _bench(argv: list[str]):
+    from turnout.bench.runner import Bench
+
+    args = build_parser().parse_args(["bench", *argv])
+    return Bench(args, [p for p in args.peers.split(",") if p])
+
+
+@pytest.mark.slow
+def test_throughput_ratio_vs_vllm_from_its_result_line(fake_vllm, tmp_path, capsys):
+    peers_dir, site, _ = fake_vllm
+    model = make_tiny_model(tmp_path / "m", "llama", vocab_size=10240, max_position_embeddings=1024)
+    argv = ["throughput", "--model", str(model), "--max-model-len", "256", "--num-prompts", "3",
+            "--max-input-len", "8", "--max-output-len", "2", "--peers", "vllm",
+            "--peers-dir", str(peers_dir)]  # fmt: skip
+    bench = _bench([*argv, "--vllm-site", str(site)])
+    recs, _ = bench.throughput()
+    for r in recs:
+        records.check(r)
+    by = {(r["engine"], r["run"]): r for r in recs}
+    for run, vllm_tok_s in (("first", 1000), ("repeat", 2000)):
+        ours = by["turnout", run]
+        assert by["vllm", run]["output_tokens_per_s"] == vllm_tok_s and by["vllm", run]["startup_s"] == 1.5
+        assert ours["ratio_vs_vllm"] == pytest.approx(ours["output_tokens_per_s"] / vllm_tok_s)
+        assert "ratio_vs_nano_vllm" not in ours
+    assert by["vllm", "first"]["config"]["version"] == "0.0-test" and not bench.failed
+    bench = _bench([*argv, "--vllm-site", str(tmp_path / "nowhere")])  # not installed: one line, ours kept
+    recs, _ = bench.throughput()
+    assert {r["engine"] for r in recs} == {"turnout"} and bench.failed == ["vllm"]
+    assert all("ratio_vs_vllm" not in r for r in recs)
+    err = [line for line in capsys.readouterr().err.splitlines() if "vllm" in line]
+    assert len(err) == 1 and "--vllm-site" in err[0] and "records are left out" in err[0]
+
+
+@pytest.mark.slow
+def test_latency_against_vllm_times_ttft_up_to_max_model_len(fake_vllm, tmp_path, capsys):
+    peers_dir, site, log = fake_vllm
+    model = make_tiny_model(tmp_path / "m", "llama", vocab_size=10240, max_position_embeddings=1024)
+    out = tmp_path / "r.json"
+    argv = ["bench", "latency", "--model", str(model), "--ttft-lens", "16,64,4096", "--peers", "vllm",
+            "--peers-dir", str(peers_dir), "--vllm-site", str(site), "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "note: TTFT skipped at 4096 tokens" in capsys.readouterr().err
+    recs = {(r["engine"], r["run"]): r for r in json.loads(out.read_text())}
+    assert set(recs) == {(e, run) for e in ("turnout", "vllm") for run in ("first", "repeat")}
+    (llm_kw,) = [json.loads(line) for line in log.read_text().splitlines()]  # one TTFT process
+    assert llm_kw == {"model": str(model), "max_model_len": 1024, "seed": 0, "PYTHONPATH": str(site)}
+    for run in ("first", "repeat"):
+        ours, peer = recs["turnout", run], recs["vllm", run]
+        assert set(ours["ttft_ms"]) == set(peer["ttft_ms"]) == {"16", "64"} and ours["ttft_skipped"] == [4096]
+        assert peer["ttft_ms"]["64"] >= 6.4  # the stand-in sleeps 0.1 ms a prompt token, timed by our child
+        assert peer["tpot_ms"] == 2.5 and ours["tpot_ratio_vs_vllm"] == pytest.approx(ours["tpot_ms"] / 2.5)
+        for n in ("16", "64"):
+            assert ours["ttft_ratio_vs_vllm"][n] == pytest.approx(ours["ttft_ms"][n] / peer["ttft_ms"][n])
+        assert ours["config"]["engine"]["max_model_len"] == 1024 and peer["config"]["max_model_len"] == 1024
+
+
+def test_qwen3_8b_shape_is_qwen3_8bs_with_qwen3s_positions():
+    from turnout.bench.random_models import random_config
+
+    cfg = random_config("qwen3-8b")
+    assert type(cfg).__name__ == "Qwen3Config"
+    want = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                tie_word_embeddings=False)  # fmt: skip
+    assert {k: getattr(cfg, k) for k in want} == want and cfg.rope_parameters["rope_theta"] == 1e6
+    assert all(random_config(s).max_position_embeddings == 40960 for s in ("qwen3-0.6b", "llama-3-8b"))
+    assert cfg.max_position_embeddings == 40960
+    args = build_parser().parse_args(["bench", "throughput", "--random-model", "qwen3-8b"])
+    assert args.random_model == "qwen3-8b" and args.vllm_site == "/tmp/vllm-site"
+
+
+def test_a_random_model_made_with_fewer_positions_gets_qwen3s(tmp_path):
+    from turnout.bench.random_models import make_random_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192, "vocab_size": 9}))
+    assert make_random_model(tmp_path, "qwen3-0.6b") == tmp_path  # complete: reused, not rewritten
+    assert json.loads((tmp_path / "config.json").read_text()) == {
+        "max_position_embeddings": 40960, "vocab_size": 9
+    }  # fmt: skip

@@ -79,3 +79,45 @@ def test_no_narration_of_how_the_project_was_made():
     paths += [p for p in (ROOT / "benchmarks").rglob("*") if p.is_file()]
     hits = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in paths for m in NARRATION.finditer(p.read_text())]
     assert not hits, hits
+
+
+def _records(workload: str, rows: dict[tuple[str, str], dict]) -> list[dict]:
+    base = dict(workload=workload, model="random-qwen3-8b", device="NVIDIA H200", commit="c", command="x",
+                date="2026-12-02T00:00:00+00:00")  # fmt: skip
+    out = []
+    for (engine, run), metrics in rows.items():
+        cfg = {"version": "0.26.0"} if engine == "vllm" else {"attention": "triton", "graph_mode": "FULL"}
+        out.append({**base, "engine": engine, "run": run, "config": cfg, **metrics})
+    return out
+
+
+def test_vllm_ratios_reach_the_tables_and_the_headline(tmp_path, monkeypatch):
+    runs = ("first", "repeat")
+    tp = _records("throughput", {
+        ("turnout", "first"): dict(output_tokens_per_s=900.0, ratio_vs_vllm=0.9, num_prompts=256),
+        ("turnout", "repeat"): dict(output_tokens_per_s=2200.0, ratio_vs_vllm=1.1, num_prompts=256),
+        ("vllm", "first"): dict(output_tokens_per_s=1000.0, num_prompts=256),
+        ("vllm", "repeat"): dict(output_tokens_per_s=2000.0, num_prompts=256),
+    })  # fmt: skip
+    ours = dict(tpot_ms=5.0, ttft_ms={"4096": 100.0, "32768": 900.0}, tpot_ratio_vs_vllm=0.98,
+                ttft_ratio_vs_vllm={"4096": 1.25, "32768": 0.75})  # fmt: skip
+    theirs = dict(tpot_ms=5.1, ttft_ms={"4096": 80.0, "32768": 1200.0})
+    lat = _records("latency", {**{("turnout", r): ours for r in runs}, **{("vllm", r): theirs for r in runs}})
+    results = tmp_path / "benchmarks/results"
+    for workload, recs in (("throughput", tp), ("latency", lat)):
+        for r in recs:
+            records.check(r)
+        (results / workload).mkdir(parents=True)
+        (results / workload / f"2026-12-02-0000-h200-{workload}-triton.json").write_text(json.dumps(recs))
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "RESULTS", results)
+    throughput = "\n".join(report.bench_section("throughput"))
+    assert "| x vLLM |" in throughput and "| turnout | first | 256 | 900 | 0.9 |" in throughput
+    latency = "\n".join(report.bench_section("latency"))
+    assert "TTFT / vLLM's by prompt" in latency and "4096: 1.25x, 32768: 0.75x" in latency
+    lines = report.headline()
+    assert "(0.90x and 1.10x vLLM in the same run)" in lines[0]
+    (vs,) = [line for line in lines if line.startswith("- Against vLLM")]
+    assert vs.startswith("- Against vLLM 0.26.0 in the same run, random-qwen3-8b on NVIDIA H200: ")
+    assert "output tok/s 0.90x and 1.10x vLLM's on the first run and a repeat" in vs
+    assert "on the first run (below 1 is faster): TPOT 0.98x, TTFT 1.25x at 4096, 0.75x at 32768" in vs

@@ -1,5 +1,6 @@
 """On a CUDA machine only: every graph mode gives NONE's greedy tokens, and every GPU attention backend
-agrees with HF transformers (bf16, same GPU) step by step on the same history."""
+(and pairs of them per phase: decode+mixed) agrees with HF transformers (bf16, same GPU) step by step on
+the same history."""
 
 from __future__ import annotations
 
@@ -16,7 +17,14 @@ from tiny_models import make_tiny_model
 pytestmark = pytest.mark.gpu
 
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
-GPU_BACKENDS = ["triton", "flashinfer", "flash_attn"]
+GPU_BACKENDS = [
+    "triton",
+    "flashinfer",
+    "flash_attn",
+    "triton+flashinfer",
+    "triton+flash_attn",
+    "flashinfer+triton",
+]
 
 
 @pytest.fixture(scope="module")

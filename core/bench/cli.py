@@ -7,14 +7,15 @@ from __future__ import annotations
 import argparse
 
 from turnout.bench import records
-from turnout.bench.peers import PEERS
+from turnout.bench.peers import BENCH_PY_PEERS, PEERS, VLLM_SITE
+from turnout.bench.random_models import SHAPES
 from turnout.errors import TurnoutError
 
-RANDOM_SHAPES = ("qwen3-0.6b", "llama-3-8b", "llama-360m")
 COLUMNS = {  # printed per record
-    "throughput": "engine run subset output_tokens_per_s ratio_vs_nano_vllm ratio_vs_peer "
+    "throughput": "engine run subset output_tokens_per_s ratio_vs_vllm ratio_vs_nano_vllm ratio_vs_peer "
     "ratio_vs_hf_generate fraction_of_floor startup_s".split(),
-    "latency": "engine run tpot_ms ttft_ms tpot_floor_ms startup_s".split(),
+    "latency": "engine run tpot_ms ttft_ms tpot_ratio_vs_vllm ttft_ratio_vs_vllm tpot_floor_ms "
+    "startup_s".split(),
     "prefix": "engine run output_tokens_per_s no_cache_output_tokens_per_s speedup_vs_no_cache "
     "fraction_of_floor startup_s".split(),
 }
@@ -29,11 +30,18 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     g = common.add_argument_group("bench")
     g.add_argument(
         "--random-model",
-        choices=RANDOM_SHAPES,
+        choices=tuple(SHAPES),
         help="make (once, in the turnout cache) a random-weight bf16 checkpoint of this real shape",
     )
     g.add_argument("--peers", default="", help=f"comma-separated, run side by side: {', '.join(PEERS)}")
-    g.add_argument("--peers-dir", help="folder of nanobench.py (default: ../shared/peers, or .peer)")
+    g.add_argument(
+        "--peers-dir", help="folder of nanobench.py and vllmbench.py (default: ../shared/peers, or .peer)"
+    )
+    g.add_argument(
+        "--vllm-site",
+        default=VLLM_SITE,
+        help=f"the folder that holds vllm, the vllm peer's whole PYTHONPATH (default: {VLLM_SITE})",
+    )
     g.add_argument("--peer-timeout", type=float, default=900, help="seconds one peer may run")
     g.add_argument("--cold-cache", action="store_true", help="a fresh, empty Triton kernel cache")
     g.add_argument("--out", help="a .json file or a folder (default: benchmarks/results/<workload>)")
@@ -54,9 +62,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     lat.add_argument(
         "--ttft-lens",
         type=lambda s: [int(x) for x in s.split(",")],
-        default=[512, 4096],
+        default=[512, 4096, 16384, 32768],
         metavar="N,N",
-        help="prompt lengths for TTFT",
+        help="prompt lengths for TTFT (those over max_model_len are skipped, with a note)",
     )
     pre = workloads_.add_parser("prefix", parents=[common], help="a shared prefix, prefix caching on vs off")
     pre.add_argument("--num-prompts", type=int, default=256)
@@ -94,15 +102,15 @@ def _peers(args: argparse.Namespace) -> list[str]:
         raise TurnoutError("the prefix workload compares turnout with itself (caching off); drop --peers")
     if w == "latency" and "hf-generate-batch" in peers:
         raise TurnoutError("hf-generate-batch has no batch-1 latency mode; use --peers hf-generate")
-    if (
-        w == "throughput"
-        and "nano-vllm" in peers
-        and (args.input or (args.num_prompts, args.max_input_len, args.max_output_len) != (256, 1024, 1024))
-    ):
-        raise TurnoutError(
-            "nano-vllm runs its own bench.py workload only; drop --input, --num-prompts and "
-            "the length options, or the peer"
-        )
-    if w == "latency" and "nano-vllm" in peers and args.tpot_tokens != 256:
-        raise TurnoutError("nano-vllm's TPOT is over 256 tokens; drop --tpot-tokens or the peer")
+    for p in (p for p in peers if p in BENCH_PY_PEERS):
+        whose = "its own" if p == "nano-vllm" else "nano-vllm's"
+        if w == "throughput" and (
+            args.input or (args.num_prompts, args.max_input_len, args.max_output_len) != (256, 1024, 1024)
+        ):
+            raise TurnoutError(
+                f"{p} runs {whose} bench.py workload only; drop --input, --num-prompts and "
+                "the length options, or the peer"
+            )
+        if w == "latency" and args.tpot_tokens != 256:
+            raise TurnoutError(f"{p}'s TPOT is over 256 tokens; drop --tpot-tokens or the peer")
     return peers

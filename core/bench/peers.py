@@ -1,8 +1,10 @@
 """Peers, each in its own process so that one GPU holds one engine at a time; each prints one line
-`RESULT {json}`. nano-vllm runs through nanobench.py (../shared/peers/), which runs nano-vllm's own bench.py
-workload; HF transformers runs here (`python -m turnout.bench.peers ENGINE MODEL DTYPE PLAN.json`):
-`generate_batch` (continuous batching) and static `generate` over the plan's requests, or the latency
-plan at batch 1."""
+`RESULT {json}`. nano-vllm runs through nanobench.py and vLLM through vllmbench.py (../shared/peers/), both
+nano-vllm's own bench.py workload (or batch-1 TPOT with MODE=tpot); vLLM runs with its site folder as its
+whole PYTHONPATH. HF transformers, and vLLM's TTFT by prompt length, run here
+(`python -m turnout.bench.peers ENGINE MODEL DTYPE PLAN.json`): `generate_batch` (continuous batching) and
+static `generate` over the plan's requests, or the latency plan at batch 1; vLLM's offline `LLM` over the
+latency plan's TTFT prompts."""
 
 from __future__ import annotations
 
@@ -15,29 +17,41 @@ import time
 from pathlib import Path
 from typing import Any
 
-from turnout.config import EngineConfig
 from turnout.errors import TurnoutError
 
 HF_ENGINES = ("hf-generate-batch", "hf-generate")
-PEERS = ("nano-vllm", *HF_ENGINES)
+BENCH_PY_PEERS = {"nano-vllm": "nanobench.py", "vllm": "vllmbench.py"}  # peer: its runner in the peers dir
+PEERS = (*BENCH_PY_PEERS, *HF_ENGINES)
+VLLM_SITE = "/tmp/vllm-site"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def find_peers_dir(explicit: str | None) -> Path:
+def find_peers_dir(explicit: str | None, runner: str = "nanobench.py") -> Path:
     """--peers-dir, else the first of ../shared/peers, shared/peers, .peer beside the repository that holds
-    nanobench.py."""
+    the runner."""
     tries = (
         [Path(explicit)]
         if explicit
         else [REPO.parent / "shared/peers", REPO / "shared/peers", REPO / ".peer"]
     )
     for d in tries:
-        if (d / "nanobench.py").is_file():
+        if (d / runner).is_file():
             return d
     raise TurnoutError(
-        f"nano-vllm peer: no nanobench.py in {', '.join(map(str, tries))}; pass --peers-dir DIR "
+        f"no {runner} in {', '.join(map(str, tries))}; pass --peers-dir DIR "
         "(../shared/peers/README.md says what it needs)"
     )
+
+
+def vllm_env(site: str | Path) -> dict[str, str]:
+    """This environment with PYTHONPATH replaced by vLLM's site folder alone: vLLM brings its own FlashInfer,
+    which the folders on turnout's PYTHONPATH would shadow."""
+    site = Path(site)
+    if not (site / "vllm").is_dir():
+        raise TurnoutError(
+            f"vllm peer: no vllm/ in {site}; pass --vllm-site DIR (../shared/peers/fetch-vllm.sh builds it)"
+        )
+    return {**os.environ, "PYTHONPATH": str(site)}
 
 
 def _result(cmd: list[str], env: dict[str, str], name: str, timeout: float) -> dict[str, Any]:
@@ -62,15 +76,53 @@ def nano_vllm(model_dir: str, peers_dir: Path, tpot: bool, timeout: float) -> di
     return _result(cmd, env, "nano-vllm", timeout)
 
 
-def child(engine: str, model_dir: str, dtype: str, plan: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """An HF peer, or turnout with plan["config"], over plan["runs"] or plan["latency"]."""
+def vllm(model_dir: str, peers_dir: Path, site: str | Path, tpot: bool, timeout: float) -> dict[str, Any]:
+    """vllmbench.py's RESULT: version, startup_s, and first/repeat tok/s (or tpot_ms with MODE=tpot)."""
+    env = vllm_env(site)
+    if tpot:
+        env["MODE"] = "tpot"
+    else:
+        env.pop("MODE", None)
+    return _result([sys.executable, str(peers_dir / "vllmbench.py"), model_dir], env, "vllm", timeout)
+
+
+def child(
+    engine: str, model_dir: str, dtype: str, plan: dict[str, Any], timeout: float, env: dict | None = None
+) -> dict[str, Any]:
+    """An HF peer, turnout with plan["config"] over plan["runs"] or plan["latency"], or vLLM's TTFT (with
+    env=vllm_env(site))."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(plan, f)
     try:
         cmd = [sys.executable, "-m", "turnout.bench.peers", engine, model_dir, dtype, f.name]
-        return _result(cmd, dict(os.environ), engine, timeout)
+        return _result(cmd, env or dict(os.environ), engine, timeout)
     finally:
         os.unlink(f.name)
+
+
+def gpu_used_bytes() -> int | None:
+    """Memory in use on the GPU, by every process (through NVML, so this process makes no CUDA context);
+    None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return torch.cuda.device_memory_used()
+    except Exception:  # no NVML here: what CUDA sees, at the cost of a context
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+
+def wait_for_gpu(used_before: int | None, timeout: float = 120) -> None:
+    """Until the GPU's memory in use is back within 1 GiB of used_before: a peer's engine-core processes
+    can free theirs after the peer itself has exited."""
+    deadline = time.monotonic() + timeout
+    while used_before is not None and (gpu_used_bytes() or 0) > used_before + (1 << 30):
+        if time.monotonic() > deadline:
+            print(f"note: GPU memory not back after {timeout:.0f} s; going on", file=sys.stderr, flush=True)
+            return
+        time.sleep(1)
 
 
 # ---- the HF process ----
@@ -124,6 +176,7 @@ def _turnout(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> d
     """turnout in a process of its own (the prefix workload's engine without caching)."""
     from turnout import LLM
     from turnout.bench import workloads
+    from turnout.config import EngineConfig
 
     t0 = time.perf_counter()
     llm = LLM(config=EngineConfig(**config))
@@ -136,13 +189,37 @@ def _turnout(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> d
     return res
 
 
-def main(engine: str, model_dir: str, dtype: str, plan_file: str) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM
+def _vllm_ttft(model_dir: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's offline LLM with its defaults and plan["max_model_len"]: after vllmbench.py's warm-up, per run
+    the time of `generate` over each of its fresh prompts alone, one output token, as turnout's ttft_ms."""
+    import vllm
+    from vllm import LLM, SamplingParams, TokensPrompt
 
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, max_model_len=plan["max_model_len"], seed=0)
+    res: dict[str, Any] = {"engine": "vllm", "version": vllm.__version__,
+                           "startup_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    one = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
+    for run, p in plan["latency"]["runs"].items():
+        ttft = {}
+        for q in p["ttft_prompts"]:
+            t = time.perf_counter()
+            llm.generate([TokensPrompt(prompt_token_ids=q)], one, use_tqdm=False)
+            ttft[str(len(q))] = (time.perf_counter() - t) * 1e3
+        res[run] = {"ttft_ms": ttft}
+    return res
+
+
+def main(engine: str, model_dir: str, dtype: str, plan_file: str) -> dict[str, Any]:
     plan = json.loads(Path(plan_file).read_text())
     if engine == "turnout":
         return _turnout(plan["config"], plan["runs"])
+    if engine == "vllm":
+        return _vllm_ttft(model_dir, plan)
+    import torch
+    from transformers import AutoModelForCausalLM
+
     t0 = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()

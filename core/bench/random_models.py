@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("turnout")
 
@@ -13,6 +14,10 @@ SHAPES = {
     "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                                  vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6)),
+    # Qwen3-8B: 36 layers, hidden 4096, 32 q heads / 8 kv heads of 128, vocab 151936, untied
+    "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                               vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6)),
     # Llama-3-8B: 32 layers, hidden 4096, 32 q heads / 8 kv heads of 128, vocab 128256
     "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
@@ -23,6 +28,7 @@ SHAPES = {
                                  tie_word_embeddings=True, rope_theta=1e5)),
 }  # fmt: skip
 SHARD_BYTES = 4 << 30
+MAX_POSITIONS = 40960  # Qwen3's max_position_embeddings, in every shape: a 32k-token prompt fits
 
 
 def random_model_dir(shape: str) -> Path:
@@ -31,21 +37,30 @@ def random_model_dir(shape: str) -> Path:
     return cache_dir() / "models" / f"random-{shape}"
 
 
+def random_config(shape: str) -> Any:
+    """The HF config of a shape, with MAX_POSITIONS positions."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    arch, kw = SHAPES[shape]
+    return (Qwen3Config if arch == "qwen3" else LlamaConfig)(
+        max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **kw
+    )
+
+
 def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
     """bf16 weights: matrices N(0, 0.02) like HF's init, norms 1. Written tensor by tensor as safetensors
     shards, then a word-level tokenizer over the whole vocabulary, then config.json last: a folder with a
-    config.json is complete, and is reused."""
+    config.json is complete, and is reused (a folder with fewer positions has them raised to MAX_POSITIONS
+    in its config: positions carry no weights)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     if (path / "config.json").exists():
+        _raise_positions(path / "config.json")
         return path
-    arch, kw = SHAPES[shape]
-    cfg = (Qwen3Config if arch == "qwen3" else LlamaConfig)(
-        max_position_embeddings=8192, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **kw
-    )
+    cfg = random_config(shape)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     names = {k: v.shape for k, v in model.state_dict().items()}
@@ -75,6 +90,13 @@ def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
     write_tokenizer(path, cfg.vocab_size)
     cfg.save_pretrained(path)
     return path
+
+
+def _raise_positions(config_file: Path) -> None:
+    cfg = json.loads(config_file.read_text())
+    if cfg.get("max_position_embeddings", 0) < MAX_POSITIONS:
+        cfg["max_position_embeddings"] = MAX_POSITIONS
+        config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:

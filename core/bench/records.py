@@ -1,8 +1,10 @@
 """Result records: one dict per (workload, engine, run), each carrying its provenance; a file holds a list.
 
 Every record has workload, engine, model, device, commit, date, command and config, then its metrics:
-throughput  run, output_tokens_per_s (+ ratio_vs_nano_vllm; on a subset: subset, ratio_vs_peer)
-latency     run, tpot_ms, ttft_ms ({prompt length: ms})
+throughput  run, output_tokens_per_s (+ ratio_vs_vllm, ratio_vs_nano_vllm: turnout's over the peer's in the
+            same run; on a subset: subset, ratio_vs_peer, ratio_vs_hf_generate)
+latency     run, tpot_ms, ttft_ms ({prompt length: ms}) (+ tpot_ratio_vs_vllm, ttft_ratio_vs_vllm: turnout's
+            over vLLM's, {prompt length: ratio}; ttft_skipped: lengths over max_model_len)
 prefix      run, speedup_vs_no_cache
 """
 
@@ -27,7 +29,7 @@ BY_WORKLOAD = {
     "latency": ("run", "tpot_ms", "ttft_ms"),
     "prefix": ("run", "speedup_vs_no_cache"),
 }
-ENGINES = ("turnout", "nano-vllm", "hf-generate-batch", "hf-generate")
+ENGINES = ("turnout", "vllm", "nano-vllm", "hf-generate-batch", "hf-generate")
 
 
 def device_name() -> str:

@@ -30,6 +30,16 @@ def ratio(a: float, b: float | None) -> float | None:
     return a / b if b else None
 
 
+def metric(res: dict[str, dict], engine: str, run: str, key: str = "output_tokens_per_s") -> Any:
+    """A peer's figure for one run, None where that peer did not run."""
+    return res.get(engine, {}).get(run, {}).get(key)
+
+
+def ratios(a: dict[str, float], b: dict[str, float] | None) -> dict[str, float] | None:
+    """a[k] / b[k] for every key both have; None where there is none."""
+    return {k: v / b[k] for k, v in a.items() if b and b.get(k)} or None
+
+
 def vs_floor(m: dict[str, float], floor: float | None) -> dict[str, float | None]:
     return {"floor_output_tokens_per_s": floor, "fraction_of_floor": ratio(m["output_tokens_per_s"], floor)}
 
@@ -52,19 +62,26 @@ class Bench:
             from turnout.bench.random_models import make_random_model, random_model_dir
 
             update["model"] = str(make_random_model(random_model_dir(args.random_model), args.random_model))
-        if cfg.max_model_len is None:  # nano-vllm's 4096, or what the latency workload's prompts need
-            lat = args.workload == "latency"
-            update["max_model_len"] = (
-                max(4096, max(args.ttft_lens) + 1, 33 + args.tpot_tokens) if lat else 4096
-            )
-        self.cfg = cfg.model_copy(update=update)
-        self.model_dir = resolve_model_dir(self.cfg)
+        self.model_dir = resolve_model_dir(cfg.model_copy(update=update))
         info = ModelInfo.from_dir(self.model_dir)
+        self.ttft_lens: list[int] = []
+        if args.workload == "latency":  # the TTFT prompts that fit with their one output token
+            limit = cfg.max_model_len or info.max_position_embeddings
+            self.ttft_lens = [n for n in args.ttft_lens if n < limit]
+            if skipped := [n for n in args.ttft_lens if n >= limit]:
+                print(f"note: TTFT skipped at {', '.join(map(str, skipped))} tokens: the prompt and one "
+                      f"output token exceed max_model_len {limit}", file=sys.stderr, flush=True)  # fmt: skip
+        if cfg.max_model_len is None:  # nano-vllm's 4096, or what the latency workload's prompts need
+            update["max_model_len"] = 4096
+            if args.workload == "latency":
+                need = max([4096, 33 + args.tpot_tokens, *(n + 1 for n in self.ttft_lens)])
+                update["max_model_len"] = min(need, info.max_position_embeddings)
+        self.cfg = cfg.model_copy(update=update)
         if "nano-vllm" in self.peers and info.architecture != "Qwen3ForCausalLM":
             raise TurnoutError(f"nano-vllm runs Qwen3 checkpoints only, not {info.architecture}")
         self.dtype = str(info.resolve_dtype(self.cfg.dtype, current_platform())).removeprefix("torch.")
         self.model = (
-            f"{args.random_model} (random bf16 weights)" if args.random_model
+            f"random-{args.random_model}" if args.random_model
             else Path(self.cfg.model).name if self.cfg.model else "SmolLM2-135M-Instruct (embedded)"
         )  # fmt: skip
         nbytes = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
@@ -91,13 +108,21 @@ class Bench:
         workload = {k: a[k] for k in keys} | {"peers": self.peers, "cold_cache": a["cold_cache"]}
         return {"workload": workload, **self.selection, "engine": self.cfg.model_dump()}
 
+    def peer_config(self, engine: str, res: dict[str, Any]) -> dict[str, Any]:
+        if engine == "nano-vllm":
+            return {"runner": "nanobench.py", "NANOVLLM_SRC": os.environ.get("NANOVLLM_SRC", ".peer")}
+        if engine == "vllm":
+            cfg = {"runner": "vllmbench.py", "version": res.get("version"), "PYTHONPATH": self.args.vllm_site}
+            if self.args.workload == "latency":
+                cfg |= {"ttft": "turnout.bench.peers vllm", "max_model_len": self.cfg.max_model_len,
+                        "ttft_startup_s": res.get("ttft_startup_s")}  # fmt: skip
+            return cfg
+        return {"dtype": self.dtype}
+
     def peer_records(self, results: dict[str, dict], **extra: Any) -> list[dict[str, Any]]:
         out = []
         for engine, res in results.items():
-            cfg = (
-                {"runner": "nanobench.py", "NANOVLLM_SRC": os.environ.get("NANOVLLM_SRC", ".peer")}
-                if engine == "nano-vllm" else {"dtype": self.dtype}
-            )  # fmt: skip
+            cfg = self.peer_config(engine, res)
             for run in RUNS:
                 out.append(self.record(engine, run, cfg, startup_s=res["startup_s"], **extra, **res[run]))
         return out
@@ -138,19 +163,20 @@ class Bench:
             before = prefix_cache_counts(llm)
             m = rate(*workloads.run(llm, reqs))
             m["prefix_cache_hit_rate"] = hit_rate(before, prefix_cache_counts(llm))
-            nano = res.get("nano-vllm", {}).get(run, {}).get("output_tokens_per_s")
+            ours = m["output_tokens_per_s"]
             recs.append(self.record("turnout", run, num_prompts=len(reqs), startup_s=self.startup_s, **m,
-                                    ratio_vs_nano_vllm=ratio(m["output_tokens_per_s"], nano),
+                                    ratio_vs_vllm=ratio(ours, metric(res, "vllm", run)),
+                                    ratio_vs_nano_vllm=ratio(ours, metric(res, "nano-vllm", run)),
                                     **vs_floor(m, floor)))  # fmt: skip
         for run in RUNS if any(p in res for p in peers.HF_ENGINES) else ():
             m = rate(*workloads.run(llm, sub))
-            hfb, hfg = (res.get(e, {}).get(run, {}).get("output_tokens_per_s") for e in peers.HF_ENGINES)
+            hfb, hfg = (metric(res, e, run) for e in peers.HF_ENGINES)
             recs.append(self.record("turnout", run, subset=len(sub), startup_s=self.startup_s, **m,
                                     ratio_vs_peer=ratio(m["output_tokens_per_s"], hfb),
                                     ratio_vs_hf_generate=ratio(m["output_tokens_per_s"], hfg)))  # fmt: skip
         llm.shutdown()
-        nano = {"nano-vllm": res.pop("nano-vllm")} if "nano-vllm" in res else {}
-        return recs + self.peer_records(nano, num_prompts=len(reqs)) + self.peer_records(
+        full = {e: res.pop(e) for e in peers.BENCH_PY_PEERS if e in res}  # nano-vllm's whole workload
+        return recs + self.peer_records(full, num_prompts=len(reqs)) + self.peer_records(
             res, subset=len(sub)
         ), floor
 
@@ -159,7 +185,7 @@ class Bench:
         prompt = workloads.random_prompt  # fresh prompts per run: no prefix-cache hit between runs
         plan = {
             run: {"tpot_prompt": prompt(32, 100 + i),
-                  "ttft_prompts": [prompt(n, 200 + 10 * i + j) for j, n in enumerate(a.ttft_lens)]}
+                  "ttft_prompts": [prompt(n, 200 + 10 * i + j) for j, n in enumerate(self.ttft_lens)]}
             for i, run in enumerate(RUNS)
         }  # fmt: skip
         res = self.run_peers({"latency": {"tpot_tokens": a.tpot_tokens, "runs": plan}})
@@ -169,14 +195,16 @@ class Bench:
             floors["tpot_floor_ms"] = (
                 (self._floor_s([(32, 0, t + 1)]) - self._floor_s([(32, 0, 1)])) / t * 1e3
             )
-            floors["ttft_floor_ms"] = {str(n): self._floor_s([(n, 0, 1)]) * 1e3 for n in a.ttft_lens}
+            floors["ttft_floor_ms"] = {str(n): self._floor_s([(n, 0, 1)]) * 1e3 for n in self.ttft_lens}
+        skipped = [n for n in a.ttft_lens if n not in self.ttft_lens] or None
         llm, recs = self.start(), []
         for run, p in plan.items():
             tpot = workloads.tpot_ms(llm, a.tpot_tokens, p["tpot_prompt"])
             ttft = {str(len(q)): workloads.ttft_ms(llm, q) for q in p["ttft_prompts"]}
-            recs.append(
-                self.record("turnout", run, tpot_ms=tpot, ttft_ms=ttft, startup_s=self.startup_s, **floors)
-            )
+            recs.append(self.record("turnout", run, tpot_ms=tpot, ttft_ms=ttft, ttft_skipped=skipped,
+                                    tpot_ratio_vs_vllm=ratio(tpot, metric(res, "vllm", run, "tpot_ms")),
+                                    ttft_ratio_vs_vllm=ratios(ttft, metric(res, "vllm", run, "ttft_ms")),
+                                    startup_s=self.startup_s, **floors))  # fmt: skip
         llm.shutdown()
         return recs + self.peer_records(res), floors.get("tpot_floor_ms")
 
@@ -211,25 +239,52 @@ class Bench:
         out: dict[str, dict] = {}
         for engine in self.peers:
             print(f"running peer {engine} ...", flush=True)
+            used = peers.gpu_used_bytes()
             try:
-                out[engine] = self.run_peer(engine, plan)
+                out[engine] = self.run_peer(engine, plan, used)
             except TurnoutError as e:  # turnout's own runs still count; the exit status says a peer failed
                 print(f"error: {e}; its records are left out", file=sys.stderr, flush=True)
                 self.failed.append(engine)
+            peers.wait_for_gpu(used)  # the next engine, or turnout, gets the whole GPU
         return out
 
-    def run_peer(self, engine: str, plan: dict[str, Any]) -> dict[str, Any]:
-        if engine != "nano-vllm":
+    def run_peer(self, engine: str, plan: dict[str, Any], used: int | None = None) -> dict[str, Any]:
+        """One peer's result; used: the GPU's memory in use before it started."""
+        if engine not in peers.BENCH_PY_PEERS:
             res = self.child(engine, plan)
             for run in RUNS if "runs" in plan else ():
                 res[run] = rate(res[run]["seconds"], res[run]["output_tokens"])
             return res
-        d = peers.find_peers_dir(self.args.peers_dir)
-        res = peers.nano_vllm(self.model_dir, d, "latency" in plan, self.args.peer_timeout)
-        tpot = res.get("tpot_ms")  # MODE=tpot times decode only; nano-vllm has no TTFT mode
-        metrics = {run: {"tpot_ms": tpot, "ttft_ms": {}} if tpot else {"output_tokens_per_s": res[run]}
+        lat, a = "latency" in plan, self.args
+        d = peers.find_peers_dir(a.peers_dir, peers.BENCH_PY_PEERS[engine])
+        if engine == "vllm":
+            res = peers.vllm(self.model_dir, d, a.vllm_site, lat, a.peer_timeout)
+        else:
+            res = peers.nano_vllm(self.model_dir, d, lat, a.peer_timeout)
+        tpot = res.get("tpot_ms")  # MODE=tpot times decode only
+        metrics = {run: {"tpot_ms": tpot, "ttft_ms": {}} if lat else {"output_tokens_per_s": res[run]}
                    for run in RUNS}  # fmt: skip
-        return {"startup_s": res["startup_s"], **metrics}
+        out = {"startup_s": res["startup_s"], "version": res.get("version"), **metrics}
+        if engine == "vllm" and lat and self.ttft_lens:
+            peers.wait_for_gpu(used)
+            if ttft := self.vllm_ttft(plan):
+                out["ttft_startup_s"] = ttft["startup_s"]
+                for run in RUNS:
+                    out[run]["ttft_ms"] = ttft[run]["ttft_ms"]
+        return out
+
+    def vllm_ttft(self, plan: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's TTFT over the plan's prompts, at turnout's max_model_len; {} where it failed, which leaves
+        vLLM's TPOT standing."""
+        try:
+            plan = {**plan, "max_model_len": self.cfg.max_model_len}
+            env = peers.vllm_env(self.args.vllm_site)
+            res = peers.child("vllm", self.model_dir, self.dtype, plan, self.args.peer_timeout, env)
+        except TurnoutError as e:
+            print(f"error: {e}; vllm's TTFT is left out", file=sys.stderr, flush=True)
+            self.failed.append("vllm (TTFT)")
+            return {}
+        return res
 
     # ---- roofline ----
     def _floor_s(self, shapes: list[tuple[int, int, int]]) -> float:

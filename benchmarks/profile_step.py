@@ -1,0 +1,328 @@
+"""Where an engine step's time goes, by kernel bucket (torch.profiler), at a model shape, phase by phase.
+
+Batch-1 and batch-256 decode and a long prefill; with --cublas, cuBLAS against turnout's GEMV at the linears.
+
+  python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,prefill --cublas
+
+One engine (turnout.LLM, default selection; --engine-per-phase: one each) runs the phases through
+LLMEngine.step. decodeN: N requests of --context random tokens run until all decode, then --warmup steps,
+--steps timed (host clock between two synchronisations) and --prof-steps profiled. prefill: one request of
+--prefill-len tokens and max_tokens 1 at a time, --prefill-reps timed and as many profiled. Prompts are
+distinct (no prefix-cache hits). While profiled, the LM head (model.compute_logits) and the sampler run
+between two synchronisations in record_function ranges: kernels that start there are "lm_head" and
+"sampling", the rest go by name. busy = the union of kernel spans per step; idle = wall - busy (host gaps;
+PDL-overlapped kernels sum past busy); floor = max(bytes, FLOPs) of the step at the H200's ceilings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import json
+import math
+import os
+import random
+import sys
+import time
+import traceback
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import print_table, write_json  # noqa: E402
+from profile_decode import assign, busy_us, kernel_spans, label_ranges, short  # noqa: E402
+
+from turnout.bench.random_models import SHAPES, make_random_model, random_model_dir  # noqa: E402
+from turnout.bench.roofline import CEILINGS, Shape  # noqa: E402
+
+LM_HEAD, SAMPLE = "step_lm_head", "step_sample"  # record_function labels
+# first match wins, on the lower-cased name: turnout_triton's, FlashInfer's, FlashAttention's kernels (FA4's
+# CuTe ones say "cutlass" too), cuBLAS and turnout's gemv_kernel, layers/triton_kernels.py's rms_norm,
+# qk_norm_rope and silu_and_mul, the sampler's (gumbel_argmax, torch's argmax / topk / softmax / sort)
+BUCKETS = [
+    ("attention", ("_decode_kernel", "_prefill_kernel", "_merge_splits", "_store_kv", "flash", "fmha",
+                   "attention", "merge_state", "batchdecode", "batchprefill", "paged", "reshape_and_cache")),
+    ("gemm/gemv", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk")),
+    ("norm/rotary/act", ("rms", "norm", "rope", "rotary", "silu", "gelu", "act_and_mul")),
+    ("sampling", ("gumbel", "topk", "top_k", "softmax", "argmax", "multinomial", "sort", "exponential")),
+    ("memcpy/memset", ("memcpy", "memset", "copy", "fill")),
+]  # fmt: skip
+H200 = CEILINGS["H200"]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn) -> float:
+    """Seconds of fn() between two synchronisations."""
+    _sync()
+    t = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - t
+
+
+def bucket_of(name: str) -> str:
+    low = name.lower()
+    return next((b for b, keys in BUCKETS if any(k in low for k in keys)), "other")
+
+
+@contextmanager
+def labelled(runner):
+    """The LM head and the sampler each between two synchronisations, inside a record_function range (as
+    instance attributes: del brings the classes' methods back)."""
+
+    def wrap(fn, label: str):
+        def run(*args, **kwargs):
+            _sync()
+            with record_function(label):
+                res = fn(*args, **kwargs)
+                _sync()
+            return res
+
+        return run
+
+    runner.model.compute_logits = wrap(runner.model.compute_logits, LM_HEAD)
+    runner.sampler.forward = wrap(runner.sampler.forward, SAMPLE)
+    try:
+        yield
+    finally:
+        del runner.model.compute_logits, runner.sampler.forward
+
+
+def summarize(events, steps: int, top: int) -> dict:
+    """Per step: kernels, their summed and union (busy) time, each bucket's time; the top kernels."""
+    kernels = [k for k in kernel_spans(events) if k.name not in (LM_HEAD, SAMPLE)]  # not our labels' GPU copy
+    tagged = {}
+    for label, bucket in ((LM_HEAD, "lm_head"), (SAMPLE, "sampling")):
+        for ks in assign(kernels, label_ranges(events, label)):
+            tagged.update({id(k): bucket for k in ks})
+    acc: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])  # calls, µs per step
+    for k in kernels:
+        a = acc[k.name, tagged.get(id(k)) or bucket_of(k.name)]
+        a[0], a[1] = a[0] + 1 / steps, a[1] + k.us / steps
+    total = sum((us for _, us in acc.values()), 0.0)
+    buckets: dict[str, float] = defaultdict(float)
+    for (_, b), (_, us) in acc.items():
+        buckets[b] += us
+    pct = lambda us: 100 * us / (total or 1.0)
+    return {
+        "kernels_per_step": len(kernels) / steps, "kernel_us": total, "busy_us": busy_us(kernels) / steps,
+        "buckets": [{"bucket": b, "us/step": us, "share %": pct(us)}
+                    for b, us in sorted(buckets.items(), key=lambda kv: -kv[1])],
+        "top": [{"kernel": short(n), "bucket": b, "calls/step": c, "us/step": us, "share %": pct(us)}
+                for (n, b), (c, us) in sorted(acc.items(), key=lambda kv: -kv[1][1])[:top]],
+    }  # fmt: skip
+
+
+def drain(engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()  # hands the finished ids to the worker, which drops their state
+    for req_id in list(engine.requests):
+        engine.pop_finished(req_id)
+
+
+def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape: Shape) -> dict:
+    from turnout import SamplingParams
+
+    engine, sel = llm.engine, llm.selection
+    runner, vocab = engine.executor.worker.runner, engine.info.hf_config["vocab_size"]
+    prompt = lambda n: [rng.randrange(3, vocab) for _ in range(n)]
+    t0 = time.perf_counter()
+    if phase == "prefill":
+        n_timed = n_prof = a.prefill_reps
+        prompts = [prompt(a.prefill_len) for _ in range(1 + n_timed + n_prof)]
+        sp = SamplingParams(temperature=0, max_tokens=1)
+
+        def unit() -> None:
+            engine.add_request(prompts.pop(), sp)
+            drain(engine)
+
+        unit()  # warm
+        t = a.prefill_len
+        tokens, kv_reads, pairs = t, 0, t * (t + 1) // 2
+    else:
+        batch, n_timed, n_prof = int(phase.removeprefix("decode")), a.steps, a.prof_steps
+        # requests prefilled first decode while the others prefill: outputs to spare, aborted at the end
+        sp = SamplingParams(temperature=0, max_tokens=a.warmup + n_timed + n_prof + 512, ignore_eos=True)
+        reqs = [engine.add_request(prompt(a.context), sp) for _ in range(batch)]
+        while min(len(r.output_token_ids) for r in reqs) < 2:  # every prefill done: pure decode from here
+            engine.step()
+        unit = engine.step
+        for _ in range(a.warmup):
+            unit()
+        ctx = a.context + a.warmup + n_timed  # keys per request in the profiled steps
+        tokens, kv_reads, pairs = batch, batch * ctx, batch * ctx
+    wall = timed(lambda: [unit() for _ in range(n_timed)]) / n_timed * 1e6
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with labelled(runner), profile(activities=acts) as prof:
+        prof_wall = timed(lambda: [unit() for _ in range(n_prof)]) / n_prof * 1e6
+    if phase != "prefill":
+        for r in reqs:
+            engine.abort(r.req_id)
+        drain(engine)
+    res = {"phase": phase, "attention": sel.attention.chosen.name, "graph": sel.effective_graph.name,
+           "async_scheduling": sel.async_scheduling, "token_budget": engine.config.max_num_batched_tokens,
+           "wall_us": wall, "profiled_wall_us": prof_wall,
+           **summarize(prof.events(), n_prof, a.top)}  # fmt: skip
+    nbytes = shape.dtype_bytes * shape.weight_params + shape.kv_bytes_per_token * (kv_reads + tokens)
+    flops = 2 * shape.weight_params * tokens + shape.attn_flops_per_pair * pairs
+    floor = max(nbytes / a.bandwidth, flops / H200.flops_per_s) * 1e6
+    return {**res, "idle_us": wall - res["busy_us"], "floor_us": floor, "seconds": time.perf_counter() - t0}
+
+
+def linear_shapes(cfg: dict) -> list[tuple[str, int, int, int]]:
+    """(name, N, K, times per step) of the decoder's matmuls, the LM head last."""
+    h, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or h // heads
+    q, kv, i = heads * hd, cfg.get("num_key_value_heads", heads) * hd, cfg["intermediate_size"]
+    return [("qkv", q + 2 * kv, h, layers), ("o", h, q, layers), ("gate_up", 2 * i, h, layers),
+            ("down", h, i, layers), ("lm_head", cfg["vocab_size"], h, 1)]  # fmt: skip
+
+
+def median_us(fn, x: torch.Tensor, ws: list[torch.Tensor]) -> float:
+    """triton's do_bench median of fn(x, w), w taking each of ws in turn, in µs."""
+    from triton.testing import do_bench
+
+    w = itertools.cycle(ws)
+    return do_bench(lambda: fn(x, next(w)), return_mode="median") * 1e3
+
+
+def cublas_rows(cfg: dict, ms: list[int], bandwidth: float) -> tuple[list[dict], list[dict]]:
+    """torch.matmul (cuBLAS) at each linear and M, turnout's gemv at M = 1, over weight copies that hold 4x
+    the L2 together; then the sums over one step's layers."""
+    from turnout.layers.gemv import gemv
+
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
+    rows = []
+    for name, n, k, per in linear_shapes(cfg):
+        nbytes = 2 * n * k
+        ws = [torch.empty(n, k, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02)
+              for _ in range(min(64, max(2, math.ceil(4 * l2 / nbytes))))]  # fmt: skip
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cub = median_us(lambda a, b: torch.matmul(a, b.T), x, ws)
+            gv = median_us(gemv, x, ws) if m == 1 else None
+            fl = nbytes / bandwidth * 1e6
+            rows.append({"shape": name, "M": m, "N": n, "K": k, "per_step": per, "cublas_us": cub,
+                         "gemv_us": gv, "floor_us": fl, "cublas_%floor": 100 * fl / cub,
+                         "gemv_%floor": gv and 100 * fl / gv})  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+    total = lambda m, c: (
+        sum(r["per_step"] * r[c] for r in rows if r["M"] == m) if c != "gemv_us" or m == 1 else None
+    )
+    return rows, [{"M": m, **{c: total(m, c) for c in ("cublas_us", "gemv_us", "floor_us")}} for m in ms]
+
+
+def model_dir(shape: str, max_len: int) -> Path:
+    """The random checkpoint of shape; where its max_position_embeddings is below max_len, a sibling folder
+    of links to its files, with that raised in its own config.json."""
+    path = make_random_model(random_model_dir(shape), shape)
+    cfg = json.loads((path / "config.json").read_text())
+    if cfg.get("max_position_embeddings", 0) >= max_len:
+        return path
+    longer = path.with_name(f"{path.name}-ctx{max_len}")
+    if not (longer / "config.json").exists():
+        longer.mkdir(exist_ok=True)
+        for f in path.iterdir():
+            if f.name != "config.json" and not (longer / f.name).exists():
+                (longer / f.name).symlink_to(f.resolve())
+        (longer / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": max_len}, indent=2))
+    return longer
+
+
+def report(results: list[dict], extra: dict) -> None:
+    for r in results:
+        if "error" in r:
+            print(f"\n== {r['phase']}: FAILED {r['error']}")
+            continue
+        print(f"\n== {r['phase']} ({r['attention']}, graph {r['graph']}, async {r['async_scheduling']}, "
+              f"budget {r['token_budget']}): {r['kernels_per_step']:.0f} kernels/step")  # fmt: skip
+        print_table(r["buckets"])
+        print()
+        print_table(r["top"])
+    keys = ("wall_us", "profiled_wall_us", "busy_us", "idle_us", "kernel_us", "floor_us")
+    print()
+    print_table([{"phase": r["phase"], **{k: r[k] for k in keys}} for r in results if "error" not in r])
+    if "cublas_error" in extra:
+        print(f"\n== linears: FAILED {extra['cublas_error']}")
+    if "cublas" in extra:
+        print("\n== linears, us (median): torch.matmul, turnout's gemv; floor: weight bytes / --bandwidth")
+        print_table([{k: v for k, v in r.items() if k != "per_step"} for r in extra["cublas"]])
+        print()
+        print_table(extra["cublas_step"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--random-model", default="qwen3-8b", help="a shape of turnout.bench.random_models")
+    ap.add_argument("--phases", default="decode1,decode256,prefill", help="decodeN (N requests), prefill")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decode request")
+    ap.add_argument("--prefill-len", type=int, default=16384)
+    ap.add_argument("--prefill-reps", type=int, default=3, help="prefills timed, and as many profiled")
+    ap.add_argument("--warmup", type=int, default=8, help="decode steps before the timed ones")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed")
+    ap.add_argument("--prof-steps", type=int, default=5, help="decode steps profiled")
+    ap.add_argument("--top", type=int, default=10, help="kernels listed per phase")
+    ap.add_argument("--engine-per-phase", action="store_true", help="a fresh engine for each phase")
+    ap.add_argument("--cublas", action="store_true", help="also time the linears: cuBLAS, turnout's gemv")
+    ap.add_argument("--cublas-m", type=int, nargs="+", default=[1, 256])
+    ap.add_argument("--bandwidth", type=float, default=H200.bytes_per_s, help="bytes/s for the floors")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/profile", help="JSON dir")
+    args = ap.parse_args()
+    if args.random_model not in SHAPES:
+        sys.exit(f"unknown shape {args.random_model}; known: {', '.join(sorted(SHAPES))}")
+    if not torch.cuda.is_available():
+        print("no CUDA: a smoke run of the engine path, without kernel times or --cublas", file=sys.stderr)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
+    out = str(Path(args.out) / f"{stamp}-step-{args.random_model}.json")
+    phases, results = args.phases.split(","), []
+    extra: dict = {"model": f"{args.random_model}-shaped, random bf16 weights"}
+    if args.cublas and torch.cuda.is_available():  # first, on an empty GPU
+        try:
+            cfg = SHAPES[args.random_model][1]
+            extra["cublas"], extra["cublas_step"] = cublas_rows(cfg, args.cublas_m, args.bandwidth)
+        except Exception:
+            traceback.print_exc()
+            extra["cublas_error"] = traceback.format_exc().strip().splitlines()[-1]
+        write_json(out, results, args, **extra)
+    max_len = max(args.prefill_len, args.context + args.warmup + args.steps + args.prof_steps + 512) + 1024
+    path = model_dir(args.random_model, max_len)
+    shape = Shape.from_checkpoint(path, 2)
+    batches = [int(p.removeprefix("decode")) for p in phases if p.startswith("decode")]
+    kw = {"max_num_seqs": max(batches)} if max(batches, default=0) > 256 else {}
+    if args.prefill_len > 16384:  # past the default budget of a large GPU: still one step
+        kw["max_num_batched_tokens"] = args.prefill_len
+    llm, rng = None, random.Random(0)
+    for phase in phases:
+        try:
+            if llm is None or args.engine_per_phase:
+                if llm is not None:
+                    llm.shutdown()  # the worker frees its model, KV cache and graphs
+                    llm = None
+                from turnout import LLM
+
+                llm = LLM(str(path), max_model_len=max_len, **kw)
+            res = run_phase(llm, phase, args, rng, shape)
+        except Exception:
+            traceback.print_exc()
+            res = {"phase": phase, "error": " | ".join(traceback.format_exc().strip().splitlines()[-3:])}
+        results.append(res)
+        print(phase, {k: v for k, v in res.items() if k not in ("buckets", "top")}, flush=True)
+        write_json(out, results, args, **extra)
+    if llm is not None:
+        llm.shutdown()
+    report(results, extra)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Attention per phase: one backend for uniform-decode steps, another for every other step.
+
+The attention twin of FULL_AND_PIECEWISE's (decode, mixed) pair. A step whose every request runs one
+token (max_query_len == 1: eager decode steps and the FULL uniform-decode graphs, which are captured with
+it) goes to `decode`; prefill, chunked-prefill and mixed steps (and the PIECEWISE graphs' eager holes) go
+to `mixed`. Both halves read and write one KV cache, so they must declare the same kv_cache_shape, and
+block_size must suit both. Graph support is per phase: FULL on uniform decode follows `decode`'s level,
+FULL on mixed batches needs `mixed` at ALWAYS.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from turnout.attention.backend import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionMetadata,
+    AttentionSpec,
+    CudagraphSupport,
+)
+
+SEPARATOR = "+"
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """'decode+mixed' -> (decode, mixed); None for a single backend's name."""
+    if SEPARATOR not in name:
+        return None
+    decode, _, mixed = name.partition(SEPARATOR)
+    return decode.strip(), mixed.strip()
+
+
+def phase_support(decode: CudagraphSupport, mixed: CudagraphSupport) -> CudagraphSupport:
+    """The level the pair can replay, on the scale the graph downgrade rules read: FULL uniform decode
+    runs `decode` and needs it at UNIFORM_DECODE or more; FULL mixed batches run `mixed` and need it at
+    ALWAYS."""
+    if decode < CudagraphSupport.UNIFORM_DECODE:
+        return CudagraphSupport.NEVER
+    if mixed == CudagraphSupport.ALWAYS:
+        return CudagraphSupport.ALWAYS
+    return CudagraphSupport.UNIFORM_DECODE
+
+
+class PerPhaseBackend(AttentionBackend):
+    """`decode` serves uniform-decode steps, `mixed` every other step, over one shared KV cache."""
+
+    name = "decode+mixed"  # set per instance
+    device_types = ()
+    dtypes = ()
+
+    def __init__(self, decode: AttentionBackend, mixed: AttentionBackend) -> None:
+        self.decode, self.mixed = decode, mixed
+        self.name = f"{decode.name}{SEPARATOR}{mixed.name}"
+        self.priority = min(decode.priority, mixed.priority)
+        self.device_types = tuple(d for d in decode.device_types if d in mixed.device_types)
+        self.dtypes = tuple(d for d in decode.dtypes if d in mixed.dtypes)
+        self.block_size_multiple = math.lcm(decode.block_size_multiple, mixed.block_size_multiple)
+        self.preferred_block_size = self._preferred_block_size()
+        self.cudagraph_support = phase_support(decode.cudagraph_support, mixed.cudagraph_support)
+
+    def _preferred_block_size(self) -> int:
+        """mixed's preference where decode takes it (prefill kernels care most about page size), else
+        decode's where mixed takes it, else the smallest size both take."""
+        for size in (self.mixed.preferred_block_size, self.decode.preferred_block_size):
+            if size % self.block_size_multiple == 0:
+                return size
+        return self.block_size_multiple
+
+    def halves(self) -> tuple[tuple[str, AttentionBackend], ...]:
+        return ("decode", self.decode), ("mixed", self.mixed)
+
+    def check(self, ctx: AttentionContext) -> list[str]:
+        """Both halves' reasons, each named by its phase, and whether they can share one KV cache."""
+        if self.decode.name == self.mixed.name:
+            return [f"both phases name {self.decode.name}; name it alone"]
+        reasons = [f"{phase} {b.name}: {r}" for phase, b in self.halves() for r in b.check(ctx)]
+        return reasons or self.layout_reasons(ctx)
+
+    def layout_reasons(self, ctx: AttentionContext) -> list[str]:
+        """Why the halves cannot share one KV cache: a different layout, or no common block size."""
+        block = ctx.block_size or self.preferred_block_size
+        if block % self.block_size_multiple:
+            return []  # the base check reports the block size
+        shapes = [b.kv_cache_shape(3, block, ctx.num_kv_heads, ctx.head_size) for _, b in self.halves()]
+        if shapes[0] != shapes[1]:
+            return [
+                f"KV-cache layouts differ: {self.decode.name} {tuple(shapes[0])}, "
+                f"{self.mixed.name} {tuple(shapes[1])} (for 3 blocks)"
+            ]
+        return []
+
+    def import_error(self) -> str | None:
+        return self.decode.import_error() or self.mixed.import_error()
+
+    def setup(self, spec: AttentionSpec) -> None:
+        super().setup(spec)
+        for _, b in self.halves():
+            b.setup(spec)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
+        return self.decode.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
+        for _, b in self.halves():
+            b.prepare_cudagraphs(max_num_reqs, max_blocks_per_req)
+
+    def half(self, meta: AttentionMetadata) -> AttentionBackend:
+        """The backend that serves this step."""
+        return self.decode if meta.max_query_len == 1 else self.mixed
+
+    def build_metadata(self, meta: AttentionMetadata) -> Any:
+        return self.half(meta).build_metadata(meta)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.half(meta).forward(q, k, v, kv_cache, meta)

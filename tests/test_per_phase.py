@@ -1,0 +1,126 @@
+"""Attention per phase: uniform-decode steps to one backend, the other steps to another, one KV cache."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from turnout import LLM, SamplingParams
+from turnout.attention import AttentionMetadata, CudagraphSupport
+from turnout.attention.per_phase import PerPhaseBackend, phase_support
+from turnout.config import EngineConfig
+from turnout.errors import ConfigError, SelectionError
+from turnout.models.info import ModelInfo
+from turnout.selection import select_all
+
+from fake_dist import naive_backend_source
+
+PERMUTED = """
+class BlocksFirst(NaiveBackend):
+    name = "blocks_first"
+
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+
+@turnout.hookimpl
+def turnout_attention_backends(platform):
+    return [NaiveBackend(), BlocksFirst()]
+"""
+
+
+@pytest.fixture
+def naive(register_plugin):
+    """The example third-party backend, and a copy of it that lays its KV cache out blocks first."""
+    source = naive_backend_source().split("@turnout.hookimpl")[0] + PERMUTED
+    mod = types.ModuleType("inproc_naive_phases")
+    exec(compile(source, "inproc_naive_phases", "exec"), mod.__dict__)
+    register_plugin(mod, "naive_plugin")
+
+
+def _tokens(model, backend: str, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+    # 32-token steps chunk the 70-token prompts; the shared 48-token head hits the prefix cache
+    llm = LLM(model, attention_backend=backend, dtype="float32", max_num_batched_tokens=32, block_size=16)
+    try:
+        outs = []
+        for p in prompts:  # one at a time, so the later prompts find the earlier ones' blocks cached
+            outs += llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=12))
+        return [o.outputs[0].token_ids for o in outs], llm.engine.stats()["prefix_cache_hits"]
+    finally:
+        llm.shutdown()
+
+
+def test_per_phase_gives_each_backends_greedy_tokens(naive, tiny_llama):
+    g = torch.Generator().manual_seed(0)
+    head = torch.randint(3, 200, (48,), generator=g).tolist()
+    prompts = [head + torch.randint(3, 200, (22,), generator=g).tolist() for _ in range(3)]
+    ref, hits = _tokens(str(tiny_llama), "cpu", prompts)
+    assert len(ref) == 3 and all(len(t) == 12 for t in ref) and hits >= 2 * 3  # 3 blocks, twice
+    for backend in ("naive", "cpu+naive", "naive+cpu"):
+        assert _tokens(str(tiny_llama), backend, prompts) == (ref, hits), backend
+
+
+def test_each_step_goes_to_its_phase(naive, tiny_llama):
+    sel = select_all(EngineConfig(model=str(tiny_llama), attention_backend="cpu+naive"), _info(tiny_llama))
+    backend = sel.backend
+    assert isinstance(backend, PerPhaseBackend) and backend.name == "cpu+naive"
+    assert {p: c.name for p, c in sel.attention.phases.items()} == {"decode": "cpu", "mixed": "naive"}
+
+    def meta(query_lens: list[int]) -> AttentionMetadata:
+        qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        lens = torch.tensor(query_lens, dtype=torch.int32) + 4
+        t = int(qsl[-1])
+        table = torch.zeros(len(query_lens), 2, dtype=torch.int32)
+        return AttentionMetadata(torch.arange(t), qsl, lens, table, max(query_lens), int(lens.max()), t)
+
+    assert backend.half(meta([1, 1, 1])).name == "cpu"
+    assert backend.half(meta([1, 5, 1])).name == "naive"
+    assert backend.half(meta([7])).name == "naive"
+
+
+def test_explain_names_both_halves(naive, tiny_llama, capsys):
+    from turnout.cli import main
+
+    assert main(["explain", "--model", str(tiny_llama), "--attention-backend", "naive+cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "decode steps: naive (naive_plugin)" in out and "mixed steps: cpu (cpu)" in out
+    assert "serves the decode steps of naive+cpu" in out
+
+
+def test_a_table_names_the_phases():
+    cfg = EngineConfig(attention_backend={"decode": "triton", "mixed": "flash_attn"})
+    assert cfg.attention_backend == "triton+flash_attn"
+    with pytest.raises(ConfigError, match="exactly the keys decode and mixed"):
+        EngineConfig.load(attention_backend={"decode": "triton"})
+
+
+def test_halves_must_share_one_kv_layout(naive, tiny_llama):
+    info = _info(tiny_llama)
+    with pytest.raises(
+        SelectionError, match=r"KV-cache layouts differ: naive \(2, 3, 16, 2, 16\), blocks_first"
+    ):
+        select_all(EngineConfig(model=str(tiny_llama), attention_backend="naive+blocks_first"), info)
+    with pytest.raises(SelectionError, match="both phases name cpu; name it alone"):
+        select_all(EngineConfig(model=str(tiny_llama), attention_backend="cpu+cpu"), info)
+    with pytest.raises(SelectionError, match="needs device cuda, have cpu"):
+        select_all(EngineConfig(model=str(tiny_llama), attention_backend="triton+cpu"), info)
+
+
+@pytest.mark.parametrize(
+    "decode, mixed, level",
+    [
+        ("ALWAYS", "ALWAYS", "ALWAYS"),
+        ("ALWAYS", "UNIFORM_DECODE", "UNIFORM_DECODE"),  # triton for decode, flashinfer for prefill
+        ("UNIFORM_DECODE", "ALWAYS", "ALWAYS"),  # flashinfer for decode, triton for the rest
+        ("ALWAYS", "NEVER", "UNIFORM_DECODE"),  # FULL decode graphs, PIECEWISE holes for the rest
+        ("NEVER", "ALWAYS", "NEVER"),
+    ],
+)
+def test_graph_support_follows_each_phase(decode, mixed, level):
+    assert phase_support(CudagraphSupport[decode], CudagraphSupport[mixed]) is CudagraphSupport[level]
+
+
+def _info(model) -> ModelInfo:
+    return ModelInfo.from_dir(model)

@@ -1,0 +1,206 @@
+"""turnout tune: real candidates measured on the CPU, the records' key, and the decision rule."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from turnout.cli import main
+from turnout.config import EngineConfig
+from turnout.llm import LLM
+from turnout.models.info import ModelInfo
+from turnout.platform import current_platform
+from turnout.selection import select_all
+from turnout.tuning import Measured, TuningRecord, decide, find_record, save, tune, tuning_key
+from turnout.tuning.workload import Load
+
+from fake_dist import naive_backend_source
+
+NAIVE_DIST = "turnout-example-backend"
+SMALL = Load("throughput", 6, (16, 48), 12, vocab_size=512)  # 6 requests of 16-48 tokens, 12 out
+DEFAULT = {
+    "attention_backend": "triton",
+    "cudagraph_mode": "FULL_AND_PIECEWISE",
+    "max_num_batched_tokens": 16384,
+    "block_size": 16,
+    "async_scheduling": True,
+}
+
+
+@pytest.fixture
+def naive(plugin_manager):
+    """naive(version): the example backend, registered in-process as distribution turnout-example-backend
+    at priority 100, so it is the static default (and about half as fast as cpu on the tiny model)."""
+    mod = types.ModuleType("inproc_naive")
+    exec(compile(naive_backend_source(priority=100), "inproc_naive", "exec"), mod.__dict__)
+
+    def register(version: str = "1.2.3"):
+        if plugin_manager.pm.has_plugin("naive_plugin"):
+            plugin_manager.unregister("naive_plugin")
+        plugin_manager.register(mod, "naive_plugin", NAIVE_DIST, version)
+        return plugin_manager
+
+    yield register
+    if plugin_manager.pm.has_plugin("naive_plugin"):
+        plugin_manager.unregister("naive_plugin")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty turnout cache; records go to its tuning/ folder."""
+    monkeypatch.setenv("TURNOUT_CACHE_DIR", str(tmp_path))
+    return tmp_path / "tuning"
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread while measuring: on a small CPU shared with other work, two threads stall each
+    other's runs and the noise swamps every difference."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cand(label: str, runs: list[float], **changes) -> Measured:
+    return Measured(label, {**DEFAULT, **changes}, runs)
+
+
+def _record(*candidates: Measured) -> TuningRecord:
+    return TuningRecord({}, "throughput", "tok/s", True, DEFAULT, [*candidates], 0.03, 10.0, [], "2026-12-01")
+
+
+# ---- tune on real engines ----
+def test_tune_measures_real_candidates_and_selection_takes_the_recorded_winner(
+    tiny_llama, naive, cache, one_thread
+):
+    naive()
+    config = EngineConfig(model=str(tiny_llama), dtype="float32")
+    axes = ("attention_backend", "max_num_batched_tokens")
+    record = tune(config, budget=120, progress=False, load=SMALL, axes=axes)
+    by = {c.label: c for c in record.candidates}
+    assert record.default["attention_backend"] == "naive" and record.path.parent == cache
+    # the default first, then by rank, then the decode+mixed pairs: the search's order, every time
+    assert [c.label for c in record.candidates if "tokens" not in c.label] == [
+        "naive",
+        "cpu",
+        "naive+cpu",
+        "cpu+naive",
+    ]
+    assert sum(c.label.endswith(("tokens=1024", "tokens=4096")) for c in record.candidates) == 2
+    assert all(len(c.runs) >= 2 for c in record.candidates) and by["cpu"].median > by["naive"].median
+    assert TuningRecord.load(record.path) == record
+    decision = decide(record, {})
+    assert decision.winner is not None and decision.settings.get("attention_backend") in ("cpu", "cpu+naive")
+    # measured tier (the lead's selection integration): a new engine of the same config takes the winner
+    expected = {**record.default, **decision.settings}
+    sel = select_all(config, ModelInfo.from_dir(tiny_llama))
+    assert sel.attention.chosen.name == expected["attention_backend"]
+    assert sel.apply(config).max_num_batched_tokens == expected["max_num_batched_tokens"]
+    assert sel.measured.record.path == record.path
+
+
+def test_tune_auto_tunes_an_unseen_key_once_before_the_engine(tiny_llama, cache, caplog, one_thread):
+    for _ in range(2):
+        LLM(str(tiny_llama), dtype="float32", tune="auto", tune_budget=3).shutdown()
+    assert len(list(cache.glob("*.json"))) == 1
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tune = auto")]
+    assert "no tuning record matches" in lines[0] and "tuned in" in lines[1]
+    assert "matches this setup; not tuning again" in lines[2]
+
+
+def test_cli_tune_stays_within_its_budget_and_says_what_it_skipped(tiny_llama, cache, capsys):
+    assert main(["tune", str(tiny_llama), "--dtype", "float32", "--budget", "0.01", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["skipped"] and all("over budget" in s for s in doc["skipped"]) and doc["candidates"] == []
+    assert doc["decision"]["settings"] == {} and list(cache.glob("*.json"))
+
+
+def test_cli_tune_bad_workload_is_one_line_exit_2(tiny_llama, cache, capsys):
+    assert main(["tune", str(tiny_llama), "--workload", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown workload 'nope'") and "\n" not in err
+
+
+def test_selection_takes_a_recorded_winner_but_a_user_setting_wins(tiny_llama, naive, cache):
+    pm, info = naive(), ModelInfo.from_dir(tiny_llama)
+    config = EngineConfig.load(model=str(tiny_llama), dtype="float32")
+    default = {**DEFAULT, "attention_backend": "naive", "cudagraph_mode": "FULL_AND_PIECEWISE"}
+    default |= {"max_num_batched_tokens": 2048, "async_scheduling": False}
+    runs = {"naive": [2300.0, 2310.0], "cpu": [5000.0, 5010.0]}
+    cands = [Measured(n, {**default, "attention_backend": n}, r) for n, r in runs.items()]
+    key = tuning_key(config, info, current_platform(), pm, "throughput")
+    save(TuningRecord(key, "throughput", "tok/s", True, default, cands, 0.03, 1.0, [], "2026-12-01"))
+    assert select_all(config, info).attention.chosen.name == "cpu"  # measured: +117%
+    pinned = EngineConfig.load(model=str(tiny_llama), dtype="float32", attention_backend="naive")
+    assert select_all(pinned, info).attention.chosen.name == "naive"
+    off = EngineConfig.load(model=str(tiny_llama), dtype="float32", tuned="off")
+    assert select_all(off, info).attention.chosen.name == "naive"
+
+
+# ---- the key ----
+def test_a_changed_plugin_version_or_model_shape_leaves_the_record_unused(tiny_llama, naive, cache):
+    pm, platform = naive("1.2.3"), current_platform()
+    config, info = EngineConfig(model=str(tiny_llama), dtype="float32"), ModelInfo.from_dir(tiny_llama)
+
+    def reasons(config=config, info=info, workload="throughput") -> list[str]:
+        lookup = find_record(tuning_key(config, info, platform, pm, workload))
+        return [] if lookup.record else lookup.reasons
+
+    assert reasons() == [f"no tuning record in {cache}"]
+    key = tuning_key(config, info, platform, pm, "throughput")
+    path = save(TuningRecord(key, "throughput", "tok/s", True, DEFAULT, [], 0.03, 1.0, [], "2026-12-01"))
+    assert find_record(key).record.path == path and reasons() == []
+    wide = reasons(info=ModelInfo(info.path, {**info.hf_config, "hidden_size": 128}))
+    assert str(path) in wide[0] and wide[0].endswith("differs: model hidden_size 64 -> 128")
+    assert reasons(config=config.model_copy(update={"dtype": "bfloat16"}))[0].endswith(
+        "model dtype float32 -> bfloat16"
+    )
+    assert reasons(workload="latency")[0].endswith("workload throughput -> latency")
+    naive("1.2.4")
+    assert reasons()[0].endswith(f"{NAIVE_DIST} 1.2.3 -> 1.2.4")
+
+
+# ---- the decision rule ----
+def test_a_candidate_within_the_margin_or_the_noise_keeps_the_default():
+    base = _cand("triton", [8657, 8700, 8610])  # noise 1%
+    within_margin = _cand("naive", [8760, 8770], attention_backend="naive")  # +1.2%
+    d = decide(_record(base, within_margin), {})
+    assert d.settings == {} and d.winner is None and d.baseline is base
+    assert d.why == "measured: no candidate beats the default triton by more than 3% (best naive +1.2%)"
+    noisy = _cand("flashinfer", [8400, 9800], attention_backend="flashinfer")  # +5.1%, noise 15.4%
+    assert decide(_record(base, noisy), {}).settings == {}
+    once = _cand("triton block=32", [20000], block_size=32)  # one run: no noise figure, not a candidate
+    assert decide(_record(base, once), {}).settings == {}
+    clear = _cand("triton+flash_attn", [9310, 9300, 9320], attention_backend="triton+flash_attn")  # +7.5%
+    d = decide(_record(base, within_margin, noisy, clear), {})
+    assert d.settings == {"attention_backend": "triton+flash_attn"} and d.winner is clear
+    assert d.why == (
+        "measured: triton+flash_attn 9,310 tok/s beats the default triton 8,657 tok/s by 7.5% "
+        "(> margin 3%, noise 1%)"
+    )
+
+
+def test_a_user_setting_drops_the_candidates_that_disagree_and_moves_the_baseline():
+    base = _cand("triton", [8657, 8700])
+    pair = _cand("triton+flash_attn", [9310, 9320], attention_backend="triton+flash_attn")
+    big_blocks = _cand("triton block=128", [9200, 9210], block_size=128)
+    record = _record(base, pair, big_blocks)
+    d = decide(record, {"attention_backend": "triton"})
+    assert d.settings == {"block_size": 128} and d.winner is big_blocks and d.baseline is base
+    d = decide(record, {"block_size": 128})  # the baseline is now triton at block 128: nothing beats it
+    assert d.settings == {} and d.baseline is big_blocks
+    d = decide(record, {"block_size": 64})
+    assert d.baseline is None and d.why.startswith("measured: no decision")
+
+
+def test_the_same_record_always_gives_the_same_decision():
+    base = _cand("triton", [8000, 8010])
+    a = _cand("flash_attn", [9000, 9010], attention_backend="flash_attn")
+    b = _cand("triton block=128", [9000, 9010], block_size=128)  # a tie with a: broken by label
+    first = decide(_record(base, b, a), {})
+    assert first == decide(_record(base, b, a), {}) == decide(_record(base, a, b), {})
+    assert first.winner.label == "flash_attn"
