@@ -68,10 +68,15 @@ def tiles(m: int, n: int, k: int, norm: bool = False, silu_mul: bool = False) ->
       where the broadcast product holds M_P2 * BLOCK_N * BLOCK_K floats;
     - with silu_mul at M = 1, four on 4 warps: every program computes SiLU(gate) * up over the whole row
       again (at M = 2 that tile would hold twice the floats, and it was not measured there);
-    - the LM head's 8 on 4 warps."""
+    - the LM head's 8 on 4 warps;
+    - a whole row of 4096 (the 8B shapes: qkv, o, gate_up, the LM head): two on 4 warps, 64 weights a
+      thread; the tiles above, which hold 128-256 there, spill (gate_up 131 against 65 us, the LM head
+      703 against 338 us on an H200, bench_gemv.py --shape qwen3-8b)."""
     m_p2 = fused.kernels().next_power_of_2(m)
     block_k = fused.kernels().next_power_of_2(k) if norm or k <= NORM_MAX_K else max(64, 1024 // m_p2)
-    if n > 8192:
+    if block_k >= NORM_MAX_K and not silu_mul:
+        block_n, warps = 2, 4
+    elif n > 8192:
         block_n, warps = 8, 4
     elif silu_mul and m_p2 == 1:
         block_n, warps = 4, 4
