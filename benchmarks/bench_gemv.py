@@ -34,7 +34,7 @@ tiles, and the same step with cuBLAS matmuls and separate norm and SiLU-and-mul 
 down 4096 x 12288) and an untied 151936 x 4096 LM head, M = 1 and 2 by default. Its sweep tries whole-row
 tiles of BLOCK_N 1-16 on 4-16 warps and, where there is no norm prologue, BLOCK_K 1024-4096 below the
 row, keeping each thread's share of the [M, BLOCK_N, BLOCK_K] product at most 128 floats (64 when
-looping over K): the default tile there (8 x 4096 on 4 warps, 256 a thread) spills. --layers cuts the
+looping over K; ptxas spills past that, as 8 x 4096 on 4 warps, 256 a thread, did). --layers cuts the
 chain (and the step projection) to fewer layers. About a minute for each mode on an H200:
 
   python benchmarks/bench_gemv.py --shape qwen3-8b --prologue --json /tmp/gemv8b.json
@@ -73,8 +73,10 @@ class Model:
         """(name, N, K, times per step) of the projections at TP=1, then the LM head."""
         per, d = layers or self.layers, self.head_dim
         return [("qkv", (self.heads + 2 * self.kv_heads) * d, self.hidden, per),
-                ("o", self.hidden, self.heads * d, per), ("gate_up", 2 * self.intermediate, self.hidden, per),
-                ("down", self.hidden, self.intermediate, per), ("lm_head", self.vocab, self.hidden, 1)]  # fmt: skip
+                ("o", self.hidden, self.heads * d, per),
+                ("gate_up", 2 * self.intermediate, self.hidden, per),
+                ("down", self.hidden, self.intermediate, per),
+                ("lm_head", self.vocab, self.hidden, 1)]  # fmt: skip
 
 
 MODELS = {
@@ -85,7 +87,7 @@ SMOKE_MODELS = {  # the same head ratios, small enough for the interpreter
     "qwen3-0.6b": Model(2, 64, 4, 2, 16, 96, 200),
     "qwen3-8b": Model(2, 64, 4, 1, 16, 96, 200),
 }
-SHAPES = MODELS["qwen3-0.6b"].shapes()  # qkv 4096x1024, o 1024x2048, gate_up 6144x1024, down 1024x3072, lm_head
+SHAPES = MODELS["qwen3-0.6b"].shapes()  # qkv 4096x1024, o 1024x2048, gate_up 6144x1024, down 1024x3072
 SMOKE_SHAPES = [("small", 96, 160, 1)]
 SMOKE_TILES = [(4, 64, 4), (8, 128, 2)]
 NORM, SILU = ("qkv", "gate_up"), ("down",)  # the shapes whose GEMV has a norm / SiLU-and-mul prologue
@@ -109,13 +111,14 @@ def chain_candidates(name: str, k: int) -> list[tuple[int, int, int]]:
 def sweep_tiles(m: int, k: int, norm: bool) -> list[tuple[int, int, int]]:
     """(BLOCK_N, BLOCK_K, num_warps) for the Qwen3-8B shapes at M rows. Whole-row tiles (rows up to 4096,
     the kernel's norm limit) of at most 128 product floats a thread; without a norm also BLOCK_K 1024-4096
-    below the row, 8-64 floats a thread (ptxas for sm_90 keeps those in registers; past 128 it spills)."""
+    below the row, 8-64 a thread. ptxas for sm_90 spills a few of the 128s (and, with 16 warps' 128
+    registers, some 64s); the timing decides. ~70 compiles at M = 1, ~60 at M = 2."""
     m_p2, row = 1 << (m - 1).bit_length(), 1 << (k - 1).bit_length()
-    out = []
+    warps, out = (4, 8, 16), []
     if row <= 4096:
-        out += [(bn, row, w) for bn in (1, 2, 4, 8, 16) for w in (4, 8, 16) if m_p2 * bn * row <= 128 * 32 * w]
+        out += [(bn, row, w) for bn in (1, 2, 4, 8, 16) for w in warps if m_p2 * bn * row <= 128 * 32 * w]
     if not norm:
-        out += [(bn, bk, w) for bk in (1024, 2048, 4096) if bk < row for bn in (1, 2, 4, 8) for w in (4, 8, 16)
+        out += [(bn, bk, w) for bk in (1024, 2048, 4096) if bk < row for bn in (1, 2, 4, 8) for w in warps
                 if 8 * 32 * w <= m_p2 * bn * bk <= 64 * 32 * w]  # fmt: skip
     return out
 
@@ -326,8 +329,9 @@ def run_chain(args: argparse.Namespace, model: Model) -> None:
     rows = [{"shape": "default", "tile": "", "step_us": default_us}]
     print(rows[0], flush=True)
     best_us = default_us
-    best_env = {name: (tile, default_us) for name, tile in default.items()}  # tiles()'s BLOCK_K
+    best_env = {}  # shape -> (its best tile with tiles()'s BLOCK_K, step us), from its own sweep
     for name, n, k, _ in shapes:
+        best_env[name] = (best[name], best_us)  # the default tile, the other shapes as held below
         for tile in candidates(args, name, m, k, name in NORM):
             if tile == best[name]:
                 continue
@@ -354,9 +358,9 @@ def run_chain(args: argparse.Namespace, model: Model) -> None:
     print(f"\n{args.shape}, {layers} layers, batch 1: best tile per shape (BLOCK_N, BLOCK_K, warps)")
     print_table(summary)
     print(
-        f"\nstep: {default_us:.1f} us with the default tiles, {best_us:.1f} us with the best, {env_us:.1f} us "
-        f"with TURNOUT_GEMV_TILES='{env}'; cuBLAS {cublas_us:.1f} us; floor {floor_us:.1f} us "
-        f"(weight bytes at {BANDWIDTH / 1e12:.1f} TB/s)"
+        f"\nstep: {default_us:.1f} us with the default tiles, {best_us:.1f} us with the best, "
+        f"{env_us:.1f} us with TURNOUT_GEMV_TILES='{env}'; cuBLAS {cublas_us:.1f} us; "
+        f"floor {floor_us:.1f} us (weight bytes at {BANDWIDTH / 1e12:.1f} TB/s)"
     )
     write_json(args.json, rows, args, default_step_us=default_us, best_step_us=best_us,
                best_tiles={name: list(t) for name, t in best.items()}, env=env, env_step_us=env_us,
@@ -369,7 +373,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(MODELS), default="qwen3-0.6b", help="the model's matmul shapes")
     ap.add_argument("--m", type=int, nargs="+", help="rows (default 1 2 4 8; 1 2 for qwen3-8b)")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--layers", type=int, help="decoder layers in the chain and the step (default: the model's)")
+    ap.add_argument("--layers", type=int, help="decoder layers in the chain and step (default: the model's)")
     ap.add_argument("--prologue", action="store_true", help="time the model's norm / SiLU-and-mul prologues")
     ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: small shapes")
     ap.add_argument("--chain", action="store_true", help="time tiles in a captured batch-1 step (CUDA)")

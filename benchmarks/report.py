@@ -328,7 +328,11 @@ def attention_section() -> list[str]:
 
 def gemv_section() -> list[str]:
     out, docs = [], files("gemv")
-    for path, doc in [(p, d) for p, d in docs if "step" in d][:1]:
+    newest = {}  # shape -> its newest isolated sweep
+    for path, doc in docs:
+        if "step" in doc:
+            newest.setdefault(doc.get("config", {}).get("shape", "qwen3-0.6b"), (path, doc))
+    for path, doc in newest.values():
         out += ["", caption(path, doc), "", "A decode step's matmuls, by rows (M):", ""]
         out += table(["M", "cuBLAS (us)", "Triton GEMV, best tile (us)"],
                      ([s["M"], s["cublas_step_us"], s["best_step_us"]] for s in doc["step"]))  # fmt: skip

@@ -97,11 +97,14 @@ SUITES = {
         ],
     ),
     "gemv": Suite(
-        "The Triton GEMV against cuBLAS at the Qwen3-0.6B projection shapes, 1-8 rows, with a tile sweep; "
-        "then its tiles chosen in a captured batch-1 step, where weight reads overlap the kernel before",
+        "The Triton GEMV against cuBLAS at the Qwen3-0.6B and Qwen3-8B projection shapes, 1-8 rows, with a "
+        "tile sweep; then its tiles chosen in a captured batch-1 step, where weight reads overlap the kernel "
+        "before",
         [
             "python benchmarks/bench_gemv.py --json {out}/{stamp}-triton-vs-cublas.json",
             "python benchmarks/bench_gemv.py --chain --json {out}/{stamp}-chain.json",
+            "python benchmarks/bench_gemv.py --shape qwen3-8b --prologue --json {out}/{stamp}-qwen3-8b.json",
+            "python benchmarks/bench_gemv.py --shape qwen3-8b --chain --json {out}/{stamp}-8b-chain.json",
         ],
     ),
     "profile": Suite(
@@ -111,6 +114,15 @@ SUITES = {
             "python benchmarks/profile_decode.py --modes FULL --batch 1 --json {out}/{stamp}-b1-full.json",
             "python benchmarks/profile_decode.py --modes FULL_AND_PIECEWISE --batch 256 "
             "--json {out}/{stamp}-b256-full-and-piecewise.json",
+        ],
+    ),
+    "tune": Suite(
+        "`turnout tune` on nano-vllm's bench shapes: every valid candidate (attention per phase, graph mode, "
+        "token budget, block size, async) on a short fixed throughput workload, each twice and interleaved; "
+        "the record's figures and the winner past a 3% margin and the noise",
+        [
+            "turnout tune --random-model qwen3-0.6b --workload throughput --budget 120",
+            "turnout tune --random-model qwen3-8b --workload throughput --budget 150",
         ],
     ),
     "profile-step": Suite(

@@ -37,6 +37,11 @@ def random_model_dir(shape: str) -> Path:
     return cache_dir() / "models" / f"random-{shape}"
 
 
+def random_model(shape: str) -> Path:
+    """The random-weight checkpoint of `shape` in turnout's cache dir, made on first use."""
+    return make_random_model(random_model_dir(shape), shape)
+
+
 def random_config(shape: str) -> Any:
     """The HF config of a shape, with MAX_POSITIONS positions."""
     from transformers import LlamaConfig, Qwen3Config

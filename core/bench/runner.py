@@ -59,9 +59,9 @@ class Bench:
         if args.random_model:
             if cfg.model:
                 raise TurnoutError("--model and --random-model both name a model; pass one")
-            from turnout.bench.random_models import make_random_model, random_model_dir
+            from turnout.bench.random_models import random_model
 
-            update["model"] = str(make_random_model(random_model_dir(args.random_model), args.random_model))
+            update["model"] = str(random_model(args.random_model))
         self.model_dir = resolve_model_dir(cfg.model_copy(update=update))
         info = ModelInfo.from_dir(self.model_dir)
         self.ttft_lens: list[int] = []

@@ -14,12 +14,14 @@ logger = logging.getLogger("turnout")
 
 def add_tune_parser(subparsers: Any) -> None:
     """Register `turnout tune`, with the engine flags of generate and explain."""
+    from turnout.bench.random_models import SHAPES
     from turnout.cli import _engine_flags
 
     t = subparsers.add_parser(
         "tune", help="measure the candidate configurations on this machine and record the figures"
     )
     t.add_argument("model_tag", nargs="?", metavar="MODEL", help="HF-style model folder or .gguf (= --model)")
+    t.add_argument("--random-model", choices=SHAPES, help="a random-weight checkpoint in that real shape")
     t.add_argument("--workload", help="throughput, latency, prefix or FILE.jsonl (default: tune_workload)")
     t.add_argument("--budget", type=float, metavar="SECONDS", help="time to spend (default: tune_budget)")
     t.add_argument("--json", action="store_true", help="print the record and the decision as JSON")
@@ -36,6 +38,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise TurnoutError(f"two models given ({args.model_tag} and --model {args.model}); pass one")
     args.model = args.model_tag or args.model
+    if args.random_model:
+        if args.model:
+            raise TurnoutError(f"two models given ({args.model} and --random-model); pass one")
+        from turnout.bench.random_models import random_model
+
+        args.model = str(random_model(args.random_model))
     config = _config(args)
     budget = config.tune_budget if args.budget is None else args.budget
     if budget <= 0:
