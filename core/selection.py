@@ -295,6 +295,8 @@ def select_all(
         platform, dtype, info.head_size, info.num_heads, info.num_kv_heads, config.block_size
     )
     measured = measured_tier(config, info, platform, pm)
+    if measured.state == "used":
+        logger.info("measured tier: %s", measured.describe())
     if measured.decision is not None and measured.decision.settings:
         config = config.model_copy(update=measured.decision.settings)
         actx = AttentionContext(
