@@ -1,26 +1,31 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-all lint format
-setup: $(VENV)/.installed
-$(VENV)/.installed: pyproject.toml $(wildcard plugins/*/*/pyproject.toml) scripts/install.sh
+.PHONY: setup setup-test demo test test-all lint format
+DEPS := pyproject.toml $(wildcard plugins/*/*/pyproject.toml) scripts/install.sh
+setup: $(VENV)/.installed  ## what turnout needs to run
+$(VENV)/.installed: $(DEPS)
 	VENV=$(VENV) bash scripts/install.sh
 	touch $@
+setup-test: $(VENV)/.installed-test  ## and the test tools, Triton and Ray
+$(VENV)/.installed-test: $(DEPS)
+	VENV=$(VENV) bash scripts/install.sh --test
+	touch $@ $(VENV)/.installed
 
 demo: setup  ## the main job: turnout generate on the embedded SmolLM2-135M-Instruct
 	$(BIN)/turnout generate --chat --max-tokens 96 --prompt "What is a railway turnout? Answer in two sentences."
 
-test: setup lint  ## the CI suite: CPU tests (GPU tests skip without CUDA), ruff
+test: setup-test lint  ## the CI suite: CPU tests (GPU tests skip without CUDA), ruff
 	$(BIN)/python -m pytest -q -m "not gpu"
 
-test-all: setup  ## everything, GPU tests included (on a CUDA machine)
+test-all: setup-test  ## everything, GPU tests included (on a CUDA machine)
 	$(BIN)/python -m pytest -q
 
-lint: setup  ## ruff, and the import contracts of pyproject.toml (plugins use only the core's facades)
+lint: setup-test  ## ruff, and the import contracts of pyproject.toml (plugins use only the core's facades)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	PYTHONPATH=examples/turnout-example-backend:examples/turnout-example-model $(BIN)/lint-imports
 
-format: setup
+format: setup-test
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .

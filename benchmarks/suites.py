@@ -116,6 +116,16 @@ SUITES = {
             "--json {out}/{stamp}-b256-full-and-piecewise.json",
         ],
     ),
+    "cpu-latency": Suite(
+        "Time to first token on the CPU, the embedded SmolLM2-135M at 512, 2,048 and 4,096 prompt tokens: "
+        "turnout's generate with one output token on a fresh prompt against HF transformers' one forward in "
+        "bf16 and fp32, alternating, median of 3",
+        [
+            "python benchmarks/bench_cpu_latency.py --input-len 512 2048 4096 --repeats 3 "
+            "--json {out}/{stamp}-smollm2-ttft.json"
+        ],
+        gpus=0,
+    ),
     "tune": Suite(
         "`turnout tune` on nano-vllm's bench shapes: every valid candidate (attention per phase, graph mode, "
         "token budget, block size, async) on a short fixed throughput workload, each twice and interleaved; "

@@ -4,10 +4,12 @@ subcommand."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
+import os
+import re
 import sys
+import tempfile
 import types
 import typing
 from collections.abc import Sequence
@@ -15,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from turnout import envs
+from tqdm import tqdm
+
+from turnout import __version__, envs
 from turnout.bench import add_bench_parser
 from turnout.config import EngineConfig
 from turnout.entrypoints.bench_serve import add_bench_serve_parser
@@ -214,6 +218,7 @@ EXIT_HELP = """exit codes:
 # generate's sampling defaults that differ from SamplingParams(): greedy and longer answers
 CLI_SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 64}
 ROW_KEYS = ("id", "prompt", "messages")  # the other keys a JSONL row may hold are SamplingParams fields
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 DEMO_ROW = {"messages": [{"role": "user", "content": "Write a haiku about railway switches."}]}
 
 
@@ -227,12 +232,17 @@ class Row:
     prompt: str | list[int] | None = None  # what the engine takes
     messages: list[dict[str, str]] | None = None  # to be written by the chat template
     params: SamplingParams | None = None
-    error: str | None = None
+    error: str | None = None  # "line 3: <problem>", as the output row's "error" holds it
+    problem: str | None = None
     output: RequestOutput | None = None
 
     def fail(self, message: str) -> Row:
-        self.error = f"{self.where}: {message}"
+        self.error, self.problem = f"{self.where}: {message}", message
         return self
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or self.output is not None
 
 
 def _sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
@@ -244,15 +254,15 @@ def _sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
 def _parse_row(row: Row, obj: Any, defaults: dict[str, Any], chat: bool) -> Row:
     if not isinstance(obj, dict):
         return row.fail(f'must be a JSON object with "prompt" or "messages", got {type(obj).__name__}')
+    if "id" in obj:
+        if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
+            return row.fail(f'"id" must be a string or an integer, got {obj["id"]!r}')
+        row.id = obj["id"]
     if unknown := sorted(set(obj) - set(ROW_KEYS) - set(SamplingParams.field_names())):
         fields_ = ", ".join(SamplingParams.field_names())
         return row.fail(
             f"unknown key {unknown[0]!r}; a row holds prompt or messages, id, and any of {fields_}"
         )
-    if "id" in obj:
-        if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
-            return row.fail(f'"id" must be a string or an integer, got {obj["id"]!r}')
-        row.id = obj["id"]
     if ("prompt" in obj) == ("messages" in obj):
         return row.fail('needs exactly one of "prompt" (text or token ids) and "messages" (a chat)')
     key = "prompt" if "prompt" in obj else "messages"
@@ -307,19 +317,28 @@ def _input_rows(args: argparse.Namespace, defaults: dict[str, Any]) -> list[Row]
     return [_parse_row(Row(i, f"prompt {i}"), o, defaults, args.chat) for i, o in enumerate(objs)]
 
 
-def _answer(llm: Any, rows: list[Row], use_tqdm: bool) -> None:
+def _answer(llm: Any, rows: list[Row], sink: _Sink | None) -> None:
+    """Each row checked alone (a bad one gets its error, the others run), then all of them in one batch;
+    the sink writes each row as it finishes."""
     for r in rows:
-        if r.error is None and r.messages is not None:
+        if r.error is None:
             try:
-                _, r.prompt = llm.chat_prompt(r.messages)
+                if r.messages is not None:
+                    _, r.prompt = llm.chat_prompt(r.messages)
+                r.prompt = llm.engine.check_request(r.prompt, r.params)[0]
             except RequestError as e:
                 r.fail(str(e))
     todo = [r for r in rows if r.error is None]
-    outs = llm.generate([r.prompt for r in todo], [r.params for r in todo], use_tqdm=use_tqdm)
-    for r, o in zip(todo, outs):
-        r.output = o
-        if o.error:
-            r.fail(o.error)
+
+    def finished(i: int, out: RequestOutput) -> None:
+        todo[i].output = out
+        if sink is not None:
+            sink.flush()
+
+    if sink is not None:
+        sink.flush()
+    if todo:
+        llm.generate([r.prompt for r in todo], [r.params for r in todo], on_output=finished)
 
 
 def _stream(llm: Any, row: Row) -> int:
@@ -375,15 +394,74 @@ def _jsonl(rows: list[Row], args: argparse.Namespace) -> bool:
     return bool(args.output or args.json or args.input) or any(lp != (None, None) for lp in logprobs)
 
 
-def _write(rows: list[Row], args: argparse.Namespace) -> None:
-    if _jsonl(rows, args):  # one object per prompt, in input order
-        sink = open(args.output, "a") if args.output else sys.stdout
-        with sink if args.output else contextlib.nullcontext():
-            for r in rows:
-                print(json.dumps(_record(r)), file=sink)
-        if args.output:
-            logger.info("wrote %d results to %s", len(rows), args.output)
-        return
+class _Sink:
+    """JSONL rows in input order, each as soon as it and the rows before it are done: to stdout, or to a
+    temporary file beside --output that replaces it at the end. Interrupted, the finished rows are kept
+    (those after an unfinished one too, out of order); an existing file is replaced only by rows."""
+
+    def __init__(self, rows: list[Row], path: str | None) -> None:
+        self.rows, self.path, self.tmp = rows, path, None
+        self.next = self.count = 0  # the first row not yet written; rows written
+        self.closed = False
+        self.file: Any = sys.stdout
+        if path is None:
+            return
+        target = Path(path)
+        try:
+            if target.is_dir():
+                raise IsADirectoryError(21, "it is a folder")
+            fd, self.tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+        except OSError as e:
+            raise TurnoutError(f"cannot write --output {path}: {e.strerror or e}") from None
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(fd, target.stat().st_mode & 0o777 if target.exists() else 0o666 & ~umask)
+            self.file = os.fdopen(fd, "w")
+        except BaseException:  # Ctrl-C here, too, leaves no temporary file
+            os.unlink(self.tmp)
+            raise
+
+    def _put(self, r: Row) -> None:
+        print(json.dumps(_record(r)), file=self.file, flush=True)
+        self.count += 1
+        if r.error is not None:  # one line each on stderr, too: where it is in the input, and its id
+            tqdm.write(
+                f"error: {r.where} (id {json.dumps(r.id)}): {r.problem}", file=sys.stderr
+            )  # not mid-bar
+
+    def flush(self) -> None:
+        while self.next < len(self.rows) and self.rows[self.next].done:
+            self._put(self.rows[self.next])
+            self.next += 1
+
+    def close(self, complete: bool) -> None:
+        """complete: every row is done. Else (interrupted): the finished ones, after a gap too."""
+        if self.closed:
+            return
+        self.flush()
+        for r in self.rows[self.next :]:
+            if r.done:
+                self._put(r)
+        self.closed = True
+        if self.tmp is None:
+            return
+        self.file.close()
+        if complete or self.count:
+            os.replace(self.tmp, self.path)  # type: ignore[arg-type]
+            logger.info("wrote %d results to %s", self.count, self.path)
+        else:
+            os.unlink(self.tmp)
+
+    def discard(self) -> None:
+        """An error before any row ran: no output, and --output as it was."""
+        if not self.closed and self.tmp is not None:
+            self.file.close()
+            os.unlink(self.tmp)
+        self.closed = True
+
+
+def _write_text(rows: list[Row]) -> None:
     texts = [c.text for r in rows if r.output is not None for c in r.output.outputs]
     for r in rows:  # plain text: each answer, a blank line between answers
         if r.error is not None:
@@ -397,30 +475,46 @@ def cmd_generate(args: argparse.Namespace) -> int:
     defaults = _sampling_defaults(args)
     SamplingParams(**defaults)  # a bad flag value fails before the model loads
     rows = _input_rows(args, defaults)
-    if args.output:  # an unwritable --output fails before the model loads, too
-        try:
-            open(args.output, "w").close()
-        except OSError as e:
-            raise TurnoutError(f"cannot write --output {args.output}: {e.strerror or e}") from None
-    if any(r.error is None for r in rows):
-        from turnout.llm import LLM
-
-        llm = LLM(config=_config(args))
-        try:
-            one = rows[0].params if len(rows) == 1 and rows[0].error is None else None
-            if one is not None and one.n == 1 and not one.best_of and not _jsonl(rows, args):
-                try:
-                    return _stream(llm, rows[0])  # one plain prompt: text as it comes
-                except RequestError as e:
-                    rows[0].fail(str(e))
-            else:
-                _answer(llm, rows, use_tqdm=True)
-            if hasattr(llm.engine, "stats"):
-                logger.info("engine stats: %s", llm.engine.stats())
-        finally:
-            llm.shutdown()
-    _write(rows, args)
+    sink = None
+    try:
+        sink = _Sink(rows, args.output) if _jsonl(rows, args) else None  # an unwritable --output fails here
+        if any(r.error is None for r in rows):
+            rc = _generate(args, rows, sink)
+            if rc is not None:
+                return rc
+        if sink is not None:
+            sink.close(complete=True)
+        else:
+            _write_text(rows)
+    except KeyboardInterrupt:
+        if sink is not None:
+            sink.close(complete=False)
+        raise
+    finally:
+        if sink is not None:
+            sink.discard()
     return EXIT_ROWS_FAILED if any(r.error for r in rows) else EXIT_OK
+
+
+def _generate(args: argparse.Namespace, rows: list[Row], sink: _Sink | None) -> int | None:
+    """Run the rows; an exit code where one plain prompt was streamed, else None (rows to write)."""
+    from turnout.llm import LLM
+
+    llm = LLM(config=_config(args))
+    try:
+        one = rows[0].params if len(rows) == 1 and rows[0].error is None else None
+        if one is not None and one.n == 1 and not one.best_of and sink is None:
+            try:
+                return _stream(llm, rows[0])  # one plain prompt: text as it comes
+            except RequestError as e:
+                rows[0].fail(str(e))
+        else:
+            _answer(llm, rows, sink)
+        if hasattr(llm.engine, "stats"):
+            logger.info("engine stats: %s", llm.engine.stats())
+    finally:
+        llm.shutdown()
+    return None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -450,6 +544,11 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"1234\": -100}}', got {text!r}")
     return value
+
+
+def _escaped(text: str) -> str:
+    """A flag value with \\n, \\t, \\r and \\\\ as typed in a shell read as the characters they name."""
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m[1]], text)
 
 
 def _token_ids(text: str) -> list[int]:
@@ -497,7 +596,9 @@ def _sampling_flags(g: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--stop",
         action="append",
-        help="stop string (repeatable); not in the text unless --include-stop-str-in-output",
+        type=_escaped,
+        help="stop string (repeatable; \\n, \\t, \\r and \\\\ are read as escapes, so --stop '\\n' stops "
+        "at a newline); not in the text unless --include-stop-str-in-output",
     )
     s.add_argument(
         "--stop-token-ids", type=_token_ids, metavar="N,N,...", help="token ids that stop generation"
@@ -546,6 +647,12 @@ def _generate_parser(sub: Any) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
+    """Every parser and subparser (they take the class of their parent): no abbreviated flags, whose
+    silent guesses (--max-tok for --max-tokens) hide typos; usage errors as one line."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
     def error(self, message: str) -> typing.NoReturn:  # one line, not usage + error
         self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
@@ -557,6 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("--version", action="version", version=f"turnout {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     _plugins_parser(sub)
     _explain_parser(sub)

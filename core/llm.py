@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from turnout.sampling_params import SEED_LIMIT, SamplingParams
 from turnout.selection import Selection
 
 logger = logging.getLogger("turnout")
+OnOutput = Callable[[int, RequestOutput], None]
 
 
 class LLM:
@@ -82,16 +84,19 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        on_output: OnOutput | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in input order. A bad prompt gets an output with .error set and
-        no tokens; the other prompts run as if it were not there."""
+        """One RequestOutput per prompt, in input order. A bad prompt (malformed, too long for
+        max_model_len with its max_tokens, ...) raises ValueError naming its index before anything runs,
+        as vLLM does. on_output(i, output), if given, is called as each prompt finishes."""
         parsed: list[ParsedPrompt | RequestError] = []
         for p in as_prompt_list(prompts):
             try:
                 parsed.append(parse_prompt(p))
             except RequestError as e:
                 parsed.append(e)
-        return self._generate(parsed, sampling_params, use_tqdm)
+        return self._generate(parsed, sampling_params, use_tqdm, "prompt", on_output)
 
     def chat(
         self,
@@ -102,7 +107,8 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list of them,
-        each written by the tokenizer's chat template (or chat_template). One RequestOutput each."""
+        each written by the tokenizer's chat template (or chat_template). One RequestOutput each; a bad
+        conversation raises ValueError naming its index before anything runs."""
         if not isinstance(messages, (list, tuple)):
             raise RequestError(
                 f"messages must be a list of messages or of conversations, got {type(messages).__name__}"
@@ -118,13 +124,15 @@ class LLM:
                 )  # type: ignore[arg-type]
             except RequestError as e:
                 parsed.append(e)
-        return self._generate(parsed, sampling_params, use_tqdm)
+        return self._generate(parsed, sampling_params, use_tqdm, "conversation", None)
 
     def _generate(
         self,
         prompts: list[ParsedPrompt | RequestError],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        noun: str,
+        on_output: OnOutput | None,
     ) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
@@ -132,61 +140,65 @@ class LLM:
             raise RequestError(
                 f"got {len(prompts)} prompts but {len(params_list)} sampling params; pass one or one each"
             )
+        token_ids = [self._check(i, p, sp, noun) for i, (p, sp) in enumerate(zip(prompts, params_list))]
         results = [RequestOutput(str(next(self.request_counter)), None, []) for _ in prompts]
         pending: dict[str, tuple[int, int]] = {}  # engine req id -> (prompt index, sample index)
         try:
-            for i, (prompt, sp) in enumerate(zip(prompts, params_list)):
-                if isinstance(prompt, RequestError):
-                    results[i].error = str(prompt)
-                    logger.error("request %d rejected: %s", i, prompt)
-                elif not isinstance(sp, SamplingParams):
-                    results[i].error = f"sampling params must be SamplingParams, got {type(sp).__name__}"
-                else:
-                    results[i].prompt = prompt[0]
-                    self._add(i, prompt[1], sp, results[i], pending)
-            self._run(pending, results, use_tqdm)
+            for i, (prompt, ids, sp) in enumerate(zip(prompts, token_ids, params_list)):
+                results[i].prompt = prompt[0]  # type: ignore[index]
+                self._add(i, ids, sp, results[i], pending)
+            self._run(pending, results, params_list, use_tqdm, on_output)
         finally:
             for req_id in pending:  # interrupted: leave the engine clean
                 self.engine.abort(req_id)
                 self.engine.pop_finished(req_id)
-        for r, sp in zip(results, params_list):
-            if r.outputs:
-                _keep_best(r, sp)
         return results
 
+    def _check(self, i: int, prompt: ParsedPrompt | RequestError, sp: Any, noun: str) -> list[int]:
+        """The prompt's token ids, or RequestError naming prompt i and what to change."""
+        try:
+            if isinstance(prompt, RequestError):
+                raise prompt
+            if not isinstance(sp, SamplingParams):
+                raise RequestError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
+            return self.engine.check_request(prompt[1], sp)[0]
+        except RequestError as e:
+            raise RequestError(f"{noun} {i}: {e}") from None
+
     def _add(
-        self, i: int, prompt: str | list[int], sp: SamplingParams, result: RequestOutput, pending: dict
+        self, i: int, prompt: list[int], sp: SamplingParams, result: RequestOutput, pending: dict
     ) -> None:
         """best_of (else n) engine requests, seeds seed, seed + 1, ...; ranking best_of needs each one's
         chosen-token logprobs, so those are asked for even where the caller did not."""
-        added = []
         num = sp.best_of or sp.n
         logprobs = 0 if sp.logprobs is None and num > sp.n else sp.logprobs
-        try:
-            for k in range(num):
-                seed = None if sp.seed is None else (sp.seed + k) % SEED_LIMIT
-                sub = dataclasses.replace(
-                    sp,
-                    n=1,
-                    best_of=None,
-                    seed=seed,
-                    logprobs=logprobs,
-                    prompt_logprobs=sp.prompt_logprobs if k == 0 else None,
-                )
-                req = self.engine.add_request(prompt, sub, f"{result.request_id}-{k}")
-                added.append(req.req_id)
-                pending[req.req_id] = (i, k)
-            result.prompt_token_ids = req.prompt_token_ids
-        except RequestError as e:
-            for req_id in added:
-                self.engine.abort(req_id)
-                self.engine.pop_finished(req_id)
-                pending.pop(req_id)
-            result.error = str(e)
-            logger.error("request %d rejected: %s", i, e)
+        for k in range(num):
+            seed = None if sp.seed is None else (sp.seed + k) % SEED_LIMIT
+            sub = dataclasses.replace(
+                sp,
+                n=1,
+                best_of=None,
+                seed=seed,
+                logprobs=logprobs,
+                prompt_logprobs=sp.prompt_logprobs if k == 0 else None,
+            )
+            req = self.engine.add_request(prompt, sub, f"{result.request_id}-{k}")
+            pending[req.req_id] = (i, k)
+        result.prompt_token_ids = req.prompt_token_ids
 
-    def _run(self, pending: dict[str, tuple[int, int]], results: list[RequestOutput], use_tqdm: bool) -> None:
-        bar = tqdm(total=len(pending), desc="generate", unit="req", disable=not use_tqdm or len(pending) < 2)
+    def _run(
+        self,
+        pending: dict[str, tuple[int, int]],
+        results: list[RequestOutput],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        on_output: OnOutput | None,
+    ) -> None:
+        """Step until every request is done. Progress: requests done, or for one prompt its tokens."""
+        left = collections.Counter(i for i, _ in pending.values())
+        reqs = [self.engine.requests[r] for r in pending] if len(results) == 1 else []
+        total = sum(r.params.max_tokens for r in reqs) if reqs else len(pending)
+        bar = tqdm(total=total, desc="generate", unit="tok" if reqs else "req", disable=not use_tqdm)
         while pending:
             for s in self.engine.step():
                 if s.finished and s.req.req_id in pending:
@@ -199,10 +211,20 @@ class LLM:
                             None,
                             *self._logprobs(req.prompt_token_ids[1:], req.prompt_logprobs),
                         ]
-                    bar.update(1)
+                    bar.update(0 if reqs else 1)  # one prompt: counted in tokens below
+                    left[i] -= 1
+                    if not left[i]:
+                        self._finish(i, results[i], params[i], on_output)
+            if reqs:
+                bar.update(sum(len(r.output_token_ids) for r in reqs) - bar.n)
         bar.close()
-        for r in results:
-            r.outputs.sort(key=lambda c: c.index)
+
+    @staticmethod
+    def _finish(i: int, result: RequestOutput, sp: SamplingParams, on_output: OnOutput | None) -> None:
+        result.outputs.sort(key=lambda c: c.index)
+        _keep_best(result, sp)
+        if on_output is not None:
+            on_output(i, result)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text as it is generated, for one prompt."""

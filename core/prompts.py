@@ -60,3 +60,25 @@ def check_conversation(messages: Any) -> Conversation:
             if not isinstance(m.get(key), str):
                 raise RequestError(f'message {i} needs a "{key}" string')
     return messages
+
+
+def context_problem(prompt_len: int, max_tokens: int, max_model_len: int, model_max: int = 0) -> str | None:
+    """Why a prompt of prompt_len tokens with max_tokens to generate does not fit max_model_len, or None.
+    The server refuses both cases (413); the engine refuses a prompt with no room for one token and runs
+    the rest to the context, with one warning. model_max, the model's own limit, shapes the advice."""
+    if prompt_len >= max_model_len:
+        fix = (
+            f"or raise max_model_len (the model allows up to {model_max})"
+            if model_max > max_model_len
+            else f"to at most {max_model_len - 1} tokens (the model's limit is {max_model_len})"
+        )
+        return (
+            f"prompt is {prompt_len} tokens, but max_model_len is {max_model_len}; shorten the prompt {fix}"
+        )
+    if prompt_len + max_tokens > max_model_len:
+        return (
+            f"this model's context is {max_model_len} tokens, but the request needs {prompt_len} (prompt) + "
+            f"{max_tokens} (max_tokens) = {prompt_len + max_tokens}; lower max_tokens to at most "
+            f"{max_model_len - prompt_len} or shorten the prompt"
+        )
+    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -123,7 +124,8 @@ def test_throughput_smoke_writes_valid_records(tmp_path, monkeypatch):
     for r in recs:
         records.check(r)
         assert r["output_tokens"] == 4 * 4 and r["output_tokens_per_s"] == pytest.approx(16 / r["seconds"])
-        assert r["command"] == " ".join(["turnout", *argv, "--out", str(out)])
+        env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("TURNOUT_")]
+        assert r["command"] == " ".join([*env, "turnout", *argv, "--out", str(out)])  # TURNOUT_* as typed
         assert r["config"]["engine"]["max_model_len"] == 4096 and r["config"]["workload"]["num_prompts"] == 4
         assert r["config"]["attention"] == "cpu" and r["startup_s"] > 0
         assert "fraction_of_floor" not in r  # no ceiling is known for a CPU

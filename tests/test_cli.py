@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,15 +115,20 @@ def test_generate_input_jsonl(tiny_llama, tmp_path):
         (["--prompt", "w1", "--top-p", "0"], 2, "top_p must be in (0, 1]"),
         (["--prompt", "w1", "--max-tokens", "0"], 2, "max_tokens must be >= 1"),
         (["--prompt", "w1", "--stop", ""], 2, "stop holds an empty string"),
-        (["--prompt", " ".join(["w1"] * 600)], 1, "shorten the prompt or raise max_model_len"),
+        (
+            ["--prompt", " ".join(["w1"] * 600)],
+            1,
+            "shorten the prompt to at most 511 tokens (the model's limit is 512)",
+        ),
+        (["--prompt", "w1", "--max-tok", "3"], 2, "unrecognized arguments: --max-tok 3"),
         (["--prompt", "w1", "--block-size", "0"], 2, "'block_size' in arguments"),
     ],
 )
 def test_generate_bad_input_one_line_error(tiny_llama, args, rc, needle):
     p = run("generate", "--model", str(tiny_llama), *args, check=False)
     assert p.returncode == rc
-    last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and needle in last and "Traceback" not in p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and needle in errors[0] and "Traceback" not in p.stderr, p.stderr
 
 
 def test_generate_missing_weights(tiny_llama, tmp_path):
@@ -317,3 +324,117 @@ def test_file_errors_fail_before_the_model_loads(tmp_path, capsys):
     assert cli.main(["generate", "--prompt", "x", "--output", str(tmp_path / "no" / "o.jsonl")]) == 2
     assert "cannot write --output" in capsys.readouterr().err
     assert cli.main(["generate", "--prompt", "x", "--input", str(tmp_path / "x")]) == 2
+
+
+def test_version_abbreviations_and_a_missing_model(tiny_llama, tmp_path):
+    from turnout import __version__
+
+    assert run("--version").stdout == f"turnout {__version__}\n"
+    for args in (["tune"], ["bench", "throughput"]):  # subparsers built outside cli.py, too
+        p = run(*args, "--random-mod", "nosuch", check=False)
+        assert p.returncode == 2 and "unrecognized arguments: --random-mod" in p.stderr, p.stderr
+    for cmd in ("generate", "explain"):
+        p = run(cmd, "--model", str(tmp_path / "nope"), check=False)
+        assert p.returncode == 2
+        assert p.stderr.strip().splitlines()[-1] == (
+            f"error: model {tmp_path / 'nope'} does not exist; pass an HF-style model folder or a .gguf file"
+        )
+
+
+def test_stop_flag_takes_escapes_as_typed():
+    from turnout.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--stop", "\\n", "--stop", "a\\tb\\\\n", "--stop", "\\x"])
+    assert args.stop == ["\n", "a\tb\\n", "\\x"]
+
+
+BAD_ROWS = [
+    '{"id": "a", "prompt": "w1"}',
+    "",
+    '{"id": "b", "prompt": "w1", "bogus": 1}',
+    '{"id": "c", "prompt": [' + ", ".join(["1"] * 600) + "]}",  # past the tiny model's 512 positions
+    "not json",
+    '{"id": 7, "prompt": ""}',
+    '{"id": "e", "prompt": [1, 2], "temperature": -1}',
+    '{"prompt": "w2"}',
+]
+
+
+def test_every_bad_jsonl_row_gets_one_stderr_line_with_its_line_and_id(tiny_llama, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(BAD_ROWS) + "\n")
+    p = run("generate", "--model", str(tiny_llama), "--input", str(inp), "--output", str(out), check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b", "c", 3, 7, "e", 6]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert [e.split(":")[1] for e in errors] == [
+        ' line 3 (id "b")',
+        ' line 4 (id "c")',
+        " line 5 (id 3)",
+        " line 6 (id 7)",
+        ' line 7 (id "e")',
+    ], errors
+    assert "unknown key 'bogus'" in errors[0] and "prompt is 600 tokens" in errors[1]
+    assert "empty prompt" in errors[3] and "temperature must be >= 0" in errors[4]
+
+
+def test_one_jsonl_prompt_shows_token_progress(tiny_llama, tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "w1", "max_tokens": 5, "ignore_eos": true}\n')
+    p = run("generate", "--model", str(tiny_llama), "--input", str(inp))
+    assert "generate: 100%" in p.stderr and "5/5" in p.stderr and "tok/s" in p.stderr
+    assert len(json.loads(p.stdout)["token_ids"]) == 5
+
+
+def _until(pred, timeout: float = 120.0) -> None:
+    t0 = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.02)
+
+
+def _interrupted(tiny_llama, tmp_path, rows: list[dict], ready) -> tuple[int, str]:
+    """generate --input rows --output out.jsonl, Ctrl-C once ready(the partial file's lines) holds."""
+    inp, err = tmp_path / "in.jsonl", tmp_path / "err.txt"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [
+        "generate",
+        "--model",
+        str(tiny_llama),
+        "--input",
+        str(inp),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+    ]
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "turnout.cli", *argv], stdout=f, stderr=f)
+        parts = lambda: list(tmp_path.glob(".out.jsonl.*.part"))
+        _until(lambda: parts() and ready(parts()[0].read_text().splitlines()))
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    assert not parts()
+    return rc, err.read_text()
+
+
+def test_ctrl_c_keeps_the_finished_rows_and_never_empties_the_output(tiny_llama, tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text("old\n")
+    slow = {"id": "slow", "prompt": "w3", "max_tokens": 510, "ignore_eos": True, "n": 4, "temperature": 1.0}
+    rc, err = _interrupted(tiny_llama, tmp_path, [slow], lambda lines: time.sleep(0.3) or True)  # no row done
+    assert rc == 130 and "interrupted" in err.splitlines() and out.read_text() == "old\n", err
+    quick = [{"id": f"q{i}", "prompt": "w1 w2", "max_tokens": 1} for i in range(3)]
+    rows = [quick[0], slow, *quick[1:]]
+    rc, err = _interrupted(tiny_llama, tmp_path, rows, lambda lines: len(lines) == 1)
+    assert rc == 130 and "Traceback" not in err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["q0", "q1", "q2"]
+
+
+def test_max_tokens_past_the_context_warns_once_and_stops_there(tiny_llama):
+    p = run("generate", "--model", str(tiny_llama), "--prompt", "w1", "--prompt", "w2", "--max-tokens",
+            "100000", "--ignore-eos", "--json", check=False)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    warned = [line for line in p.stderr.splitlines() if "(max_tokens)" in line]
+    assert len(warned) == 1 and "1 (prompt) + 100000 (max_tokens) = 100001" in warned[0], p.stderr
+    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [(len(r["token_ids"]), r["finish_reason"]) for r in rows] == [(511, "length")] * 2

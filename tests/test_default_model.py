@@ -1,7 +1,11 @@
 """The embedded SmolLM2-135M-Instruct: our converted checkpoint through the engine against HF transformers
-loading the same GGUF file, greedy, float32, on chat prompts."""
+loading the same GGUF file (its weights rounded to the converted bfloat16), greedy, float32, on chat
+prompts."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +36,9 @@ def test_default_model_matches_hf_gguf(llm):
     gguf = default_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    with torch.no_grad():  # the conversion stores config.json's bfloat16: the same weights, run in float32
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16))
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
         for c in CHATS
@@ -69,15 +76,14 @@ def test_stop_strings_and_seeded_sampling(llm):
 
 @pytest.mark.slow
 def test_bad_request_fails_alone(llm):
-    prompts = ["Hello!", "", [1] * 600, "Name a color."]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    assert [o.error is None for o in outs] == [True, False, False, True]
-    assert "empty prompt" in outs[1].error and "max_model_len" in outs[2].error
-    alone = llm.generate(
-        ["Hello!", "Name a color."], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
-    )
-    assert [o.token_ids for o in alone] == [outs[0].token_ids, outs[3].token_ids]
-    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    before = llm.generate(["Hello!", "Name a color."], sp, use_tqdm=False)
+    for bad, why in (("", "prompt 1: empty prompt"), ([1] * 600, "prompt 1: prompt is 600 tokens")):
+        with pytest.raises(ValueError, match=why):  # raised before anything runs, as in vLLM
+            llm.generate(["Hello!", bad, "Name a color."], sp, use_tqdm=False)
+        assert not llm.engine.requests and not llm.engine.has_unfinished()
+    alone = llm.generate(["Hello!", "Name a color."], sp, use_tqdm=False)
+    assert [o.token_ids for o in alone] == [o.token_ids for o in before]
     lp = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)[
         0
     ].outputs[0]
@@ -131,3 +137,20 @@ def test_detokenizer_holds_back_a_split_char_until_the_last_step():
     for k in range(1, len(ids) + 1):
         whole.step(ids[:k], final=k == len(ids))
     assert whole.text == tok.decode(ids) == "Trains \U0001f682 run"
+
+
+def test_runtime_install_leaves_triton_and_ray_to_extras():
+    """scripts/install.sh: CPU torch from PyTorch's CPU index (the main index, with a message, where that is
+    unreachable); Triton and Ray only with --test (make test), from the test extra; turnout[ray] for users."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    names = lambda reqs: {re.split(r"[<>=\[; ]", r, maxsplit=1)[0] for r in reqs}
+    assert not names(project["dependencies"]) & {"triton", "ray"}
+    assert {"triton", "ray"} <= names(project["optional-dependencies"]["test"])
+    assert names(project["optional-dependencies"]["ray"]) == {"ray"}
+    script = (root / "scripts/install.sh").read_text()
+    assert '--index-url "$CPU_INDEX"' in script and "CPU_INDEX=https://download.pytorch.org/whl/cpu" in script
+    assert "is unreachable; installing $spec from the main index" in script
+    assert not re.search(r"^\$PIP install .*\b(ray|triton)\b", script, re.M)
+    assert "EXTRAS=bench,test" in script and '$PIP install -q -e ".[$EXTRAS]"' in script

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -197,10 +198,10 @@ def test_chat_uses_the_chat_template_and_takes_conversations(llm: LLM) -> None:
     assert "Paris" in one[0].text and one[0].prompt.startswith("<|im_start|>")
     direct = llm.generate({"prompt_token_ids": chat_ids(llm, CAPITAL)}, sp, use_tqdm=False)[0]
     assert direct.token_ids == one[0].token_ids
-    many = llm.chat([COLOR, [{"role": "user"}], CAPITAL], sp, use_tqdm=False)
-    assert [o.error is None for o in many] == [True, False, True]
-    assert 'message 0 needs a "content" string' in many[1].error
-    assert many[2].token_ids == one[0].token_ids
+    with pytest.raises(ValueError, match='conversation 1: message 0 needs a "content" string'):
+        llm.chat([COLOR, [{"role": "user"}], CAPITAL], sp, use_tqdm=False)
+    many = llm.chat([COLOR, CAPITAL], sp, use_tqdm=False)
+    assert many[1].token_ids == one[0].token_ids
 
 
 def test_dict_prompts_bad_prompts_and_unique_request_ids(llm: LLM) -> None:
@@ -210,27 +211,23 @@ def test_dict_prompts_bad_prompts_and_unique_request_ids(llm: LLM) -> None:
         ["The railway", {"prompt": "The railway"}, {"prompt_token_ids": ids}, ids], sp, use_tqdm=False
     )
     assert len({tuple(o.token_ids) for o in outs}) == 1 and outs[1].prompt == "The railway"
-    bad = llm.generate([42, None, {"prompt": 1}, {"text": "x"}, "ok"], sp, use_tqdm=False)
-    assert [o.error is None for o in bad] == [False] * 4 + [True]
-    assert all(o.finish_reason == "error" and not o.token_ids for o in bad[:4])
+    for i, bad in enumerate([42, None, {"prompt": 1}, {"text": "x"}]):
+        with pytest.raises(ValueError, match=f"prompt {i}: "):
+            llm.generate(["ok"] * i + [bad, "ok"], sp, use_tqdm=False)
+    assert not llm.engine.requests
     with pytest.raises(RequestError, match="prompts must be a prompt or a list of prompts"):
         llm.generate(42, sp)  # type: ignore[arg-type]
-    ids_seen = [o.request_id for o in outs + bad + llm.generate("x", sp, use_tqdm=False)]
+    ids_seen = [o.request_id for o in outs + llm.generate("x", sp, use_tqdm=False)]
     assert len(set(ids_seen)) == len(ids_seen)
 
 
 def test_logprobs_cap_is_the_engine_setting(llm: LLM) -> None:
-    outs = llm.generate(
-        ["Hi", "Hi", "Hi"],
-        [
-            SamplingParams(max_tokens=1, logprobs=31),
-            SamplingParams(max_tokens=1, prompt_logprobs=31),
-            SamplingParams(max_tokens=1, logprobs=30),
-        ],
-        use_tqdm=False,
-    )
-    assert "logprobs=31 exceeds max_logprobs 30" in outs[0].error and "prompt_logprobs=31" in outs[1].error
-    assert outs[2].error is None and len(outs[2].outputs[0].logprobs[0]) in (30, 31)
+    with pytest.raises(ValueError, match="prompt 0: logprobs=31 exceeds max_logprobs 30"):
+        llm.generate("Hi", SamplingParams(max_tokens=1, logprobs=31), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 1: prompt_logprobs=31 exceeds"):
+        llm.generate(["Hi", "Hi"], [SamplingParams(max_tokens=1), SamplingParams(prompt_logprobs=31)])
+    outs = llm.generate("Hi", SamplingParams(max_tokens=1, logprobs=30), use_tqdm=False)
+    assert outs[0].error is None and len(outs[0].outputs[0].logprobs[0]) in (30, 31)
 
 
 def test_logprobs_and_prompt_logprobs_match_hf(llm: LLM, hf) -> None:
@@ -513,3 +510,26 @@ def test_prompt_logprobs_over_chunks_and_the_prefix_cache(tiny_llama: Path) -> N
                 ref[j - 1, prompt[j]].item(), abs=1e-4
             )
             assert {t for t in d if d[t].rank <= 3} == set(ref[j - 1].topk(3).indices.tolist())
+
+
+def test_generate_raises_for_a_prompt_past_max_model_len_before_anything_runs(
+    tiny_llama: Path, caplog
+) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64)
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match=r"prompt 1: prompt is 100 tokens, but max_model_len is 64; .*"
+                       r"raise max_model_len \(the model allows up to 512\)"):  # fmt: skip
+        llm.generate(["w1 w2", " ".join(["w1"] * 100)], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="conversation 0: "):  # the tiny model has no chat template
+        llm.chat([{"role": "user", "content": "w1"}], sp, use_tqdm=False)
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    with caplog.at_level(logging.WARNING, logger="turnout"):  # past the context: one line, then it runs
+        out = llm.generate(["w1 w2", "w1"], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert (
+        len(warned) == 1
+        and "needs 2 (prompt) + 100 (max_tokens) = 102; lower max_tokens to at most 62" in warned[0]
+    )
+    assert [len(o.token_ids) for o in out] == [62, 63]
+    assert [o.outputs[0].finish_reason for o in out] == ["length", "length"]
+    llm.shutdown()

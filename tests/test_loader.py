@@ -11,8 +11,9 @@ from safetensors.torch import save_file
 
 from turnout.errors import TurnoutError, WeightLoadError
 from turnout.loader import default_model
-from turnout.loader.default_model import default_gguf_path, default_model_path
-from turnout.loader.gguf import CONVERT_MARKER, convert_gguf
+from turnout.loader import gguf as gguf_module
+from turnout.loader.default_model import default_gguf_path, default_model_path, gguf_model_path, model_info
+from turnout.loader.gguf import CONVERT_MARKER, convert_gguf, source_digest
 from turnout.loader.weights import iter_safetensors
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -101,18 +102,20 @@ def _hf_reference(gguf_path: Path) -> dict[str, torch.Tensor]:
     return load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
 
 
-def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """got is stored in bfloat16, config.json's dtype: want (float32) rounded to it, bit for bit."""
     assert got.keys() == want.keys()
     for k, v in want.items():
-        assert got[k].dtype == torch.float32 and got[k].shape == v.shape, k
-        assert (got[k] - v.float()).abs().max().item() <= atol, k
+        assert got[k].dtype == torch.bfloat16 and got[k].shape == v.shape, k
+        assert torch.equal(got[k], v.float().to(torch.bfloat16)), k
 
 
 def _tiny_gguf(
-    path: Path, tokenizer_model: str | None = None
+    path: Path, tokenizer_model: str | None = None, seed: int = 0
 ) -> dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]]:
     """A random 2-layer GQA llama with an untied head, in several tensor types."""
-    rng, T = np.random.default_rng(0), gguf.GGMLQuantizationType
+    rng, T = np.random.default_rng(seed), gguf.GGMLQuantizationType
+    path.parent.mkdir(parents=True, exist_ok=True)
     hidden, inter, heads, kv_heads, vocab, head_dim = 64, 96, 4, 2, 128, 16
     shapes = {"token_embd": (vocab, hidden), "output_norm": (hidden,), "output": (vocab, hidden)}
     for i in range(2):
@@ -179,9 +182,9 @@ def test_convert_tiny_gguf_all_dtypes(tmp_path: Path) -> None:
     for name, (w, kind) in originals.items():
         got, want = ours[by_gguf[f"{name}.weight"]], torch.from_numpy(w)
         if kind in rounded:
-            assert torch.equal(got, want.to(rounded[kind]).float()), name
+            assert torch.equal(got, want.to(rounded[kind]).float().to(torch.bfloat16)), name
         else:
-            assert (got - want).abs().max().item() < want.abs().max().item() / 100, name
+            assert (got.float() - want).abs().max().item() < want.abs().max().item() / 100, name
 
 
 def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
@@ -200,6 +203,47 @@ def test_convert_missing_or_corrupt_gguf(tmp_path: Path) -> None:
     with pytest.raises(WeightLoadError, match="corrupt GGUF") as e:
         convert_gguf(tmp_path / "bad.gguf", tmp_path / "hf")
     assert str(tmp_path / "bad.gguf") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_conversion_is_keyed_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TURNOUT_CACHE_DIR", str(tmp_path / "cache"))
+    _tiny_gguf(tmp_path / "a" / "tiny.gguf")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "renamed.gguf").write_bytes((tmp_path / "a" / "tiny.gguf").read_bytes())
+    folder = gguf_model_path(tmp_path / "a" / "tiny.gguf")
+    marker = (folder / CONVERT_MARKER).stat().st_mtime_ns
+    assert gguf_model_path(tmp_path / "b" / "renamed.gguf") == folder
+    assert (folder / CONVERT_MARKER).stat().st_mtime_ns == marker  # not converted again
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [folder.name]
+    _tiny_gguf(tmp_path / "c" / "tiny.gguf", seed=1)  # same name and size, other weights: another folder
+    assert gguf_model_path(tmp_path / "c" / "tiny.gguf") != folder
+
+
+def test_source_digest_is_stable_and_samples_large_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = tmp_path / "x.gguf"
+    f.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    whole = source_digest(f)
+    assert source_digest(f) == whole and len(whole) == 64
+    monkeypatch.setattr(gguf_module, "HASH_LIMIT", 1024)
+    monkeypatch.setattr(gguf_module, "SAMPLE", 512)
+    sampled = source_digest(f)
+    assert sampled != whole and source_digest(f) == sampled
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1  # the last chunk is sampled
+    f.write_bytes(bytes(data))
+    assert source_digest(f) != sampled
+
+
+def test_model_info_reads_a_gguf_without_converting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TURNOUT_CACHE_DIR", str(tmp_path / "cache"))
+    _tiny_gguf(tmp_path / "tiny.gguf")
+    info = model_info(str(tmp_path / "tiny.gguf"))
+    assert info.path == tmp_path / "tiny.gguf" and not (tmp_path / "cache").exists()
+    written = json.loads((gguf_model_path(tmp_path / "tiny.gguf") / "config.json").read_text())
+    assert info.hf_config == written
+    assert model_info(str(tmp_path / "tiny.gguf")).path == gguf_model_path(tmp_path / "tiny.gguf")
 
 
 @pytest.fixture(scope="module")

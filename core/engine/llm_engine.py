@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
@@ -27,6 +28,7 @@ from turnout.engine.request import Request
 from turnout.engine.scheduler import Scheduler, SchedulerOutput
 from turnout.errors import ConfigError, RequestError, TurnoutError
 from turnout.models.info import ModelInfo
+from turnout.prompts import context_problem
 from turnout.sampling_params import SamplingParams
 from turnout.selection import Selection, select_all
 
@@ -40,6 +42,10 @@ def resolve_model_dir(config: EngineConfig) -> str:
     """The HF-style folder to load: config.model, a cached conversion of a .gguf file, or the default."""
     from turnout.loader.default_model import default_model_path, gguf_model_path
 
+    if config.model and not Path(config.model).exists():
+        raise ConfigError(
+            f"model {config.model} does not exist; pass an HF-style model folder or a .gguf file"
+        )
     if config.model and config.model.endswith(".gguf"):
         return str(gguf_model_path(config.model))
     return config.model or str(default_model_path())
@@ -87,6 +93,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
+        self._overflow_warned = False  # one warning line for requests that will stop at the context
         try:
             self._init_kv_cache()
             if self.selection.platform.is_cuda:
@@ -182,20 +189,7 @@ class LLMEngine:
         self, prompt: str | list[int], params: SamplingParams, req_id: str | None = None
     ) -> Request:
         """Validate and queue one request; a bad one raises RequestError and changes nothing."""
-        token_ids = self.tokenize(prompt)
-        vocab = self.info.hf_config.get("vocab_size", 1 << 62)
-        if not token_ids:
-            raise RequestError("empty prompt; pass at least one token of text")
-        if len(token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len} "
-                "(prompt plus at least one new token); shorten the prompt or raise max_model_len"
-            )
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise RequestError(
-                f"prompt token ids must lie in [0, {vocab}); got {min(token_ids)}..{max(token_ids)}"
-            )
-        params = self._accept(params, vocab)
+        token_ids, params = self.check_request(prompt, params)
         req_id = req_id or str(next(self._ids))
         if req_id in self.requests:
             raise RequestError(f"request id {req_id} is already in use; pick another")
@@ -204,6 +198,27 @@ class LLMEngine:
         self.detok[req_id] = Detokenizer(self.tokenizer, params.skip_special_tokens)
         self.scheduler.add(req)
         return req
+
+    def check_request(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the params the engine runs, or RequestError saying what to change."""
+        token_ids = self.tokenize(prompt)
+        vocab = self.info.hf_config.get("vocab_size", 1 << 62)
+        if not token_ids:
+            raise RequestError("empty prompt; pass at least one token of text")
+        model_max = self.info.max_position_embeddings
+        if problem := context_problem(len(token_ids), 1, self.max_model_len, model_max):
+            raise RequestError(problem)  # as in vLLM: a prompt that leaves no room for one token
+        over = context_problem(len(token_ids), params.max_tokens, self.max_model_len)
+        if over and not self._overflow_warned:  # it runs, and stops at the context (finish_reason length)
+            self._overflow_warned = True
+            logger.warning("%s; it stops at the context (finish_reason length)", over)
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise RequestError(
+                f"prompt token ids must lie in [0, {vocab}); got {min(token_ids)}..{max(token_ids)}"
+            )
+        return token_ids, self._accept(params, vocab)
 
     def _accept(self, params: SamplingParams, vocab: int) -> SamplingParams:
         """Checks that need the engine, and a copy of params with the engine's EOS and bad-word ids."""

@@ -1,15 +1,13 @@
 """Executors that spawn worker processes re-run the main script in each of them (multiprocessing's spawn
 start method). An engine built at the script's top level would then be built again in every worker, which
 multiprocessing refuses mid-start-up with a traceback per worker. This finds that case before any process
-starts."""
+starts, and ends the script with one line."""
 
 from __future__ import annotations
 
 import ast
 import sys
 from types import FrameType
-
-from turnout.errors import ConfigError
 
 
 def _is_main_guard(node: ast.AST) -> bool:
@@ -46,9 +44,10 @@ def _script_frame(main_globals: dict) -> FrameType | None:
 
 
 def check_main_guard(what: str) -> None:
-    """Raise ConfigError when `what` (which spawns processes) is reached from the main script's top-level
-    code outside `if __name__ == "__main__":`. An interactive interpreter and `python -c` run no script,
-    so they pass."""
+    """Print one line and exit (status 1, as for any uncaught error) when `what` (which spawns processes)
+    is reached from the main script's top-level code outside `if __name__ == "__main__":`. An exception
+    would print a traceback through turnout's code, above the line that matters; the fix is in the script.
+    An interactive interpreter and `python -c` run no script, so they pass."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     frame = _script_frame(vars(main)) if main is not None and path else None
@@ -60,7 +59,10 @@ def check_main_guard(what: str) -> None:
     except (OSError, SyntaxError, ValueError):
         return  # no readable source: nothing to judge by
     if frame.f_lineno not in lines:
-        raise ConfigError(
-            f"{path}:{frame.f_lineno} builds {what} at the top level of the script, and its worker "
-            'processes re-run the script; put that code under `if __name__ == "__main__":`'
+        print(
+            f"ConfigError: {path}:{frame.f_lineno} builds {what} at the top level of the script, and its "
+            'worker processes re-run the script; put that code under `if __name__ == "__main__":`',
+            file=sys.stderr,
+            flush=True,
         )
+        raise SystemExit(1)

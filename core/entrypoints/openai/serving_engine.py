@@ -14,6 +14,7 @@ from turnout.engine.core import EngineBusyError, EngineDeadError, EngineOutput, 
 from turnout.engine.detokenizer import Detokenizer
 from turnout.entrypoints.openai.protocol import OpenAIError
 from turnout.errors import TurnoutError
+from turnout.prompts import context_problem
 from turnout.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -133,15 +134,8 @@ class OpenAIServing:
         limit = self.engine.max_model_len
         if not prompt_ids:
             raise OpenAIError(400, f"{param} is empty; send at least one token", param=param)
-        if len(prompt_ids) + max_tokens > limit:
-            raise OpenAIError(
-                413,
-                f"this model's context is {limit} tokens, but the request needs {len(prompt_ids)} "
-                f"(prompt) + {max_tokens} (max_tokens) = {len(prompt_ids) + max_tokens}; "
-                "shorten the prompt or lower max_tokens",
-                param=param,
-                code="context_length_exceeded",
-            )
+        if (problem := context_problem(len(prompt_ids), max_tokens, limit)) is not None:
+            raise OpenAIError(413, problem, param=param, code="context_length_exceeded")
 
     def requests(
         self, rid: str, prompts: list[list[int]], params: list[SamplingParams], stream: bool

@@ -1,0 +1,181 @@
+"""The README's examples, run as written on the embedded model: the `turnout` lines of its bash blocks (with
+a small --max-tokens), its Python snippets, and its serve blocks with their curl request and the openai
+client (only the port substituted), and its promise about engines built at a script's top level."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_server import Server
+
+pytestmark = pytest.mark.slow
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+BIN = Path(sys.executable).with_name("turnout")
+README_URL = "http://127.0.0.1:8000"
+MAX_TOKENS = "4"
+
+
+def blocks(lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", README, re.S | re.M)
+
+
+def block_with(lang: str, needle: str) -> str:
+    (block,) = [b for b in blocks(lang) if needle in b]
+    return block
+
+
+def commands(block: str) -> list[list[str]]:
+    """Each command of a bash block as argv: continuation lines joined, comments dropped."""
+    return [
+        argv for line in block.replace("\\\n", " ").splitlines() if (argv := shlex.split(line, comments=True))
+    ]
+
+
+def runnable(argv: list[str]) -> list[str]:
+    """A synopsis line as a command: `[--flag]` kept, optional groups that need a value of yours dropped."""
+    out, group = [], None
+    for tok in argv:
+        if group is None and tok.startswith("["):
+            group = []
+        if group is None:
+            out.append(tok)
+            continue
+        group.append(tok)
+        if tok.endswith("]"):
+            if len(group) == 1 and re.fullmatch(r"\[--[a-z-]+\]", tok):
+                out.append(tok[1:-1])
+            group = None
+    return out
+
+
+def turnout_lines() -> list[list[str]]:
+    lines = [runnable(a) for b in blocks("bash") for a in commands(b) if a[0] == ".venv/bin/turnout"]
+    return [a for a in lines if a[1] in ("generate", "plugins", "explain")]
+
+
+def run(argv: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("argv", turnout_lines(), ids=shlex.join)
+def test_use_line_runs(argv: list[str], tmp_path: Path) -> None:
+    args = argv[1:]
+    if args[0] == "generate":
+        if "--max-tokens" in args:
+            args[args.index("--max-tokens") + 1] = MAX_TOKENS
+        else:
+            args += ["--max-tokens", MAX_TOKENS]
+        if "--stop" in args and "--json" not in args:  # to read what the stop string did
+            args.append("--json")
+        if "--input" in args:  # the README's own JSONL lines
+            (tmp_path / args[args.index("--input") + 1]).write_text(blocks("json")[0])
+    p = run([str(BIN), *args], tmp_path)
+    assert p.returncode == 0, p.stderr
+    if args[0] in ("plugins", "explain"):
+        assert json.loads(p.stdout) if "--json" in args else p.stdout.strip()
+    elif "--output" in args:
+        rows = [json.loads(r) for r in (tmp_path / args[args.index("--output") + 1]).read_text().splitlines()]
+        assert [r["id"] for r in rows] == ["fr", "count", "poem"] and not any("error" in r for r in rows)
+        assert len(rows[2]["outputs"]) == 2 and rows[2]["logprobs"]
+    elif "--json" in args:
+        rows = [json.loads(r) for r in p.stdout.splitlines()]
+        assert len(rows) == args.count("--prompt") and all(
+            r["finish_reason"] in ("stop", "length") for r in rows
+        )
+    else:
+        assert p.stdout.strip()
+    if "--stop" in args:  # "\n" is a newline, once the shell has passed the backslash on
+        assert args[args.index("--stop") + 1] == "\\n"
+        rows = [json.loads(r) for r in p.stdout.splitlines()]
+        assert all("\n" not in o["text"] for r in rows for o in r["outputs"])
+
+
+def test_llm_snippet_runs(tmp_path: Path) -> None:
+    script = tmp_path / "snippet.py"
+    script.write_text(block_with("python", "from turnout import LLM, SamplingParams"))
+    p = run([sys.executable, str(script)], tmp_path)
+    assert p.returncode == 0, p.stderr
+    first, logprobs = p.stdout.splitlines()[:2]
+    assert "Paris" in first and "Logprob(" in logprobs
+
+
+def serve_block(needle: str) -> tuple[list[str], list[str]]:
+    """The serve and curl commands of the bash block holding `needle`."""
+    serve, curl = commands(block_with("bash", needle))
+    assert serve[:2] == [".venv/bin/turnout", "serve"] and curl[0] == "curl"
+    return serve[2:], curl
+
+
+def start(tmp: Path, args: list[str]) -> Server:
+    args = list(args)
+    if "--port" in args:  # Server adds --port 0 and reads the port from the start-up line
+        del args[args.index("--port") : args.index("--port") + 2]
+    return Server(tmp, *args)
+
+
+def curl(argv: list[str], url: str) -> dict:
+    p = run([a.replace(README_URL, url) for a in argv], Path.cwd())
+    assert p.returncode == 0, p.stderr
+    body = json.loads(p.stdout)
+    assert body["choices"][0]["message"]["content"], body
+    return body
+
+
+def test_plain_serve_and_its_curl(tmp_path: Path) -> None:
+    args, request = serve_block('"model": "SmolLM2-135M-Instruct"')
+    server = start(tmp_path, args)
+    try:
+        curl(request, server.url)
+    finally:
+        server.stop()
+
+
+def test_serve_with_a_key_its_curl_and_the_openai_snippet(tmp_path: Path) -> None:
+    args, request = serve_block("--served-model-name")
+    server = start(tmp_path, args)
+    try:
+        assert curl(request, server.url)["model"] == "my-model"
+        script = tmp_path / "client.py"
+        script.write_text(block_with("python", "from openai import OpenAI").replace(README_URL, server.url))
+        p = run([sys.executable, str(script)], tmp_path)
+        assert p.returncode == 0 and p.stdout.strip(), p.stderr
+    finally:
+        server.stop()
+
+
+# ---- "An engine with worker processes built at a script's top level is refused with one line" ----
+
+TP_SCRIPT = """
+from turnout import LLM, SamplingParams
+{build}
+"""
+TP_BUILD = "llm = LLM(tensor_parallel_size=3, max_model_len=64)"  # the embedded model's 9 heads allow TP 3
+
+
+def test_tp_engine_at_a_scripts_top_level_is_one_line(tmp_path: Path) -> None:
+    assert "refused with one line saying so" in README
+    script = tmp_path / "top.py"
+    script.write_text(TP_SCRIPT.format(build=TP_BUILD))
+    p = run([sys.executable, str(script)], tmp_path)
+    assert p.returncode == 1 and p.stdout == ""
+    (line,) = p.stderr.splitlines()  # no traceback, and no worker started to print one
+    assert line.startswith(f"ConfigError: {script}:3 builds a 3-rank engine (executor multiproc)")
+    assert line.endswith('put that code under `if __name__ == "__main__":`')
+
+
+def test_tp_engine_under_the_main_guard_runs(tmp_path: Path) -> None:
+    script = tmp_path / "guarded.py"
+    out = "llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].token_ids"
+    body = f"{TP_BUILD}\nprint({out})"
+    script.write_text(TP_SCRIPT.format(build='if __name__ == "__main__":\n' + textwrap.indent(body, "    ")))
+    p = run([sys.executable, str(script)], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)) == 2
