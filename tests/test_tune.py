@@ -80,7 +80,10 @@ def test_tune_measures_real_candidates_and_selection_takes_the_recorded_winner(
     naive()
     config = EngineConfig(model=str(tiny_llama), dtype="float32")
     axes = ("attention_backend", "max_num_batched_tokens")
-    record = tune(config, budget=120, progress=False, load=SMALL, axes=axes)
+    for _ in range(3):  # a noisy run is a correct no-decision on a shared CPU: measure again
+        record = tune(config, budget=120, progress=False, load=SMALL, axes=axes)
+        if decide(record, {}).winner is not None:
+            break
     by = {c.label: c for c in record.candidates}
     assert record.default["attention_backend"] == "naive" and record.path.parent == cache
     # the default first, then by rank, then the decode+mixed pairs: the search's order, every time

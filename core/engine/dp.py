@@ -72,6 +72,17 @@ class DataParallelEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.engines[0].tokenize(prompt)
 
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every replica's live requests by id (ids are unique over the front)."""
+        return {k: r for e in self.engines for k, r in e.requests.items()}
+
+    def check_request(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[list[int], SamplingParams]:
+        """LLMEngine.check_request of the replicas, which share one model and max_model_len."""
+        return self.engines[0].check_request(prompt, params)
+
     def abort(self, req_id: str) -> None:
         if (engine := self._owner.get(req_id)) is not None:
             engine.abort(req_id)
