@@ -98,7 +98,7 @@ def main() -> None:
         args.json,
         rows,
         args,
-        model="SmolLM2-135M-Instruct (Q4_1 GGUF -> float32)",
+        model="SmolLM2-135M-Instruct (Q4_1 GGUF -> bfloat16)",
         threads=torch.get_num_threads(),
     )
 

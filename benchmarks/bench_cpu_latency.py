@@ -73,7 +73,7 @@ def main() -> None:
         args.json,
         rows,
         args,
-        model="SmolLM2-135M-Instruct (Q4_1 GGUF -> float32)",
+        model="SmolLM2-135M-Instruct (Q4_1 GGUF -> bfloat16)",
         selection=llm.engine.selection.summary(),
         threads=torch.get_num_threads(),
         runs={f"{n} {k}": v for (n, k), v in times.items()},
