@@ -475,6 +475,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     defaults = _sampling_defaults(args)
     SamplingParams(**defaults)  # a bad flag value fails before the model loads
     rows = _input_rows(args, defaults)
+    import turnout.llm  # noqa: F401 - torch's imports are done before --output is touched
+
     sink = None
     try:
         sink = _Sink(rows, args.output) if _jsonl(rows, args) else None  # an unwritable --output fails here
@@ -699,12 +701,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:  # a bug: one line, the traceback only when asked for
+        if _interrupted(e):  # Ctrl-C inside an import that wraps what it catches
+            print("interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
         logger.debug("internal error", exc_info=True)
         print(
             f"internal error: {type(e).__name__}: {e}".splitlines()[0] + " (please report it)",
             file=sys.stderr,
         )
         return EXIT_INTERNAL
+
+
+def _interrupted(e: BaseException | None) -> bool:
+    while e is not None and not isinstance(e, KeyboardInterrupt):
+        e = e.__cause__ or e.__context__
+    return e is not None
 
 
 if __name__ == "__main__":
