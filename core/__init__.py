@@ -5,19 +5,23 @@ from turnout.envs import EnvVar
 from turnout.errors import TurnoutError
 from turnout.hookspecs import Priority, hookimpl
 from turnout.sampling_params import SamplingParams
+from turnout.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
+    "PLUGIN_API",
     "EngineConfig",
     "EnvVar",
     "Platform",
     "Priority",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TurnoutError",
     "hookimpl",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+PLUGIN_API = 2  # the edition of the hook specs and the backend, model and executor contracts
 
 # Imported on first use: LLM pulls in torch models and the engine; keep `import turnout` light for plugins
 # and the CLI.

@@ -30,6 +30,7 @@ from turnout.sampling_params import SamplingParams
 from turnout.tuning.cli import add_tune_parser
 
 if TYPE_CHECKING:
+    from turnout.plugins import PluginManager
     from turnout.selection import Choice, Selection
 
 logger = logging.getLogger("turnout")
@@ -77,29 +78,60 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from turnout.plugins import get_plugin_manager
 
     pm = get_plugin_manager()
-    rows = [i.as_dict() for i in pm.listing()]
+    unavailable = _unavailable_here(pm)
+    rows = [{**i.as_dict(), "unavailable_here": unavailable.get(i.name, [])} for i in pm.listing()]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     _table(
         ["name", "distribution", "version", "status", "hooks / error"],
-        [
-            [r["name"], r["distribution"], r["version"], r["status"], r["error"] or ", ".join(r["hooks"])]
-            for r in rows
-        ],
-    )
+        [[r["name"], r["distribution"], r["version"], _plugin_status(r), r["error"] or ", ".join(r["hooks"])]
+         for r in rows],
+    )  # fmt: skip
+    if missing := [[r["name"], why] for r in rows for why in r["unavailable_here"]]:
+        print("\nunavailable on this machine, for any model:")
+        _table(["plugin", "why"], missing, "  ")
     for name in pm.unmatched_allow:
         print(f"TURNOUT_PLUGINS names '{name}', but no installed plugin has that name")
     return 0
 
 
+def _plugin_status(row: dict[str, Any]) -> str:
+    return f"{row['status']}; unavailable here" if row["unavailable_here"] else row["status"]
+
+
+def _unavailable_here(pm: PluginManager) -> dict[str, list[str]]:
+    """plugin -> why its attention backends and executors cannot run on this machine for any model: the
+    device, compute capability or a library that does not import (each backend's platform_reasons), or an
+    executor refusing a one-rank engine that names it; a plugin that is not a key has nothing unavailable."""
+    from turnout.executor import ExecutorContext
+    from turnout.platform import current_platform
+
+    platform = current_platform()
+    checks = {  # hook: (what it gives, its reasons)
+        "turnout_attention_backends": ("attention backend", lambda b: b.platform_reasons(platform)),
+        "turnout_executors": ("executor", lambda e: e.check(ExecutorContext(platform, 1, explicit=True))),
+    }
+    out: dict[str, list[str]] = {}
+    for hook, (label, reasons) in checks.items():
+        for res in pm.call_each(hook, platform=platform):
+            why = [res.error] if res.error else []
+            for item in res.value or []:
+                try:
+                    why += [f"{label} {item.name}: {r}" for r in reasons(item)]
+                except Exception as e:  # a check that raises is a reason, as in selection
+                    why.append(f"{label} {item.name}: check() raised {type(e).__name__}: {e}")
+            if why:
+                out.setdefault(res.plugin, []).extend(why)
+    return out
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
-    from turnout.engine.llm_engine import resolve_model_dir
-    from turnout.models.info import ModelInfo
+    from turnout.loader.default_model import model_info
     from turnout.selection import select_all
 
     config = _config(args)
-    sel = select_all(config, ModelInfo.from_dir(resolve_model_dir(config)))
+    sel = select_all(config, model_info(config.model))  # a GGUF's own metadata: explain writes no model
     if args.json:
         print(json.dumps(_explain_doc(sel, config), indent=2))
     else:
@@ -623,6 +655,13 @@ def _sampling_flags(g: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--skip-special-tokens", **bool_flag, help="leave special tokens out of the text (default on)"
     )
+    s.add_argument(
+        "--structured-outputs",
+        type=_json_object,
+        metavar="JSON",
+        help='hold the output to one constraint: {"json": SCHEMA}, {"regex": ...}, {"choice": [...]}, '
+        '{"grammar": EBNF} or {"json_object": true}',
+    )
 
 
 def _generate_parser(sub: Any) -> None:
@@ -700,6 +739,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout went away (`turnout plugins | head`): nobody reads the rest
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except Exception as e:  # a bug: one line, the traceback only when asked for
         if _interrupted(e):  # Ctrl-C inside an import that wraps what it catches
             print("interrupted", file=sys.stderr)

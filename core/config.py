@@ -32,6 +32,9 @@ class EngineConfig(BaseModel):
     # model and tokenizer
     model: str | None = Field(None, description="HF-style folder; None = embedded SmolLM2-135M-Instruct")
     tokenizer: str | None = Field(None, description="tokenizer folder; None = the model folder")
+    skip_tokenizer_init: bool = Field(
+        False, description="load no tokenizer: prompts must be token ids, outputs carry token ids and no text"
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto",
         description="auto = on GPU the checkpoint's dtype (bfloat16 for a float32 one); on CPU bfloat16 "
@@ -97,6 +100,9 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(False, description="never capture graphs")
     seed: int = Field(0, description="global seed for unseeded sampling")
     # requests
+    structured_outputs_backend: str = Field(
+        "auto", description="the grammar engine for structured outputs; auto = the installed one (xgrammar)"
+    )
     max_logprobs: int = Field(20, ge=0, description="the most logprobs / prompt_logprobs a request may ask")
 
     _sources: dict[str, str] = PrivateAttr(

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from turnout.graphs import GraphPolicy
     from turnout.models import ModelArchitecture
     from turnout.platform import Platform
+    from turnout.structured_outputs import StructuredOutputBackend
+    from turnout.tool_parsers import ToolParser
 
 PROJECT = "turnout"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -123,4 +125,31 @@ def turnout_env_vars() -> list[EnvVar]:
     switch's `.value` when your component starts, never per step. An empty list declares nothing.
 
     Combine: concatenated with the core's switches into one registry (`turnout.envs.registry()`).
+    """
+
+
+@hookspec
+def turnout_tool_parsers() -> list[type[ToolParser]]:
+    """Return the tool-call parsers this plugin offers: `turnout.tool_parsers.ToolParser` subclasses, each
+    with a unique `name`, chosen by `turnout serve --tool-call-parser NAME`.
+
+    A parser turns a chat completion's text into OpenAI `tool_calls` (`parse`), and does the same as the
+    text streams in (`feed`, then `finish`); concatenating the streamed pieces must give what `parse` gives
+    for the whole text. An empty list offers nothing.
+
+    Combine: concatenated; names must be unique, and a later duplicate is rejected with a warning.
+    """
+
+
+@hookspec
+def turnout_structured_output_backends() -> list[type[StructuredOutputBackend]]:
+    """Return the grammar engines this plugin offers for structured outputs (JSON schema, regex, choice,
+    EBNF grammar): `turnout.structured_outputs.StructuredOutputBackend` subclasses with a unique `name`.
+
+    A backend compiles a request's constraint once (`compile`, cached by the engine) into a grammar whose
+    matchers fill a token bitmask on the host and accept each sampled token. Report a missing library from
+    `import_error()`, importing it lazily. An empty list offers nothing.
+
+    Combine: concatenated; `structured_outputs_backend` names one (it must be usable), "auto" takes the
+    usable backend of the highest `priority`, ties by name.
     """

@@ -6,12 +6,14 @@ import collections
 import dataclasses
 import itertools
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from turnout import envs
 from turnout.config import EngineConfig
 from turnout.engine.core import make_engine
 from turnout.engine.request import Request, TokenLogprobs
@@ -47,6 +49,7 @@ class LLM:
         else:
             cfg = EngineConfig.load(config, model=model, **overrides)
         self.config = cfg
+        log_to_stderr()
         self.engine = make_engine(cfg)  # with tune = auto, tuned first where no record matches
         self.tokenizer = self.engine.tokenizer
         logger.info("selected %s", self.engine.selection.summary())
@@ -54,6 +57,14 @@ class LLM:
         self._token_text: dict[int, str] = {}
 
     def get_tokenizer(self) -> Any:
+        """The engine's tokenizer; None where it loaded none (skip_tokenizer_init, or a model folder
+        without tokenizer files)."""
+        return self.tokenizer
+
+    def _need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            why = getattr(self.engine, "tokenizer_problem", "the engine loaded none")  # an LLMEngine says
+            raise RequestError(f"{what} need a tokenizer, but {why}")
         return self.tokenizer
 
     # ---- prompts ----
@@ -62,8 +73,9 @@ class LLM:
     ) -> str:
         """The conversation as the model's chat template writes it; RequestError if it is malformed."""
         check_conversation(messages)
+        tokenizer = self._need_tokenizer("chat conversations")
         try:
-            return self.tokenizer.apply_chat_template(
+            return tokenizer.apply_chat_template(
                 messages,
                 chat_template=chat_template,
                 tokenize=False,
@@ -266,17 +278,42 @@ class LLM:
             out.append(d)
         return out
 
-    def _text_of(self, token_id: int) -> str:
+    def _text_of(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
         if (text := self._token_text.get(token_id)) is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
     @property
     def selection(self) -> Selection:
+        """What was chosen at start-up and why: each component's Choice, and the chosen objects."""
         return self.engine.selection
 
     def shutdown(self) -> None:
+        """Stop the executor and its workers; the LLM takes no requests afterwards."""
         self.engine.shutdown()
+
+
+class _StderrHandler(logging.StreamHandler):
+    """turnout's own lines on stderr while the application configures no logging: it stays silent once
+    the root logger has a handler (logging.basicConfig, pytest), which then gets them instead."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.root.handlers:
+            super().emit(record)
+
+
+def log_to_stderr() -> None:
+    """As vLLM does, show turnout's INFO lines (selection, model loaded, KV cache) in a script that set up
+    no logging: a stderr handler on the "turnout" logger, at TURNOUT_LOG_LEVEL. Where logging is set up
+    (the root logger has a handler, or the "turnout" logger a level or handler) nothing changes."""
+    if logging.root.handlers or logger.handlers or logger.level != logging.NOTSET:
+        return
+    handler = _StderrHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(envs.LOG_LEVEL.value)
 
 
 def _keep_best(result: RequestOutput, sp: SamplingParams) -> None:

@@ -1,5 +1,9 @@
 """Plugin discovery: every `turnout` entry point, import failures recorded, not fatal.
 
+A plugin declares the plugin API it was written for by its distribution's requirement on turnout
+(`dependencies = ["turnout>=0.2,<0.3"]`). One whose requirement this turnout does not meet is not imported:
+it is listed as "incompatible", with the reason and where the migration note is.
+
 TURNOUT_PLUGINS is an allow-list of entry-point names: unset loads all, empty loads none.
 """
 
@@ -13,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 import pluggy
+from packaging.requirements import InvalidRequirement, Requirement
 
 from turnout import envs, hookspecs
 
@@ -26,7 +31,7 @@ class PluginInfo:
     distribution: str
     version: str
     hooks: list[str] = field(default_factory=list)
-    status: str = "loaded"  # or "failed"
+    status: str = "loaded"  # or "failed", or "incompatible" (written for another plugin API)
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -58,6 +63,10 @@ class PluginManager:
                 continue
             dist = ep.dist.name if ep.dist else "?"
             version = ep.dist.version if ep.dist else "?"
+            if (why := api_mismatch(ep.dist)) is not None:
+                logger.warning("plugin %s (%s) is not loaded: %s", ep.name, dist, why)
+                self.infos[ep.name] = PluginInfo(ep.name, dist, version, [], "incompatible", why)
+                continue
             try:
                 self.register(ep.load(), ep.name, dist, version)
             except Exception as e:  # a broken plugin must not break the engine
@@ -95,6 +104,24 @@ class PluginManager:
 
     def listing(self) -> list[PluginInfo]:
         return sorted(self.infos.values(), key=lambda i: i.name)
+
+
+def api_mismatch(dist: md.Distribution | None) -> str | None:
+    """Why a plugin's distribution was written for another plugin API: its requirement on turnout, where
+    this turnout's version does not meet it; None where it does, or where it names none."""
+    from turnout import PLUGIN_API, __version__
+
+    for line in (dist.requires or []) if dist is not None else []:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.name == "turnout" and (not req.marker or req.marker.evaluate()) and req.specifier:
+            if not req.specifier.contains(__version__, prereleases=True):
+                this = f"turnout {__version__} (plugin API {PLUGIN_API})"
+                note = f"what changed, and how to port it: docs/changelog.md, 'Plugin API {PLUGIN_API}'"
+                return f"needs turnout{req.specifier}, and this is {this}; {note}"
+    return None
 
 
 _manager: PluginManager | None = None

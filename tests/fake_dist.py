@@ -7,12 +7,16 @@ from pathlib import Path
 EXAMPLE = Path(__file__).parents[1] / "examples/turnout-example-backend/turnout_example_backend/__init__.py"
 
 
-def make_dist(root: Path, dist: str, module: str, source: str, ep_name: str | None = None) -> Path:
-    """Write `module.py` and `<dist>-1.2.3.dist-info` under root; return root (to put on sys.path)."""
+def make_dist(
+    root: Path, dist: str, module: str, source: str, ep_name: str | None = None, requires: str | None = None
+) -> Path:
+    """Write `module.py` and `<dist>-1.2.3.dist-info` under root (with a Requires-Dist line where given);
+    return root (to put on sys.path)."""
     (root / f"{module}.py").write_text(source)
     info = root / f"{dist.replace('-', '_')}-1.2.3.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
+    req = f"Requires-Dist: {requires}\n" if requires else ""
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n{req}")
     (info / "entry_points.txt").write_text(f"[turnout]\n{ep_name or module} = {module}\n")
     return root
 

@@ -7,6 +7,7 @@ and checks:
   - the cache bit for bit: k, v written exactly at slot_mapping, every other slot (poison included)
     untouched;
   - that q, k, v were not modified.
+The scale cases give a softmax scale other than head_size ** -0.5, so a backend must use spec.scale.
 Off CUDA, Triton backends run under TRITON_INTERPRET=1, which is set only while the backends are
 discovered (and their libraries imported) and while this module's tests run (triton imports more of
 itself lazily), so the other test modules do not see it.
@@ -16,6 +17,7 @@ The CPU run uses small shapes; the `gpu` cases run the full product with larger 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata as md
 import itertools
 import os
@@ -27,7 +29,7 @@ import torch
 from turnout.attention import AttentionBackend, AttentionContext, AttentionSpec, CudagraphSupport
 from turnout.platform import current_platform
 
-from attention_reference import KINDS, make_case
+from attention_reference import KINDS, make_case, ref_paged_attention
 
 PLATFORM = current_platform()
 ON_CUDA = PLATFORM.is_cuda
@@ -103,7 +105,7 @@ def _block_size(be: AttentionBackend, want: int = 16) -> int:
 
 
 def _run(be: AttentionBackend, batch: str, gqa: int, head: int, dtype: torch.dtype, seed: int, shape: dict,
-         block_size: int | None = None) -> None:  # fmt: skip
+         block_size: int | None = None, scale: float | None = None) -> None:  # fmt: skip
     bs = block_size or _block_size(be)
     ctx = AttentionContext(PLATFORM, dtype, head, shape["num_kv_heads"] * gqa, shape["num_kv_heads"], bs)
     if reasons := be.check(ctx):
@@ -112,12 +114,16 @@ def _run(be: AttentionBackend, batch: str, gqa: int, head: int, dtype: torch.dty
     rng = random.Random(f"{seed}-{batch}-{gqa}-{head}-{dtype}-{bs}")
     c = make_case(rng, gqa=gqa, head_size=head, dtype=dtype, block_size=bs, kinds=kinds, pad_tokens=pad,
                   decode_first=decode_first, device=DEVICE, **shape)  # fmt: skip
+    if scale is not None:  # the same step under another softmax scale, against the same reference
+        expected = ref_paged_attention(c.q, c.expected_cache, c.meta, scale, c.num_kv_heads)
+        c = dataclasses.replace(c, scale=scale, expected=expected)
     be.setup(AttentionSpec(c.q.shape[1], c.num_kv_heads, head, dtype, bs, c.scale, num_layers=1))
     inputs = [x.clone() for x in (c.q, c.k, c.v)]
     c.meta.backend_data = be.build_metadata(c.meta)
     out = be.forward(c.q, c.k, c.v, c.kv_cache, c.meta)
     n, m = c.meta.num_actual_tokens, c.meta
     where = f"{be.name} {batch}: {c.kinds}, seq_lens={m.seq_lens.tolist()} cu={m.query_start_loc.tolist()}"
+    where += f", scale {c.scale:.4g}" if scale is not None else ""
     assert out.shape == c.q.shape and out.dtype == dtype, where
     assert torch.isfinite(out[:n]).all(), f"non-finite output: {where}"
     err = ((out[:n].double() - c.expected).norm() / c.expected.norm()).item()
@@ -155,6 +161,18 @@ def test_block_sizes(be: AttentionBackend, block_size: int) -> None:
 @pytest.mark.parametrize("head", [80, 96, 256])
 def test_head_sizes(be: AttentionBackend, head: int) -> None:
     _run(be, "mixed", 4, head, torch.float16, seed=5, shape=LARGE if ON_CUDA else SMALL)
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize(
+    "batch,dtype,scale",
+    [("decode", torch.float16, 0.05), ("mixed", torch.float32, 1.0), ("mixed", torch.bfloat16, 0.3)],
+    ids=["decode-float16-0.05", "mixed-float32-1.0", "mixed-bfloat16-0.3"],
+)
+def test_softmax_scale(be: AttentionBackend, batch: str, dtype: torch.dtype, scale: float) -> None:
+    """Scales far from head_size ** -0.5 (0.125 here), as Gemma's query_pre_attn_scalar or a model's
+    per-layer scale give: a backend that ignores spec.scale fails them."""
+    _run(be, batch, 2, 64, dtype, seed=6, shape=LARGE if ON_CUDA else SMALL, scale=scale)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from turnout import hookimpl
 from turnout.models.info import ModelInfo
 
 from fake_dist import make_dist, naive_backend_source
@@ -43,7 +44,8 @@ def third_party(tmp_path_factory):
 
 def test_plugins_json_lists_in_repo_and_third_party(third_party):
     rows = json.loads(run("plugins", "--json", env=third_party).stdout)
-    assert all(set(r) == {"name", "distribution", "version", "hooks", "status", "error"} for r in rows)
+    keys = {"name", "distribution", "version", "hooks", "status", "error", "unavailable_here"}
+    assert all(set(r) == keys for r in rows)
     by = {r["name"]: r for r in rows}
     assert {"cpu", "graphs", "llama", "qwen3", "uniproc"} <= set(by)
     assert by["turnout_naive"]["status"] == "loaded" and by["turnout_naive"]["version"] == "1.2.3"
@@ -311,6 +313,61 @@ def test_explain_shows_settings_and_their_source(tiny_llama, tmp_path, monkeypat
     assert cli.main(argv[:1] + argv[2:]) == 0
     out = capsys.readouterr().out
     assert "engine settings" in out and re.search(r"max_num_seqs +8 +flag", out)
+
+
+def test_explain_on_a_gguf_writes_no_model(tmp_path, monkeypatch, capsys):
+    from turnout import cli
+    from turnout.loader.default_model import default_gguf_path
+
+    monkeypatch.setenv("TURNOUT_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = default_gguf_path()
+    assert cli.main(["explain", "--json", "--model", str(gguf)]) == 0
+    assert not list(tmp_path.glob("cache/models/*"))  # read from the GGUF's metadata, not converted
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["model"], doc["architecture"]) == (str(gguf), "LlamaForCausalLM")
+    assert doc["kinds"]["attention"]["chosen"] == "cpu"
+
+
+class _NeedsLib:
+    """A CPU attention backend whose library does not import."""
+
+    @hookimpl
+    def turnout_attention_backends(self, platform):
+        from turnout.attention import AttentionBackend
+
+        class NeedsLib(AttentionBackend):
+            name, device_types, dtypes = "needslib", ("cpu",), (torch.float32,)
+
+            def import_error(self):
+                return "cannot import needslib: libfoo.so is missing"
+
+            def forward(self, q, k, v, kv_cache, meta):
+                raise NotImplementedError
+
+        return [NeedsLib()]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA backends can run here")
+def test_plugins_say_which_components_cannot_run_here(register_plugin, capsys):
+    from turnout import cli
+
+    register_plugin(_NeedsLib(), "needslib")
+    assert cli.main(["plugins", "--json"]) == 0
+    by = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    for name in ("flashinfer", "flash_attn"):
+        assert by[name]["status"] == "loaded"
+        assert by[name]["unavailable_here"] == [f"attention backend {name}: needs device cuda, have cpu"]
+    assert by["needslib"]["unavailable_here"] == [
+        "attention backend needslib: cannot import needslib: libfoo.so is missing"
+    ]
+    assert by["cpu"]["unavailable_here"] == by["uniproc"]["unavailable_here"] == []
+    assert cli.main(["plugins"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    status = {line.split()[0]: line for line in lines if line and not line.startswith(" ")}
+    assert "loaded; unavailable here" in status["flashinfer"] and "unavailable" not in status["cpu"]
+    assert re.search(
+        r"^  flashinfer +attention backend flashinfer: needs device cuda, have cpu$", "\n".join(lines), re.M
+    )
 
 
 def test_file_errors_fail_before_the_model_loads(tmp_path, capsys):

@@ -62,6 +62,11 @@ VALID = {
     "logprobs": st.none() | st.integers(0, 22),
     "prompt_logprobs": st.none() | st.integers(0, 2),
     "skip_special_tokens": st.booleans(),
+    "structured_outputs": st.none()
+    | st.fixed_dictionaries({"regex": st.sampled_from(["(w1|w2)+", "w[0-9]", "("])})
+    | st.fixed_dictionaries(
+        {"choice": st.lists(st.sampled_from(["w3", "w4 w5", "ab"]), min_size=1, max_size=2)}
+    ),
 }
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "assistant", "system"]), "content": st.text(max_size=12)},

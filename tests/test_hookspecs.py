@@ -18,13 +18,15 @@ TEST_TEXT = {
 }
 
 
-def test_the_four_plugin_kinds_and_env_switches():
+def test_the_plugin_kinds_and_env_switches():
     assert SPECS == [
         "turnout_attention_backends",
         "turnout_env_vars",
         "turnout_executors",
         "turnout_graph_policies",
         "turnout_model_architectures",
+        "turnout_structured_output_backends",
+        "turnout_tool_parsers",
     ]
 
 

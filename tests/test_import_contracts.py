@@ -7,7 +7,8 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).parents[1]
-FACADES = {"attention", "executor", "graphs", "layers", "models"}  # and `turnout` itself
+# and `turnout` itself
+FACADES = {"attention", "executor", "graphs", "layers", "models", "structured_outputs", "tool_parsers"}
 LINTER = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
 CONTRACTS = {c["id"]: c for c in LINTER["contracts"]}
 

@@ -101,6 +101,28 @@ class _Recording:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the recording backend is the CPU one")
+def test_a_model_declares_the_parallelism_it_supports(tmp_path, example_model, tiny_llama, capsys) -> None:
+    """The example model builds every layer on one stage: pipeline parallelism is refused with one line,
+    the same from LLM and from `turnout explain`, before any worker starts. enable_expert_parallel on a dense
+    model is told it has no experts."""
+    from turnout.cli import main
+
+    path = str(_tiny_neox(tmp_path, True, 1.0))
+    capsys.readouterr()
+    with pytest.raises(TurnoutError) as e:
+        LLM(path, pipeline_parallel_size=2)
+    assert str(e.value) == (
+        "model GPTNeoXForCausalLM (example_model): GPTNeoXForCausalLM declares no pipeline parallelism; "
+        "set pipeline_parallel_size = 1 (2)"
+    )
+    assert main(["explain", "--model", path, "--pipeline-parallel-size", "2"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {e.value}"
+    with pytest.raises(
+        TurnoutError, match="enable_expert_parallel is set, but LlamaForCausalLM has no experts"
+    ):
+        LLM(str(tiny_llama), enable_expert_parallel=True)
+
+
 def test_backend_gets_its_spec_once_before_kv_sizing(tiny_qwen3, register_plugin) -> None:
     rec = _Recording()
     register_plugin(rec, "recording")

@@ -21,7 +21,7 @@ def on_path(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     yield tmp_path
-    for mod in ("turnout_fake_ok", "turnout_fake_broken"):
+    for mod in ("turnout_fake_ok", "turnout_fake_broken", "turnout_fake_old"):
         sys.modules.pop(mod, None)
 
 
@@ -50,6 +50,28 @@ def test_fake_distribution_loads_and_broken_one_is_recorded(on_path):
     assert broken.status == "failed" and "no_such_module_xyz" in broken.error
     assert broken.distribution == "turnout-fake-broken"
     assert IN_REPO <= {n for n, i in info.items() if i.status == "loaded"}  # loading went on
+
+
+def test_a_plugin_for_another_api_is_listed_incompatible_not_imported(on_path):
+    """Its requirement on turnout says which plugin API it was written for; outside it, the module is never
+    imported (it would raise here), and the listing names the versions and the migration note."""
+    import turnout
+
+    raises = "raise RuntimeError('imported')\n"
+    make_dist(on_path, "turnout-fake-old", "turnout_fake_old", raises, requires="turnout<0.2")
+    make_dist(
+        on_path, "turnout-fake-ok", "turnout_fake_ok", naive_backend_source(), requires="turnout>=0.2,<0.3"
+    )
+    pm = PluginManager()
+    pm.load_entry_points()
+    info = {i.name: i for i in pm.listing()}
+    old = info["turnout_fake_old"]
+    assert old.status == "incompatible" and "turnout_fake_old" not in sys.modules
+    assert old.error == (
+        f"needs turnout<0.2, and this is turnout {turnout.__version__} (plugin API {turnout.PLUGIN_API}); "
+        f"what changed, and how to port it: docs/changelog.md, 'Plugin API {turnout.PLUGIN_API}'"
+    )
+    assert info["turnout_fake_ok"].status == "loaded"
 
 
 def test_allow_list(on_path, monkeypatch):

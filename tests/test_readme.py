@@ -100,11 +100,20 @@ def test_use_line_runs(argv: list[str], tmp_path: Path) -> None:
 
 def test_llm_snippet_runs(tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
-    script.write_text(block_with("python", "from turnout import LLM, SamplingParams"))
+    script.write_text(block_with("python", "from turnout import LLM, SamplingParams\n"))
     p = run([sys.executable, str(script)], tmp_path)
     assert p.returncode == 0, p.stderr
     first, logprobs = p.stdout.splitlines()[:2]
     assert "Paris" in first and "Logprob(" in logprobs
+
+
+def test_structured_outputs_snippet_runs(tmp_path: Path) -> None:
+    script = tmp_path / "snippet.py"
+    script.write_text(block_with("python", "StructuredOutputsParams(json=city)"))
+    p = run([sys.executable, str(script)], tmp_path)
+    assert p.returncode == 0, p.stderr
+    as_json, choice = p.stdout.splitlines()
+    assert isinstance(json.loads(as_json)["city"], str) and choice in ("yes", "no")
 
 
 def serve_block(needle: str) -> tuple[list[str], list[str]]:
@@ -144,9 +153,16 @@ def test_serve_with_a_key_its_curl_and_the_openai_snippet(tmp_path: Path) -> Non
     try:
         assert curl(request, server.url)["model"] == "my-model"
         script = tmp_path / "client.py"
-        script.write_text(block_with("python", "from openai import OpenAI").replace(README_URL, server.url))
+        script.write_text(block_with("python", "stream_options").replace(README_URL, server.url))
         p = run([sys.executable, str(script)], tmp_path)
         assert p.returncode == 0 and p.stdout.strip(), p.stderr
+        script.write_text(block_with("python", 'tool_choice="required"').replace(README_URL, server.url))
+        p = run([sys.executable, str(script)], tmp_path)
+        assert p.returncode == 0, p.stderr
+        as_json, call = p.stdout.splitlines()
+        assert isinstance(json.loads(as_json)["city"], str)
+        name, arguments = call.split(" ", 1)
+        assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str)
     finally:
         server.stop()
 

@@ -147,15 +147,25 @@ class AttentionBackend:
         """Import the heavy library; return why it is unusable, or None. Called only when checked."""
         return None
 
+    def platform_reasons(self, platform: Platform) -> list[str]:
+        """Why this backend cannot run on platform whatever the model: its device, compute capability or
+        library (`turnout plugins` shows them); check() adds the model's reasons."""
+        reasons = self._device_reasons(platform)
+        if not reasons and (err := self.import_error()):
+            reasons.append(err)
+        return reasons
+
+    def _device_reasons(self, p: Platform) -> list[str]:
+        if p.device_type not in self.device_types:
+            return [f"needs device {'/'.join(self.device_types)}, have {p.device_type}"]
+        if self.min_capability and (p.capability or (0, 0)) < self.min_capability:
+            need = "%d.%d" % self.min_capability
+            return [f"needs compute capability >= {need}, have {p.capability}"]
+        return []
+
     def check(self, ctx: AttentionContext) -> list[str]:
         """Every reason this backend cannot serve ctx; empty means it can. A query: it changes nothing."""
-        p = ctx.platform
-        reasons = []
-        if p.device_type not in self.device_types:
-            reasons.append(f"needs device {'/'.join(self.device_types)}, have {p.device_type}")
-        elif self.min_capability and (p.capability or (0, 0)) < self.min_capability:
-            need = "%d.%d" % self.min_capability
-            reasons.append(f"needs compute capability >= {need}, have {p.capability}")
+        reasons = self._device_reasons(ctx.platform)
         if ctx.dtype not in self.dtypes:
             ok = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             reasons.append(f"dtype {str(ctx.dtype).removeprefix('torch.')} unsupported (supports {ok})")

@@ -10,7 +10,9 @@ from transformers import PreTrainedTokenizerBase
 
 @dataclass
 class Detokenizer:
-    tokenizer: PreTrainedTokenizerBase
+    """A request's text so far, made from its token ids as they come; no tokenizer (None) makes none."""
+
+    tokenizer: PreTrainedTokenizerBase | None
     skip_special_tokens: bool = True
     text: str = ""
     prefix_offset: int = 0
@@ -45,10 +47,12 @@ class Detokenizer:
         return min(hits, key=lambda h: h[0]) if hits else None
 
 
-def _decode_of(tokenizer: PreTrainedTokenizerBase) -> Callable[..., str]:
+def _decode_of(tokenizer: PreTrainedTokenizerBase | None) -> Callable[..., str]:
     """tokenizer.decode, or the Rust tokenizer's own decode where tokenizer.decode of a list of ids is
     exactly that call (a tokenizers-backed tokenizer that cleans up no spaces): the same text, without
-    transformers' argument handling on every token."""
+    transformers' argument handling on every token. Without a tokenizer every text is empty."""
+    if tokenizer is None:
+        return lambda token_ids, **_: ""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from transformers import AutoTokenizer
 
@@ -31,6 +31,7 @@ from turnout.models.info import ModelInfo
 from turnout.prompts import context_problem
 from turnout.sampling_params import SamplingParams
 from turnout.selection import Selection, select_all
+from turnout.structured_outputs.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from turnout.worker.model_runner import ModelRunnerOutput
@@ -49,6 +50,36 @@ def resolve_model_dir(config: EngineConfig) -> str:
     if config.model and config.model.endswith(".gguf"):
         return str(gguf_model_path(config.model))
     return config.model or str(default_model_path())
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt")
+
+
+def load_tokenizer(config: EngineConfig, model_dir: str) -> tuple[Any, str]:
+    """(the tokenizer, "") or, where text prompts cannot be tokenized, (None, why, with the fix). Prompts of
+    token ids need none: a model folder without a usable tokenizer starts, with one warning; a `tokenizer`
+    the user named that does not load is a ConfigError."""
+    if config.skip_tokenizer_init:
+        return None, "skip_tokenizer_init is set; pass token ids, or unset skip_tokenizer_init"
+    path = config.tokenizer or model_dir
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises OSError, ValueError, ImportError, ... for what it lacks
+        why = f"transformers cannot load it: {' '.join(str(e).split())[:200]}"
+        if Path(path).is_dir() and not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
+            why = f"none of {', '.join(TOKENIZER_FILES)} is there"
+    else:
+        if set(tokenizer.get_vocab().values()) - set(tokenizer.all_special_ids):
+            return tokenizer, ""
+        why = "transformers finds no vocabulary there, only special tokens (its empty fallback)"
+    if config.tokenizer:
+        raise ConfigError(f"tokenizer {path} is not usable: {why}; pass a tokenizer folder that loads")
+    problem = (
+        f"model folder {path} has no usable tokenizer: {why}; add the model's tokenizer files to it, "
+        "or pass tokenizer=<a folder with them>"
+    )
+    logger.warning("prompts of token ids only: %s", problem)
+    return None, problem
 
 
 @dataclass
@@ -80,7 +111,7 @@ class LLMEngine:
 
             # Triton's compiled kernels live beside turnout's other caches, for every rank this spawns.
             os.environ.setdefault("TRITON_CACHE_DIR", str(cache_dir() / "triton"))
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
+        self.tokenizer, self.tokenizer_problem = load_tokenizer(config, model_dir)
         executor_cls = self.selection.executor_spec.load()
         if getattr(executor_cls, "start_method", None) == "spawn":
             check_main_guard(
@@ -90,6 +121,10 @@ class LLMEngine:
         self.async_scheduling = self.selection.async_scheduling
         self._in_flight: LaunchedStep | None = None
         self.eos_token_ids = self._eos_ids(model_dir)
+        vocab = self.info.hf_config.get("vocab_size") or len(self.tokenizer or ())
+        self.structured = StructuredOutputManager(
+            config.structured_outputs_backend, self.tokenizer, vocab, self.eos_token_ids
+        )
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
@@ -169,7 +204,7 @@ class LLMEngine:
 
     def _eos_ids(self, model_dir: str) -> list[int]:
         ids = set(self.info.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         try:
             with open(f"{model_dir}/generation_config.json") as f:
@@ -181,9 +216,16 @@ class LLMEngine:
 
     # ---- requests ----
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
-        return list(prompt)
+        """Text with the tokenizer's special tokens, or token ids as they are."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        return self.need_tokenizer("text prompts").encode(prompt, add_special_tokens=True) if prompt else []
+
+    def need_tokenizer(self, what: str) -> Any:
+        """The tokenizer, or RequestError: `what` needs one, why this engine has none, and the fix."""
+        if self.tokenizer is None:
+            raise RequestError(f"{what} need a tokenizer, but {self.tokenizer_problem}")
+        return self.tokenizer
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, req_id: str | None = None
@@ -196,6 +238,8 @@ class LLMEngine:
         req = Request(req_id, token_ids, params, self.eos_token_ids)
         self.requests[req_id] = req
         self.detok[req_id] = Detokenizer(self.tokenizer, params.skip_special_tokens)
+        if params.structured_outputs is not None:
+            self.structured.add(req_id, params.structured_outputs)
         self.scheduler.add(req)
         return req
 
@@ -232,6 +276,11 @@ class LLMEngine:
         for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
             if bad := [t for t in ids if t >= vocab]:
                 raise RequestError(f"{name} names token id {bad[0]}, outside the vocabulary [0, {vocab})")
+        if params.stop or params.bad_words:
+            self.need_tokenizer("stop strings" if params.stop else "bad_words")
+        if params.structured_outputs is not None:
+            self.need_tokenizer("structured outputs")
+            self.structured.compile(params.structured_outputs)  # one that does not compile fails here
         params = dataclasses.replace(params)
         params.eos_token_ids = self.eos_token_ids
         for word in params.bad_words or []:  # at the start of the text and after a space, as in vLLM
@@ -250,9 +299,11 @@ class LLMEngine:
         if req_id in self.requests:
             self.abort(req_id)
             del self.requests[req_id], self.detok[req_id]
+            self.structured.remove(req_id)
 
     def pop_finished(self, req_id: str) -> tuple[Request, str]:
         self._detokenize(self.requests[req_id])  # catch up: an aborted request's text was never read
+        self.structured.remove(req_id)
         return self.requests.pop(req_id), self.detok.pop(req_id).text
 
     def has_unfinished(self) -> bool:
@@ -261,13 +312,15 @@ class LLMEngine:
     # ---- the loop ----
     def step(self) -> list[StepOutput]:
         """Sync: schedule, launch and read one step. Async: schedule and launch step N+1, then read step N
-        and return its outputs."""
-        if not self.async_scheduling:
-            return self._read(self._launch(self.scheduler.schedule()))
+        and return its outputs. While a structured-output request runs, steps are sync: its bitmask needs
+        its last token."""
+        sync = not self.async_scheduling or self.structured.active
         prev = self._in_flight
-        if prev is not None and prev.feeds_next:  # read it first; the next call launches the step after
+        if prev is not None and (prev.feeds_next or sync):  # read it first; the next call launches the next
             self._in_flight = None
             return self._read(prev)
+        if sync:
+            return self._read(self._launch(self.scheduler.schedule()))
         self._in_flight = self._launch(self.scheduler.schedule())
         return self._read(prev)
 
@@ -278,8 +331,9 @@ class LLMEngine:
             elif out.finished_req_ids:  # let workers drop state of aborted requests
                 self.executor.execute_model(out)
             return None
-        if not self.async_scheduling:  # read at once: no request can leave meanwhile
-            res = self.executor.step(out)
+        if not self.async_scheduling or self.structured.active:  # read at once: no request leaves meanwhile
+            sampled = [s.req_id for s in out.requests if s.sample]
+            res = self.executor.step(out, lambda: self.structured.grammar_output(sampled))
             return LaunchedStep(out, self.requests, lambda: res, False)
         reqs = {s.req_id: self.requests[s.req_id] for s in out.requests}
         feeds_next = any(s.sample and s.params.needs_output_tokens for s in out.requests)
@@ -298,6 +352,8 @@ class LLMEngine:
         for req in self.scheduler.update(step.out, res.sampled, step.requests):
             if (entry := res.logprobs.get(req.req_id)) is not None:
                 req.logprobs.append(entry)
+            if self.structured.accept(req.req_id, req.output_token_ids[-1]) and not req.is_finished:
+                self.scheduler.finish(req, "stop")  # the grammar is complete
             # Text is made when read: each step for streams and stop strings, else once at the end.
             wanted = req.stream or req.params.stop or req.is_finished
             delta = self._detokenize(req) if wanted else ""

@@ -69,8 +69,11 @@ def decode_command(data: bytes) -> tuple:
 
 
 def encode_params(p: SamplingParams) -> dict[str, Any]:
-    """The fields that differ from their defaults."""
-    return {k: v for k, d in _PARAM_DEFAULTS.items() if (v := getattr(p, k)) != d}
+    """The fields that differ from their defaults; structured_outputs as the dict of its one field."""
+    out = {k: v for k, d in _PARAM_DEFAULTS.items() if (v := getattr(p, k)) != d}
+    if p.structured_outputs is not None:
+        out["structured_outputs"] = p.structured_outputs.as_dict()
+    return out
 
 
 # ---- the core's answers ----

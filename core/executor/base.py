@@ -12,6 +12,7 @@ from turnout.platform import Platform
 
 if TYPE_CHECKING:
     from turnout.engine.scheduler import SchedulerOutput
+    from turnout.structured_outputs import GrammarOutput
     from turnout.worker.model_runner import AsyncModelRunnerOutput, ModelRunnerOutput
 
 
@@ -48,7 +49,9 @@ class Executor:
         """Run the forward for this step; logits stay on the workers until sample_tokens."""
         raise NotImplementedError
 
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Sample the rows of the step execute_model ran, first masking a grammar_output's rows with its
+        bitmask (structured outputs); pass it on to the workers as it is."""
         raise NotImplementedError
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
@@ -61,9 +64,14 @@ class Executor:
     def shutdown(self) -> None:
         pass
 
-    def step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def step(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar: Callable[[], GrammarOutput | None] | None = None,
+    ) -> ModelRunnerOutput:
+        """execute_model, then sample_tokens; grammar() makes the bitmask on the host as the forward runs."""
         self.execute_model(scheduler_output)
-        return self.sample_tokens()
+        return self.sample_tokens(grammar() if grammar is not None else None)
 
     def step_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         """Launch the forward and the sampling and return at once; the result's get() waits for the sampled

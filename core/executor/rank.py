@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from turnout.config import EngineConfig
     from turnout.engine.scheduler import SchedulerOutput
     from turnout.selection import Selection
+    from turnout.structured_outputs import GrammarOutput
     from turnout.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger("turnout")
@@ -108,14 +109,14 @@ class RankWorker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.worker.execute_model(scheduler_output)
 
-    def sample_tokens(self) -> ModelRunnerOutput | None:
-        out = self.worker.sample_tokens()
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
+        out = self.worker.sample_tokens(grammar_output)
         return out if self.is_output else None
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A Worker method by name; sample_tokens answers on the output rank only."""
         if method == "sample_tokens":
-            return self.sample_tokens()
+            return self.sample_tokens(*args)
         return self.worker.call(method, *args, **kwargs)
 
     def shutdown(self) -> None:

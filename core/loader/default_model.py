@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from turnout import envs
-from turnout.errors import TurnoutError
+from turnout.errors import ConfigError, TurnoutError
 from turnout.loader.gguf import (
     CONVERT_MARKER,
     CONVERT_VERSION,
@@ -122,6 +122,8 @@ def model_info(model: str | None) -> ModelInfo:
     where an intact one exists, else the GGUF's own metadata."""
     from turnout.models.info import ModelInfo
 
+    if model and not Path(model).exists():  # the words of turnout.engine.llm_engine.resolve_model_dir
+        raise ConfigError(f"model {model} does not exist; pass an HF-style model folder or a .gguf file")
     if model and not model.endswith(".gguf"):
         return ModelInfo.from_dir(model)
     gguf_path = _gguf_file(model) if model else default_gguf_path()

@@ -41,6 +41,7 @@ from turnout.loader.weights import iter_safetensors
 from turnout.models.interface import CausalLM
 from turnout.sampling_params import SamplingParams
 from turnout.selection import Selection
+from turnout.structured_outputs import GrammarOutput, apply_token_bitmask
 from turnout.worker import block_table, kv_cache
 from turnout.worker.sampler import SampledTensors, Sampler, gather_logprobs
 
@@ -321,9 +322,10 @@ class ModelRunner:
             input_ids[d] = self._last_sampled[s]
 
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Sample the pending step's rows; a grammar_output's rows first lose the tokens it forbids."""
         self._last_sampled = None
-        return self._sample().get()
+        return self._sample(grammar_output).get()
 
     @torch.inference_mode()
     def sample_tokens_async(self) -> AsyncModelRunnerOutput:
@@ -333,12 +335,16 @@ class ModelRunner:
         self._last_sampled = out.token_ids
         return out
 
-    def _sample(self) -> AsyncModelRunnerOutput:
+    def _sample(self, grammar_output: GrammarOutput | None = None) -> AsyncModelRunnerOutput:
         prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, {}
         if self._pending is None:
             return AsyncModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         logits, reqs = self._pending
         self._pending = None
+        if grammar_output is not None:
+            row = {r.req_id: i for i, r in enumerate(reqs)}
+            rows = torch.tensor([row[i] for i in grammar_output.req_ids], device=logits.device)
+            apply_token_bitmask(logits, grammar_output.bitmask, rows)
         sampled = self.sampler.forward(
             logits,
             [r.params for r in reqs],

@@ -11,6 +11,7 @@ from turnout.config import EngineConfig
 from turnout.engine.scheduler import SchedulerOutput
 from turnout.layers.moe import FusedMoE
 from turnout.selection import Selection
+from turnout.structured_outputs import GrammarOutput
 from turnout.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, ModelRunnerOutput
 
 
@@ -37,8 +38,8 @@ class Worker:
     def execute_model(self, out: SchedulerOutput) -> None:
         self.runner.execute_model(out)
 
-    def sample_tokens(self) -> ModelRunnerOutput:
-        return self.runner.sample_tokens()
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        return self.runner.sample_tokens(grammar_output)
 
     def sample_tokens_async(self) -> AsyncModelRunnerOutput:
         return self.runner.sample_tokens_async()

@@ -3,6 +3,7 @@
 /v1/completions, /v1/chat/completions, /v1/models (behind --api-key when given), /health, /version,
 /metrics. A client that disconnects has its requests aborted; SIGINT/SIGTERM stop taking requests, give
 the running ones --shutdown-timeout seconds, end the rest with an error, and stop the engine's workers.
+/openapi.json documents every body, request and response, from the models in protocol.py.
 """
 
 from __future__ import annotations
@@ -10,37 +11,58 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import turnout
 from turnout import envs
 from turnout.config import EngineConfig
 from turnout.engine.async_llm import AsyncLLM
-from turnout.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, parse
+from turnout.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    ErrorResponse,
+    ModelList,
+    OpenAIError,
+    VersionResponse,
+    parse,
+)
 from turnout.entrypoints.openai.serving_chat import OpenAIServingChat
 from turnout.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from turnout.errors import TurnoutError
 from turnout.loader.default_model import DEFAULT_MODEL_NAME
 from turnout.metrics import PrometheusStatLogger
+from turnout.tool_parsers import ToolParser, get_tool_parser, tool_parser_names
 
 logger = logging.getLogger("turnout")
 
 
 def build_app(
-    engine: AsyncLLM, model_names: list[str], api_key: str | None, metrics: PrometheusStatLogger
+    engine: AsyncLLM,
+    model_names: list[str],
+    api_key: str | None,
+    metrics: PrometheusStatLogger,
+    tool_parser: type[ToolParser] | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -53,37 +75,51 @@ def build_app(
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     completion = OpenAIServingCompletion(engine, model_names)
-    chat = OpenAIServingChat(engine, model_names)
+    chat = OpenAIServingChat(engine, model_names, tool_parser, enable_auto_tool_choice)
     created = int(time.time())
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        openapi_extra=_request_body(CompletionRequest),
+        responses=_generation_responses(CompletionResponse, CompletionStreamResponse),
+    )
     async def completions(request: Request) -> Any:
         req = parse(CompletionRequest, await request.body())
         return await _cancel_on_disconnect(request, completion.create(req))
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        openapi_extra=_request_body(ChatCompletionRequest),
+        responses=_generation_responses(ChatCompletionResponse, ChatCompletionStreamResponse),
+    )
     async def chat_completions(request: Request) -> Any:
         req = parse(ChatCompletionRequest, await request.body())
         return await _cancel_on_disconnect(request, chat.create(req))
 
-    @app.get("/v1/models")
+    @app.get(
+        "/v1/models",
+        response_model=None,
+        responses={200: _json(ModelList, "The served models"), **_errors(401)},
+    )
     async def models() -> Any:
         card = {"object": "model", "created": created, "owned_by": "turnout"}
         data = [{**card, "id": n, "max_model_len": engine.max_model_len} for n in model_names]
         return {"object": "list", "data": data}
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"description": "The engine is up (no body)"}, **_errors(503)})
     async def health() -> Response:
         if engine.dead:
             err = OpenAIError(503, engine.dead, "service_unavailable_error", code="engine_dead")
             return JSONResponse(err.body(), err.status)
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", response_model=None, responses={200: _json(VersionResponse, "turnout's version")})
     async def version() -> Any:
         return {"version": turnout.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: _METRICS})
     async def prometheus() -> Response:
         return Response(metrics.expose(), media_type=CONTENT_TYPE_LATEST)
 
@@ -103,7 +139,81 @@ def build_app(
         logger.exception("request %s failed", request.url.path)
         return JSONResponse(OpenAIError(500, f"internal error: {e}", "server_error").body(), 500)
 
+    app.openapi = functools.partial(_openapi, app.openapi)  # type: ignore[method-assign]
     return app
+
+
+# ---- /openapi.json: the handlers parse bodies themselves (for OpenAI's error bodies), so the routes name
+# their models by $ref and the components are added here ----
+_REF = "#/components/schemas/{model}"
+_MODES: dict[type[BaseModel], JsonSchemaMode] = {
+    CompletionRequest: "validation",
+    ChatCompletionRequest: "validation",
+    **dict.fromkeys(
+        (
+            CompletionResponse,
+            CompletionStreamResponse,
+            ChatCompletionResponse,
+            ChatCompletionStreamResponse,
+            ModelList,
+            VersionResponse,
+            ErrorResponse,
+        ),
+        "serialization",
+    ),
+}
+_ERRORS = {
+    400: "Invalid JSON, or a value out of range or unsupported (`param` names the field)",
+    401: "A missing or wrong API key (with --api-key): every /v1/ path",
+    404: "The model is not served here",
+    413: "The prompt and max_tokens do not fit in the context (code context_length_exceeded)",
+    422: "A field of the wrong JSON type, an unknown field or a missing one",
+    500: "A bug: an internal error",
+    503: "The engine is dead (code engine_dead) or its waiting queue is full (code server_busy)",
+}
+_METRICS = {
+    "description": "Prometheus metrics",
+    "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    assert model in _MODES, f"{model.__name__} is not among the documented models"
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def _json(model: type[BaseModel], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(model)}}}
+
+
+def _errors(*statuses: int) -> dict[int | str, Any]:
+    return {s: _json(ErrorResponse, _ERRORS[s]) for s in statuses}
+
+
+def _request_body(model: type[BaseModel]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": _ref(model)}}}}
+
+
+def _generation_responses(body: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, Any]:
+    """200: the body, or with stream: true server-sent events, as OpenAI documents them: each `data:`
+    holds a chunk (or an error body, the last event of a stream that failed), then `data: [DONE]`."""
+    ok = _json(body, f"The {body.__name__}; with stream: true, server-sent events of {chunk.__name__}")
+    events = {"schema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}
+    ok["content"]["text/event-stream"] = events
+    return {200: ok, **_errors(400, 401, 404, 413, 422, 500, 503)}
+
+
+@functools.cache
+def _schemas() -> dict[str, Any]:
+    _, top = models_json_schema(list(_MODES.items()), ref_template=_REF)
+    return top["$defs"]
+
+
+def _openapi(generate: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """FastAPI's document, with the components its routes name."""
+    doc = generate()
+    doc.setdefault("components", {}).setdefault("schemas", {}).update(_schemas())
+    return doc
 
 
 async def _cancel_on_disconnect(request: Request, handler: Awaitable[Any]) -> Any:
@@ -194,11 +304,15 @@ def _check(args: argparse.Namespace) -> None:
         raise TurnoutError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     if args.shutdown_timeout < 0:
         raise TurnoutError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        names = ", ".join(tool_parser_names())
+        raise TurnoutError(f"--enable-auto-tool-choice needs --tool-call-parser NAME (installed: {names})")
 
 
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     """Serve until SIGINT/SIGTERM; the socket is bound before the model loads, so a taken port fails fast."""
     _check(args)
+    parser = get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None
     sock = _listen(args.host, args.port)
     names = args.served_model_name or [config.model or DEFAULT_MODEL_NAME]
     metrics = PrometheusStatLogger(names[0])
@@ -208,7 +322,8 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         sock.close()
         raise
     try:
-        app = build_app(engine, names, args.api_key or envs.API_KEY.value or None, metrics)
+        key = args.api_key or envs.API_KEY.value or None
+        app = build_app(engine, names, key, metrics, parser, args.enable_auto_tool_choice)
         uconfig = uvicorn.Config(
             app,
             log_level="warning",

@@ -31,3 +31,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=10.0,
         help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they end with an error",
     )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="how tool calls are read out of the model's output: hermes (Qwen2.5, Qwen3, Hermes), "
+        "llama3_json (Llama 3.1+), or a plugin's; turnout plugins lists them",
+    )

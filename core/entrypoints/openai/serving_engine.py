@@ -16,6 +16,7 @@ from turnout.entrypoints.openai.protocol import OpenAIError
 from turnout.errors import TurnoutError
 from turnout.prompts import context_problem
 from turnout.sampling_params import SamplingParams
+from turnout.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 _PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
@@ -46,6 +47,26 @@ def _param_of(message: str) -> str | None:
     """The request field a validation message is about: the SamplingParams field it names first."""
     hits = [(m.start(), f) for f in _PARAM_FIELDS if (m := re.search(rf"\b{f}\b", message))]
     return min(hits)[1] if hits else ("prompt" if "prompt" in message else None)
+
+
+def structured_outputs(req: Any) -> StructuredOutputsParams | None:
+    """The constraint of response_format (json_object, json_schema) or vLLM's structured_outputs field."""
+    fmt, so = req.response_format, req.structured_outputs
+    if so is not None:
+        if fmt is not None and fmt.type != "text":
+            raise OpenAIError(
+                400, "response_format and structured_outputs both constrain the output; send one",
+                param="structured_outputs",
+            )  # fmt: skip
+        return StructuredOutputsParams(**so.model_dump(by_alias=True, exclude_none=True))
+    if fmt is None or fmt.type == "text":
+        return None
+    schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
+    return (
+        StructuredOutputsParams(json=schema)
+        if schema is not None
+        else StructuredOutputsParams(json_object=True)
+    )
 
 
 class Choice:
@@ -100,7 +121,15 @@ class OpenAIServing:
             )
         return name or self.model_names[0]
 
-    def sampling_params(self, req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self,
+        req: Any,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        """The request's SamplingParams; `structured` (a tool_choice's constraint) stands in for the
+        request's own response_format / structured_outputs."""
         if req.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported; leave it out", param="logit_bias")
         if req.stream_options is not None and not req.stream:
@@ -126,6 +155,7 @@ class OpenAIServing:
             logprobs=logprobs,
         )
         try:
+            kw["structured_outputs"] = structured or structured_outputs(req)
             return SamplingParams(**{k: v for k, v in kw.items() if v is not None})
         except (ValueError, TurnoutError) as e:
             raise OpenAIError(400, str(e), param=_param_of(str(e))) from None

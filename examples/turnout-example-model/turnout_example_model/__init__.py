@@ -6,4 +6,5 @@ from turnout.models import ModelArchitecture
 
 @turnout.hookimpl
 def turnout_model_architectures():
-    return [ModelArchitecture("GPTNeoXForCausalLM", "turnout_example_model.model:GPTNeoXForCausalLM")]
+    target = "turnout_example_model.model:GPTNeoXForCausalLM"
+    return [ModelArchitecture("GPTNeoXForCausalLM", target, pipeline_parallel=False)]  # all layers, one stage

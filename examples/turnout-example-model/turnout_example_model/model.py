@@ -3,7 +3,8 @@
 Unlike the bundled decoder it has LayerNorms with bias, a parallel residual (attention and MLP both read
 the layer's input), rotary embedding on the first rotary_pct of each head, GELU, and a fused
 query_key_value whose checkpoint rows go head by head (q, k, v of head 0, then of head 1, ...).
-Tensor parallelism comes with turnout's parallel linears; pipeline parallelism is not implemented.
+Tensor parallelism comes with turnout's parallel linears; pipeline parallelism is not implemented, and its
+ModelArchitecture declares so.
 """
 
 from collections.abc import Iterable
@@ -12,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from turnout import TurnoutError
 from turnout.layers import (
     Attention,
     ColumnParallelLinear,
@@ -22,7 +22,6 @@ from turnout.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from turnout.models import get_parallel_state
 
 
 class NeoXAttention(nn.Module):
@@ -85,9 +84,6 @@ class NeoXModel(nn.Module):
 class GPTNeoXForCausalLM(nn.Module):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
-        if get_parallel_state().pp_size > 1:
-            raise TurnoutError("GPTNeoXForCausalLM (turnout-example-model) has no pipeline parallelism; "
-                               "set pipeline_parallel_size = 1")  # fmt: skip
         self.num_heads, self.head_size = (
             cfg["num_attention_heads"],
             cfg["hidden_size"] // cfg["num_attention_heads"],

@@ -2,12 +2,17 @@
 
 Decode rows (one query token) run batched: their block_table rows are gathered into one padded
 [Bd, Hkv, L, D] tensor with a length mask. Prefill rows (chunks, prefix hits) run one request at a
-time with a causal mask offset by the cached context. All indices are built once per step in build_metadata,
-from the metadata and the block size of the spec.
+time, as [1, H, q_len, D] so that SDPA takes its flash kernel (3-D inputs get the math one, ~5x slower at
+2k tokens). A fresh prompt attends over its own keys with is_causal; a chunk after cached context (a prefix
+hit, an earlier chunk) over the cache with a causal mask offset by that context, in slices of rows whose
+keys end on the kernel's key tiles. That gives the bits of a fresh prompt ending where the chunk ends, so a
+prefix hit changes no output. All indices are built once per step in build_metadata, from the metadata and
+the block size of the spec.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,15 +21,16 @@ import torch.nn.functional as F
 from turnout import Priority
 from turnout.attention import AttentionBackend, AttentionMetadata, CudagraphSupport, valid_rows
 
+KEY_TILE = 512  # keys a tile of torch's CPU flash kernel (kv_split_size in aten's FlashAttentionKernel.cpp)
+
 
 @dataclass
 class _Prefill:
-    row: int
     q_start: int
     q_end: int
-    blocks: torch.Tensor  # [max_blocks] block ids (the row of block_table)
+    blocks: torch.Tensor  # [ceil(seq_len / block_size)] the block ids of the request's keys
     seq_len: int
-    mask: torch.Tensor | None  # [q_len, seq_len] bool, None when plain causal from position 0
+    mask: torch.Tensor | None  # [q_len, seq_len] 0 or -inf, None when no context is cached (is_causal)
 
 
 @dataclass
@@ -55,9 +61,11 @@ class CPUAttentionBackend(AttentionBackend):
                 continue
             ctx = seq_len - (qe - qs)
             mask = None
-            if ctx:
-                mask = torch.arange(seq_len)[None, :] <= torch.arange(ctx, seq_len)[:, None]
-            prefills.append(_Prefill(row, qs, qe, meta.block_table[row].long(), seq_len, mask))
+            if ctx:  # additive, in the activations' dtype: SDPA would convert a bool mask in every layer
+                later = torch.arange(seq_len)[None, :] > torch.arange(ctx, seq_len)[:, None]
+                mask = torch.zeros(later.shape, dtype=self.spec.dtype).masked_fill_(later, float("-inf"))
+            blocks = meta.block_table[row, : -(-seq_len // self.spec.block_size)].long()
+            prefills.append(_Prefill(qs, qe, blocks, seq_len, mask))
         rows = torch.tensor(decode_rows, dtype=torch.long)
         blocks, lens = meta.block_table[rows].long(), meta.seq_lens[rows].long()
         return CPUMetadata(
@@ -78,7 +86,6 @@ class CPUAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         md: CPUMetadata = meta.backend_data
-        hkv, d = kv_cache.shape[-2:]
         scale = self.spec.scale
         self._store(kv_cache, k, v, meta, md)
         out = torch.zeros_like(q)
@@ -86,14 +93,7 @@ class CPUAttentionBackend(AttentionBackend):
             dq = q.index_select(0, md.decode_tokens)
             out.index_copy_(0, md.decode_tokens, self._decode(dq, kv_cache, md, scale))
         for p in md.prefills:
-            # index_select, not kv_cache[0, blocks]: advanced indexing is orders of magnitude slower on CPU
-            keys = kv_cache[0].index_select(0, p.blocks).reshape(-1, hkv, d)[: p.seq_len].transpose(0, 1)
-            vals = kv_cache[1].index_select(0, p.blocks).reshape(-1, hkv, d)[: p.seq_len].transpose(0, 1)
-            qq = q[p.q_start : p.q_end].transpose(0, 1)  # [H, q_len, D]
-            o = F.scaled_dot_product_attention(
-                qq, keys, vals, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
-            )
-            out[p.q_start : p.q_end] = o.transpose(0, 1)
+            _prefill(q, k, v, kv_cache, p, scale, out)
         return out
 
     def _store(
@@ -140,3 +140,33 @@ def _decode_slots(blocks: torch.Tensor, lens: torch.Tensor, block_size: int) -> 
     pos = torch.where(valid, pos, 0)
     slots = blocks.gather(1, pos // block_size) * block_size + pos % block_size
     return {"decode_slots": slots.flatten(), "decode_mask": valid[:, None, None, :]}
+
+
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    p: _Prefill,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One request's chunk of queries into out[q_start:q_end]."""
+    sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale, enable_gqa=True)
+    qq = q[p.q_start : p.q_end].transpose(0, 1)[None]  # [1, H, q_len, D]
+    if p.mask is None:  # a fresh prompt: its keys are this chunk's
+        keys, vals = (t[p.q_start : p.q_end].transpose(0, 1)[None] for t in (k, v))
+        out[p.q_start : p.q_end] = sdpa(qq, keys, vals, is_causal=True)[0].transpose(0, 1)
+        return
+    # index_select, not kv_cache[0, blocks]: advanced indexing is orders of magnitude slower on CPU
+    hkv, d = kv_cache.shape[-2:]
+    keys, vals = (kv_cache[i].index_select(0, p.blocks).view(-1, hkv, d)[: p.seq_len] for i in (0, 1))
+    keys, vals = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]
+    # Rows in slices whose keys end on an edge of the kernel's key tiles: as with is_causal, no tile that
+    # is all masked for a slice is computed, and the bits stay those of one pass (such a tile adds nothing)
+    ctx, start = p.seq_len - qq.shape[2], 0
+    for end in [*range(ctx // KEY_TILE * KEY_TILE + KEY_TILE, p.seq_len, KEY_TILE), p.seq_len]:
+        rows = slice(start, end - ctx)
+        o = sdpa(qq[:, :, rows], keys[:, :, :end], vals[:, :, :end], attn_mask=p.mask[rows, :end])
+        out[p.q_start + start : p.q_start + end - ctx] = o[0].transpose(0, 1)
+        start = end - ctx

@@ -61,8 +61,8 @@ class MultiprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self._send("execute_model", (scheduler_output,))
 
-    def sample_tokens(self) -> ModelRunnerOutput:
-        self._send("sample_tokens")
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
+        self._send("sample_tokens", (grammar_output,))
         return self._collect("sample_tokens")[self.output_rank]
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:

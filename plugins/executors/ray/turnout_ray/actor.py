@@ -31,8 +31,8 @@ class RankActor:
     def execute_model(self, out: SchedulerOutput) -> None:
         self._rank().execute_model(out)
 
-    def sample_tokens(self) -> ModelRunnerOutput | None:
-        return self._rank().sample_tokens()
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput | None:
+        return self._rank().sample_tokens(grammar_output)
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         return self._rank().call(method, *args, **kwargs)

@@ -161,8 +161,8 @@ class RayExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self._send("execute_model", (scheduler_output,))
 
-    def sample_tokens(self) -> ModelRunnerOutput:
-        return self._collect(self._send("sample_tokens"))[self.output_rank]
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
+        return self._collect(self._send("sample_tokens", (grammar_output,)))[self.output_rank]
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         return self._collect(self._send("call", (method, args, kwargs or {}), method))

@@ -20,8 +20,8 @@ class UniprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.worker.execute_model(scheduler_output)
 
-    def sample_tokens(self) -> ModelRunnerOutput:
-        return self.worker.sample_tokens()
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
+        return self.worker.sample_tokens(grammar_output)
 
     def step_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
         self.worker.execute_model(scheduler_output)

@@ -6,4 +6,8 @@ from turnout.models import ModelArchitecture
 
 @hookimpl
 def turnout_model_architectures() -> list[ModelArchitecture]:
-    return [ModelArchitecture("Qwen3MoeForCausalLM", "turnout_qwen3_moe.model:Qwen3MoeForCausalLM")]
+    return [
+        ModelArchitecture(
+            "Qwen3MoeForCausalLM", "turnout_qwen3_moe.model:Qwen3MoeForCausalLM", expert_parallel=True
+        )
+    ]

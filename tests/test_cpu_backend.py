@@ -1,0 +1,68 @@
+"""The CPU backend's prefill: torch's flash kernel, and the same bits with and without a prefix hit (the
+conformance suite checks the values against float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+from turnout_cpu.backend import CPUAttentionBackend
+
+from turnout.attention import AttentionMetadata, AttentionSpec
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 9, 3, 64, 16  # the embedded SmolLM2's attention
+
+
+def _backend(dtype: torch.dtype) -> CPUAttentionBackend:
+    be = CPUAttentionBackend()
+    be.setup(AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, dtype, BLOCK, HEAD_SIZE**-0.5, num_layers=1))
+    return be
+
+
+def _cache(tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((2, -(-tokens // BLOCK), BLOCK, KV_HEADS, HEAD_SIZE), float("nan"), dtype=dtype)
+
+
+def _chunk(be, cache, q, k, v, ctx: int) -> torch.Tensor:
+    """Tokens [ctx, ctx + len(q)) of one request whose first ctx tokens are cached; blocks in order."""
+    n, seq = q.shape[0], ctx + q.shape[0]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(ctx, seq),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([seq], dtype=torch.int32),
+        block_table=torch.arange(cache.shape[1], dtype=torch.int32)[None],
+        max_query_len=n,
+        max_seq_len=seq,
+        num_actual_tokens=n,
+    )
+    meta.backend_data = be.build_metadata(meta)
+    return be.forward(q, k, v, cache, meta)
+
+
+def _qkv(tokens: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(tokens, h, HEAD_SIZE, generator=gen).to(dtype) for h in (HEADS, KV_HEADS, KV_HEADS)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_prefix_hit_changes_no_bit(dtype: torch.dtype) -> None:
+    """A chunk after cached context has the bits of one pass over the prompt up to the chunk's end, so a
+    request that finds its prefix cached computes what it would have without (the server's tests compare
+    such requests with LLM.generate token for token)."""
+    tokens = 1100
+    q, k, v = _qkv(tokens, dtype)
+    be, cache = _backend(dtype), _cache(tokens, dtype)
+    whole = _chunk(be, cache, q, k, v, 0)
+    for hit in (16, 512, 600, 1088):  # one block; flash's 512-key tile; past it; all blocks but the last
+        assert torch.equal(_chunk(be, cache, q[hit:], k[hit:], v[hit:], hit), whole[hit:]), hit
+
+
+def test_prefill_runs_the_flash_kernel() -> None:
+    q, k, v = _qkv(96, torch.bfloat16)
+    be, cache = _backend(torch.bfloat16), _cache(96, torch.bfloat16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _chunk(be, cache, q[:64], k[:64], v[:64], 0)
+        _chunk(be, cache, q[64:], k[64:], v[64:], 64)
+    calls = [e.key for e in prof.key_averages() if "scaled_dot_product" in e.key]
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in calls
+    assert not [c for c in calls if "math" in c], calls  # 3-D inputs take the math kernel, ~5x slower at 2k
