@@ -70,7 +70,7 @@ SUITES = {
         "The embedded SmolLM2-135M on the CPU: turnout against HF transformers `generate` in the same "
         "process, greedy, 64 new tokens per request, batch 1 and 16, median of 3 interleaved runs",
         [
-            "python benchmarks/bench_cpu.py --batch 1 16 --output-len 64 --repeats 3 "
+            "python benchmarks/bench_cpu.py throughput --batch 1 16 --output-len 64 --repeats 3 "
             "--json {out}/{stamp}-smollm2-median3.json"
         ],
         gpus=0,
@@ -119,10 +119,12 @@ SUITES = {
     "cpu-latency": Suite(
         "Time to first token on the CPU, the embedded SmolLM2-135M at 512, 2,048 and 4,096 prompt tokens: "
         "turnout's generate with one output token on a fresh prompt against HF transformers' one forward in "
-        "bf16 and fp32, alternating, median of 3",
+        "bf16 and fp32, alternating, the first run apart and the median of 3 more; then `turnout bench "
+        "latency` on the same lengths (its first run and a repeat, each on fresh prompts)",
         [
-            "python benchmarks/bench_cpu_latency.py --input-len 512 2048 4096 --repeats 3 "
-            "--json {out}/{stamp}-smollm2-ttft.json"
+            "python benchmarks/bench_cpu.py ttft --input-len 512 2048 4096 --repeats 3 "
+            "--json {out}/{stamp}-smollm2-ttft.json",
+            "turnout bench latency --ttft-lens 512,2048,4096 --out {out}/{stamp}-smollm2-bench-latency.json",
         ],
         gpus=0,
     ),

@@ -3,7 +3,6 @@ server driven by it (schemathesis, positive and negative cases) gets no 5xx and 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import time
@@ -13,6 +12,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from referencing import Registry
@@ -21,8 +21,6 @@ from test_server import KEY, TINY, Server
 
 from turnout.entrypoints.openai.protocol import INT64_MAX
 from turnout.entrypoints.openai.serving_chat import ROLES
-
-schemathesis = pytest.importorskip("schemathesis")
 
 MAX_LEN = 64
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -150,7 +148,6 @@ def sse_events(r: httpx.Response) -> list[Any]:
 
 
 CHAT = {"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 3}
-GRAMMAR = importlib.util.find_spec("xgrammar") is not None  # the structured-output backend
 
 
 def test_real_answers_validate_against_the_document(server: Server, doc: dict[str, Any]) -> None:
@@ -304,7 +301,6 @@ def test_fuzz_from_the_document_gets_no_5xx_and_no_hang(server: Server) -> None:
 
 
 # ---- found by the fuzz: a grammar the vocabulary cannot spell ----
-@pytest.mark.skipif(not GRAMMAR, reason="needs the xgrammar structured-output backend")
 def test_a_grammar_the_vocabulary_cannot_spell(server: Server) -> None:
     """The tiny vocabulary is whole words "w0".."w508": "ab" cannot start, "w1ab" dead-ends after "w1"."""
     body = {"prompt": [94, 0, 288], "logprobs": 1, "temperature": 0, "max_tokens": 4}

@@ -10,6 +10,7 @@ import re
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 from test_server import Server
 
@@ -18,8 +19,6 @@ from turnout.errors import ConfigError
 from turnout.structured_outputs import Grammar, StructuredOutputBackend, StructuredOutputsParams
 
 openai = pytest.importorskip("openai")
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("xgrammar")
 
 MODEL = "agent"  # the agent_server fixture's served model name
 NAME = {"type": "string", "minLength": 1, "maxLength": 20}

@@ -10,12 +10,11 @@ import subprocess
 import sys
 
 import httpx
+import jsonschema
 import pytest
 from test_server import Server
 
 openai = pytest.importorskip("openai")
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("xgrammar")
 
 MODEL = "agent"
 WEATHER = {
