@@ -1,6 +1,7 @@
 """turnout: an LLM inference engine whose attention backends, models, executors and graph policies
 are plugins, chosen at start-up with a reason for every choice."""
 
+from turnout import plugins  # noqa: F401 - adds the plugins' switches to envs.registry(), wherever envs is used
 from turnout.envs import EnvVar
 from turnout.errors import TurnoutError
 from turnout.hookspecs import Priority, hookimpl

@@ -10,7 +10,6 @@ import os
 import re
 import sys
 import tempfile
-import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,11 +21,13 @@ from tqdm import tqdm
 from turnout import __version__, envs
 from turnout.bench import add_bench_parser
 from turnout.config import EngineConfig
+from turnout.engine_args import add_engine_args, engine_config_from_args
 from turnout.entrypoints.bench_serve import add_bench_serve_parser
 from turnout.errors import RequestError, TurnoutError
 from turnout.outputs import CompletionOutput, Logprob, RequestOutput
 from turnout.prompts import check_conversation, parse_prompt
 from turnout.sampling_params import SamplingParams
+from turnout.tables import print_table
 from turnout.tuning.cli import add_tune_parser
 
 if TYPE_CHECKING:
@@ -34,35 +35,6 @@ if TYPE_CHECKING:
     from turnout.selection import Choice, Selection
 
 logger = logging.getLogger("turnout")
-
-
-def _engine_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One --flag per EngineConfig field; unset flags stay None so lower-precedence sources win."""
-    g = p.add_argument_group("engine (EngineConfig fields; see docs/architecture.md)")
-    g.add_argument("--config", help="TOML or YAML file of EngineConfig fields")
-    for name, info in EngineConfig.model_fields.items():
-        if name in skip:
-            continue
-        flag, ann = "--" + name.replace("_", "-"), info.annotation
-        args = typing.get_args(ann)
-        kw: dict[str, Any] = {"default": None, "help": info.description}
-        if ann is bool or ann == bool | None:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif ann is int or (int in args and isinstance(ann, types.UnionType) and str not in args):
-            kw["type"] = int
-        elif ann is float:
-            kw["type"] = float
-        elif "list[int]" in str(ann):
-            kw["type"] = lambda s: [int(x) for x in s.split(",")]
-            kw["metavar"] = "N,N,..."
-        elif typing.get_origin(ann) is typing.Literal:
-            kw["choices"] = list(args)
-        g.add_argument(flag, **kw)
-
-
-def _config(args: argparse.Namespace) -> EngineConfig:
-    overrides = {k: getattr(args, k) for k in EngineConfig.model_fields if getattr(args, k, None) is not None}
-    return EngineConfig.load(args.config, origin="flag", **overrides)
 
 
 def _settings(config: EngineConfig, sel: Selection) -> dict[str, dict[str, Any]]:
@@ -83,14 +55,14 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    _table(
+    print_table(
         ["name", "distribution", "version", "status", "hooks / error"],
         [[r["name"], r["distribution"], r["version"], _plugin_status(r), r["error"] or ", ".join(r["hooks"])]
          for r in rows],
     )  # fmt: skip
     if missing := [[r["name"], why] for r in rows for why in r["unavailable_here"]]:
         print("\nunavailable on this machine, for any model:")
-        _table(["plugin", "why"], missing, "  ")
+        print_table(["plugin", "why"], missing, "  ")
     for name in pm.unmatched_allow:
         print(f"TURNOUT_PLUGINS names '{name}', but no installed plugin has that name")
     return 0
@@ -130,7 +102,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from turnout.loader.default_model import model_info
     from turnout.selection import select_all
 
-    config = _config(args)
+    config = engine_config_from_args(args)
     sel = select_all(config, model_info(config.model))  # a GGUF's own metadata: explain writes no model
     if args.json:
         print(json.dumps(_explain_doc(sel, config), indent=2))
@@ -193,7 +165,7 @@ def _print_measured(sel: Selection) -> None:
         mark = "*" if d.winner is c or (not d.settings and d.baseline is c) else ""
         runs = ", ".join(f"{x:,.1f}" for x in c.runs)
         rows.append([c.label, f"{c.median:,.1f}", runs, vs, mark])
-    _table(["candidate", "median", "runs", "vs default", "chosen"], rows, "  ")
+    print_table(["candidate", "median", "runs", "vs default", "chosen"], rows, "  ")
 
 
 def _graph_mode(sel: Selection) -> dict[str, str | None]:
@@ -209,7 +181,7 @@ def _print_explain(sel: Selection, config: EngineConfig) -> None:
     header = ["candidate", "plugin", "priority", "valid", "chosen", "why not chosen"]
     for c in sel.choices:
         print(f"\n{KIND_LABELS[c.kind]} (requested: {c.requested})")
-        _table(header, _choice_rows(c), indent="  ")
+        print_table(header, _choice_rows(c), indent="  ")
     for phase, half in sel.attention.phases.items():
         print(f"  {phase} steps: {half.name} ({half.plugin})")
     graph = _graph_mode(sel)
@@ -225,7 +197,7 @@ def _print_explain(sel: Selection, config: EngineConfig) -> None:
     _print_measured(sel)
     print("\nengine settings")
     rows = [[k, str(v["value"]), v["source"]] for k, v in _settings(config, sel).items()]
-    _table(["setting", "value", "source"], rows, "  ")
+    print_table(["setting", "value", "source"], rows, "  ")
 
 
 def _choice_rows(c: Choice) -> list[list[str]]:
@@ -534,7 +506,7 @@ def _generate(args: argparse.Namespace, rows: list[Row], sink: _Sink | None) -> 
     """Run the rows; an exit code where one plain prompt was streamed, else None (rows to write)."""
     from turnout.llm import LLM
 
-    llm = LLM(config=_config(args))
+    llm = LLM(config=engine_config_from_args(args))
     try:
         one = rows[0].params if len(rows) == 1 and rows[0].error is None else None
         if one is not None and one.n == 1 and not one.best_of and sink is None:
@@ -557,17 +529,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise TurnoutError(f"two models given ({args.model_tag} and --model {args.model}); pass one")
     args.model = args.model_tag or args.model
-    return run_server(args, _config(args))
+    return run_server(args, engine_config_from_args(args))
 
 
 def _dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _table(header: list[str], rows: list[list[str]], indent: str = "") -> None:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    for r in [header, *rows]:
-        print(indent + "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -601,7 +567,7 @@ def _plugins_parser(sub: Any) -> None:
 def _explain_parser(sub: Any) -> None:
     ex = sub.add_parser("explain", help="show every candidate of every plugin kind and why one was chosen")
     ex.add_argument("--json", action="store_true")
-    _engine_flags(ex)
+    add_engine_args(ex)
     ex.set_defaults(fn=cmd_explain)
 
 
@@ -683,7 +649,7 @@ def _generate_parser(sub: Any) -> None:
     g.add_argument("--chat", action="store_true", help="wrap each text prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print JSONL results (as --output writes them)")
     _sampling_flags(g)
-    _engine_flags(g)
+    add_engine_args(g)
     g.set_defaults(fn=cmd_generate)
 
 
@@ -722,7 +688,7 @@ def _serve_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (default: the embedded model)")
     s.add_argument("model_tag", nargs="?", metavar="MODEL", help="HF-style model folder (same as --model)")
     add_serve_args(s)
-    _engine_flags(s)
+    add_engine_args(s)
     s.set_defaults(fn=cmd_serve)
 
 

@@ -9,7 +9,7 @@ functools.cache'd accessor), never per step: `.value` parses the environment eac
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -104,6 +104,7 @@ ENABLE_MULTIPROCESSING = EnvVar(
     True,
     "0: `turnout serve` steps the engine core in a thread of the server's process, not a process of its own",
 )
+_SOURCES: list[Callable[[], Iterable[EnvVar[Any]]]] = []  # add_source's, in order
 CORE: tuple[EnvVar[Any], ...] = (
     PLUGINS,
     DEVICE,
@@ -119,13 +120,21 @@ CORE: tuple[EnvVar[Any], ...] = (
 )
 
 
-def registry() -> dict[str, EnvVar[Any]]:
-    """Every declared switch by name: the core's, then each loaded plugin's (a hook that raised adds none)."""
-    from turnout.plugins import get_plugin_manager
+def add_source(source: Callable[[], Iterable[EnvVar[Any]]]) -> None:
+    """Have registry() also hold every switch source() returns each time it is called; added once.
 
+    The layer that knows other declarers registers them here, so this module imports nothing of turnout's
+    but its errors: turnout.plugins adds the switches of its loaded plugins' `turnout_env_vars` hooks."""
+    if source not in _SOURCES:
+        _SOURCES.append(source)
+
+
+def registry() -> dict[str, EnvVar[Any]]:
+    """Every declared switch by name: the core's, then each added source's in the order added (the loaded
+    plugins', through turnout.plugins; a hook that raised adds none)."""
     found = {v.name: v for v in CORE}
-    for res in get_plugin_manager().call_each("turnout_env_vars"):
-        found.update({v.name: v for v in res.value or []})
+    for source in _SOURCES:
+        found.update({v.name: v for v in source()})
     return found
 
 

@@ -136,6 +136,15 @@ def get_plugin_manager() -> PluginManager:
     return _manager
 
 
+def declared_env_vars() -> list[envs.EnvVar[Any]]:
+    """Every switch the loaded plugins declare through `turnout_env_vars`, in plugin order; a hook that
+    raised declares none. Added to turnout.envs.registry() when this module is imported."""
+    return [v for res in get_plugin_manager().call_each("turnout_env_vars") for v in res.value or []]
+
+
+envs.add_source(declared_env_vars)
+
+
 def reset_plugin_manager() -> None:
     global _manager
     _manager = None

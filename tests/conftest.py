@@ -72,6 +72,8 @@ def triton_kernels(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureReque
     """Call it with the functools.cache'd builders of the Triton kernels a test runs: off CUDA they build
     under TRITON_INTERPRET=1, and every builder is cleared before and after the test, so no kernel built
     for the interpreter outlives it. Skips where triton is not installed (the test extra installs it)."""
+    if not torch.cuda.is_available():  # before triton's first import, which reads it
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     pytest.importorskip("triton")
 
     def use(*builders) -> None:

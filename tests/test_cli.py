@@ -261,10 +261,11 @@ def test_tp2_on_the_embedded_model_is_refused_before_any_worker():
 
 def test_every_sampling_field_has_a_flag_and_seeds_are_split():
     from turnout import cli
+    from turnout.engine_args import engine_config_from_args
     from turnout.sampling_params import SamplingParams
 
     args = cli.build_parser().parse_args(["generate", "--seed", "5", "--sampling-seed", "7", "--stop", "a"])
-    assert cli._config(args).seed == 5  # --seed is the engine's, as in vLLM
+    assert engine_config_from_args(args).seed == 5  # --seed is the engine's, as in vLLM
     assert cli._sampling_defaults(args) == {"temperature": 0.0, "max_tokens": 64, "seed": 7, "stop": ["a"]}
     dests = {a.dest for a in cli.build_parser()._subparsers._group_actions[0].choices["generate"]._actions}
     missing = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import tomllib
@@ -43,3 +44,92 @@ def test_every_plugin_package_is_checked():
     assert set(LINTER["root_packages"]) == plugins | {"turnout"}
     assert set(CONTRACTS["facades"]["source_modules"]) == plugins
     assert set(CONTRACTS["independence"]["modules"]) == plugins
+
+
+def test_every_core_module_has_a_layer():
+    """A new core module is placed in the layers contract (docs/architecture.md), not left unchecked."""
+    layers = [m.strip() for row in CONTRACTS["layers"]["layers"] for m in row.replace("|", ":").split(":")]
+    files = [p for p in (ROOT / "core").rglob("*.py") if p.name != "__init__.py" or p.parent != ROOT / "core"]
+    unplaced = {
+        name
+        for name in map(_module_name, files)
+        if not any(name == m or name.startswith(m + ".") for m in layers)
+        and not any(m.startswith(name + ".") for m in layers)  # a package placed by its submodules
+    }
+    assert unplaced == set()
+
+
+# ---- no private helper crosses a module boundary ----
+
+
+def _module_name(path: Path) -> str:
+    parts = ["turnout", *path.relative_to(ROOT / "core").with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    rel = ROOT / "core" / Path(*name.split(".")[1:])
+    return name == "turnout" or rel.with_suffix(".py").is_file() or (rel / "__init__.py").is_file()
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_uses(source: str, module: str) -> list[str]:
+    """`from turnout.x import _name` and `x._name` on a turnout module bound by an import, where x is not
+    this module itself: each as "line N: what"."""
+    tree, hits, modules = ast.parse(source), [], {}  # local name -> the turnout module it is bound to
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").split(".")[0] == "turnout"
+        ):
+            for a in node.names:
+                if _private(a.name) and node.module != module:
+                    hits.append(f"line {node.lineno}: from {node.module} import {a.name}")
+                if _is_module(f"{node.module}.{a.name}"):
+                    modules[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "turnout":
+                    modules[a.asname or "turnout"] = a.name if a.asname else "turnout"
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+            continue
+        chain, base = [], node.value
+        while isinstance(base, ast.Attribute):
+            chain.insert(0, base.attr)
+            base = base.value
+        if isinstance(base, ast.Name) and base.id in modules:
+            target = ".".join([modules[base.id], *chain])
+            if _is_module(target) and target != module:
+                hits.append(f"line {node.lineno}: {target}.{node.attr}")
+    return hits
+
+
+def test_the_private_use_finder_finds_both_forms():
+    src = (
+        "import turnout.cli\nfrom turnout import envs\nfrom turnout.loader import weights as w\n"
+        "from turnout.cli import _config, main\n"
+        "turnout.cli._table(); envs._SOURCES; w._x; envs.registry(); main._private; self._own\n"
+    )
+    assert sorted(_private_uses(src, "turnout.bench.cli")) == [
+        "line 4: from turnout.cli import _config",
+        "line 5: turnout.cli._table",
+        "line 5: turnout.envs._SOURCES",
+        "line 5: turnout.loader.weights._x",
+    ]
+    assert _private_uses("from turnout.cli import _table\n", "turnout.cli") == []  # its own
+
+
+def test_no_core_module_uses_another_modules_private_names():
+    """A helper two modules share is public, with a docstring, in the module that owns it (the engine flags:
+    turnout.engine_args), not a `_name` reached into from outside."""
+    hits = [
+        f"core/{p.relative_to(ROOT / 'core')}: {hit}"
+        for p in sorted((ROOT / "core").rglob("*.py"))
+        for hit in _private_uses(p.read_text(), _module_name(p))
+    ]
+    assert hits == []

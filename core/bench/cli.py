@@ -24,7 +24,7 @@ PLOT_METRIC = {"throughput": "output_tokens_per_s", "latency": "tpot_ms", "prefi
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """`turnout bench WORKLOAD`; returns the workloads' subparsers, where other workloads may register."""
-    from turnout.cli import _engine_flags
+    from turnout.engine_args import add_engine_args
 
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("bench")
@@ -46,7 +46,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     g.add_argument("--cold-cache", action="store_true", help="a fresh, empty Triton kernel cache")
     g.add_argument("--out", help="a .json file or a folder (default: benchmarks/results/<workload>)")
     g.add_argument("--plot", metavar="PNG", help="draw turnout, the peers and the floor (needs matplotlib)")
-    _engine_flags(common)
+    add_engine_args(common)
     bench = subparsers.add_parser("bench", help="benchmark a workload against peers, with its roofline")
     workloads_ = bench.add_subparsers(dest="workload", required=True)
     t = workloads_.add_parser("throughput", parents=[common], help="nano-vllm's bench: 256 random requests")

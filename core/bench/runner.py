@@ -46,15 +46,15 @@ def vs_floor(m: dict[str, float], floor: float | None) -> dict[str, float | None
 
 class Bench:
     def __init__(self, args: argparse.Namespace, peer_names: list[str]) -> None:
-        from turnout.cli import _config
         from turnout.engine.llm_engine import resolve_model_dir
+        from turnout.engine_args import engine_config_from_args
         from turnout.models.info import ModelInfo
         from turnout.platform import current_platform
 
         self.args, self.peers = args, peer_names
         if args.cold_cache:
             os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="turnout-triton-")
-        cfg = _config(args)
+        cfg = engine_config_from_args(args)
         update: dict[str, Any] = {}
         if args.random_model:
             if cfg.model:

@@ -99,7 +99,7 @@ def make_engine(config: EngineConfig) -> Any:
     """An LLMEngine, or data_parallel_size replicas of one behind the same request API; with tune = auto,
     tuned first where no record matches."""
     if config.tune == "auto":
-        from turnout.tuning import tune_if_unseen
+        from turnout.tuning.tuner import tune_if_unseen
 
         tune_if_unseen(config)
     if config.data_parallel_size > 1:

@@ -59,7 +59,7 @@ def _len_range(s: str) -> tuple[int, int]:
 
 
 def add_bench_serve_parser(subparsers: Any) -> None:
-    from turnout.cli import _engine_flags
+    from turnout.engine_args import add_engine_args
 
     p = subparsers.add_parser("serve", help="load an OpenAI-compatible server; TTFT, TPOT, ITL, throughput")
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="model folder for the server this starts")
@@ -90,7 +90,7 @@ def add_bench_serve_parser(subparsers: Any) -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs per rate (each paired with an offline run)")
     p.add_argument("--vs-offline", action="store_true", help="also run LLM.generate here; report the ratio")
     p.add_argument("--output", help="JSON record path; default benchmarks/results/<date>-<device>-serve-...")
-    _engine_flags(p, skip=("seed",))  # --seed is the workload's; the engine seed comes from config or env
+    add_engine_args(p, skip=("seed",))  # --seed is the workload's; the engine seed comes from config or env
     p.set_defaults(fn=run_bench_serve)
 
 
@@ -386,9 +386,9 @@ def _stop_server(proc: subprocess.Popen) -> None:
 def _offline(args: argparse.Namespace, w: Workload, runs: int) -> list[float]:
     """Output tok/s of LLM.generate on the workload, per run, after nano-vllm's one-prompt warm-up."""
     from turnout import LLM, SamplingParams
-    from turnout.cli import _config
+    from turnout.engine_args import engine_config_from_args
 
-    llm = LLM(config=_config(args))
+    llm = LLM(config=engine_config_from_args(args))
     try:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
         sps = [SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]

@@ -1,9 +1,11 @@
-"""Layers for model plugins: tensor-parallel linears and embeddings, norms, rotary embedding, activation,
-the Attention layer that calls the chosen backend, and FusedMoE, the experts of a sparse MoE block (with
-expert parallelism). Each picks its own kernel for the device and batch; FusedMoE gets the one chosen at
-start-up. pdl_launch() gives a plugin's Triton kernels programmatic dependent launch (layers/pdl.py)."""
+"""Layers for model plugins: tensor-parallel linears and embeddings, norms (RMSNorm, Gemma's GemmaRMSNorm),
+rotary embedding, gated activations (SiluAndMul, GeluAndMul), the Attention layer that calls the chosen
+backend, and FusedMoE, the experts of a sparse MoE block (with expert parallelism). Each picks its own
+kernel for the device and batch; FusedMoE gets the one chosen at start-up. pdl_launch() gives a plugin's
+Triton kernels programmatic dependent launch (layers/pdl.py). docs/writing-a-plugin.md, "Building blocks",
+says what each layer computes and how it loads."""
 
-from turnout.layers.activation import SiluAndMul
+from turnout.layers.activation import GeluAndMul, SiluAndMul
 from turnout.layers.attention import Attention
 from turnout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from turnout.layers.linear import (
@@ -13,7 +15,7 @@ from turnout.layers.linear import (
     RowParallelLinear,
 )
 from turnout.layers.moe import FusedMoE, num_experts
-from turnout.layers.norm import RMSNorm
+from turnout.layers.norm import GemmaRMSNorm, RMSNorm
 from turnout.layers.pdl import launch as pdl_launch
 from turnout.layers.rotary import RotaryEmbedding
 
@@ -21,6 +23,8 @@ __all__ = [
     "Attention",
     "ColumnParallelLinear",
     "FusedMoE",
+    "GeluAndMul",
+    "GemmaRMSNorm",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",

@@ -1,3 +1,5 @@
+"""Gated activations for the MLP's fused gate_up projection: [..., 2d] -> act(gate) * up, gate first."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,9 +32,27 @@ class SiluAndMul(nn.Module):
         self.feeds_linear = feeds_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | PendingSiluMul:
+        """x [..., 2d] -> silu(x[..., :d]) * x[..., d:], in x's dtype (or the PendingSiluMul above)."""
         if self.feeds_linear and fused.enabled(x) and gemv.enabled(x):
             return PendingSiluMul(x)
         if fused.enabled(x):
             return fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """[..., 2d] -> [..., d]: gelu(gate) * up, gate first (Gemma's MLP). approximate: "none" for the exact
+    erf GELU, "tanh" for its tanh approximation (HF's gelu_pytorch_tanh), as torch.nn.functional.gelu
+    takes it. Torch ops on every device, in x's dtype; no fused kernel or GEMV prologue yet."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GeluAndMul approximate must be 'none' or 'tanh', not {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., 2d] -> gelu(x[..., :d]) * x[..., d:]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up

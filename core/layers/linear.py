@@ -56,7 +56,9 @@ def _param(*shape: int, loader) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T, W split by output rows: each rank holds out_features / tp rows."""
+    """y = x W^T + b, W split by output rows: each rank holds out_features / tp rows of W [out, in] and b,
+    and returns its slice of y, [N, out_features / tp], not gathered (a RowParallelLinear takes it next).
+    Its input may be a PendingNorm (RMSNorm(feeds_linear=True)), applied in the decode GEMV's prologue."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -69,10 +71,12 @@ class ColumnParallelLinear(nn.Module):
         self.packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout, CPU bf16 only
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy this rank's rows of the full checkpoint weight [out, in] or bias [out] into param."""
         n = param.shape[0]
         param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """x [N, in_features] -> this rank's [N, out_features / tp]."""
         if isinstance(x, PendingNorm):
             if gemv.enabled(x.x, self.weight):  # the norm runs in the GEMV's prologue
                 norm = (x.weight, x.eps)
@@ -83,20 +87,30 @@ class ColumnParallelLinear(nn.Module):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs in one matmul (gate_up_proj); shard_id indexes output_sizes."""
+    """Several column-parallel outputs in one matmul (gate_up_proj = [gate | up]). Each rank holds, in
+    order, its 1/tp slice of each output, so its y is [gate slice | up slice]; every size must split over
+    tp. Load each checkpoint tensor with weight_loader(param, tensor, shard_id), shard_id indexing
+    output_sizes."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        """Copy this rank's rows of output shard_id's full weight [output_sizes[shard_id], in] (or bias)
+        into that output's place in param."""
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections fused. KV heads are sharded, or replicated when fewer than TP ranks."""
+    """q, k and v projections fused; each rank's output is [q | k | v] of its own heads, [N, (num_heads +
+    2 num_kv_heads) head_size], num_heads and num_kv_heads being the per-rank counts this layer exposes.
+    Per rank: num_heads = heads / tp (must divide); num_kv_heads = kv_heads / tp, or 1 when tp > kv_heads,
+    then each KV head is replicated on kv_replicas = tp / kv_heads consecutive ranks (tp and kv_heads are
+    expected to divide one another; not checked). Load q_proj, k_proj and v_proj (full checkpoint tensors,
+    weight or bias) with weight_loader(param, tensor, "q" | "k" | "v")."""
 
     def __init__(
         self, hidden: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False
@@ -111,6 +125,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden, out, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+        """Copy this rank's heads of the full q, k or v weight [heads * head_size, hidden] (or bias) into
+        their place in param; rank r takes KV head block r // kv_replicas."""
         q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
@@ -118,7 +134,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W split by input columns; partial sums are all-reduced across TP ranks."""
+    """y = x W^T + b with W [out, in] split by input columns: a rank takes its slice x [N, in / tp] (a
+    column-parallel output, or a PendingSiluMul from SiluAndMul(feeds_linear=True)), and the partial sums
+    are all-reduced, so every rank gets the whole [N, out]. The bias is whole on each rank, added once."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -132,6 +150,8 @@ class RowParallelLinear(nn.Module):
         self.packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout, CPU bf16 only
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy this rank's columns of the full checkpoint weight [out, in] into param (the bias has its own
+        loader that copies it whole)."""
         n = param.shape[1]
         param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
 
@@ -139,6 +159,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor | PendingSiluMul) -> torch.Tensor:
+        """x [N, in_features / tp] -> [N, out_features], summed over the TP ranks."""
         if isinstance(x, PendingSiluMul):
             if gemv.enabled(x.x, self.weight):  # SiLU-and-mul runs in the GEMV's prologue
                 y = gemv.gemv(x.x, self.weight, silu_mul=True)

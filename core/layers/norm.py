@@ -1,4 +1,5 @@
-"""RMSNorm, computed in float32 and rounded to the activation dtype as HF does."""
+"""RMSNorm, computed in float32 and rounded to the activation dtype as HF does, and Gemma's form with a unit
+offset on the weight."""
 
 from __future__ import annotations
 
@@ -28,11 +29,15 @@ class PendingNorm:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim; with a residual it adds first and returns (normed, new residual).
+    """RMSNorm over the last dim, as HF's LlamaRMSNorm: w * (x / sqrt(mean(x^2) + eps)), the normalising in
+    float32, rounded to x's dtype, then times the weight (init ones). With a residual it adds first, in x's
+    dtype, and returns (normed, x + residual): the fused residual add of a pre-norm decoder.
 
     On CUDA one fused kernel (layers/fused.py) does it all. feeds_linear: the output goes straight into a
     turnout column-parallel linear; at decode sizes (gemv.enabled) the norm then runs in that linear's GEMV
     prologue, and the output is a PendingNorm that only such a linear accepts."""
+
+    unit_offset = False  # True in GemmaRMSNorm: the weight is applied as (1 + w)
 
     def __init__(self, hidden: int, eps: float = 1e-6, feeds_linear: bool = False) -> None:
         super().__init__()
@@ -48,12 +53,39 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | PendingNorm | tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+        """x [..., hidden] -> normed, or with residual (same shape) -> (norm(x + residual), x + residual)."""
         if self.feeds_linear and fused.enabled(x) and gemv.enabled(x) and x.shape[-1] <= gemv.NORM_MAX_K:
             res_out = x if residual is None else torch.empty_like(x)
             pending = PendingNorm(x, residual, self.weight, self.eps, res_out)
             return pending if residual is None else (pending, res_out)
         if fused.enabled(x):
             return fused.rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + w), all in float32 and rounded to x's dtype once at
+    the end, as HF's GemmaRMSNorm (the checkpoint stores w, init zeros). The residual add is RMSNorm's.
+    Torch ops on every device: neither the fused kernel nor the GEMV prologue (feeds_linear) applies it."""
+
+    unit_offset = True
+
+    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden, eps)
+        self.weight.data.zero_()
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [..., hidden] -> normed, or with residual (same shape) -> (norm(x + residual), x + residual)."""
         if residual is None:
             return self._norm(x)
         residual = x + residual

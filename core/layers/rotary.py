@@ -25,6 +25,19 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotary position embedding over the last dim of q and k, with cos/sin tables for positions
+    [0, max_position) built once, in float32, from inv_freq = 1 / base^(2i / head_size).
+
+    - Rotation style: NeoX / HF rotate-half only: element i pairs with i + head_size / 2. GPT-J's
+      interleaved pairs (2i, 2i + 1) are not supported; permute such a checkpoint's q/k rows at load.
+    - Partial rotary: build it with head_size = the rotated dims and pass q[..., :rot], k[..., :rot], then
+      concatenate the unrotated rest of each head back (the NeoX example plugin does this).
+    - scaling: the HF rope_scaling / rope_parameters dict, its kind read from "rope_type" (or the older
+      "type"). None or "default": plain. "llama3": Llama 3.1's frequency smoothing, reading factor,
+      original_max_position_embeddings, low_freq_factor (default 1.0) and high_freq_factor (default 4.0).
+      Any other kind (linear, dynamic, yarn, longrope, ...) raises ValueError at construction. Other keys
+      (rope_theta, ...) are ignored: pass the base yourself."""
+
     def __init__(
         self, head_size: int, max_position: int, base: float, scaling: dict[str, Any] | None
     ) -> None:
@@ -52,10 +65,13 @@ class RotaryEmbedding(nn.Module):
         q_norm: RMSNorm | None = None,  # per-head norms applied before the rotation (Qwen3)
         k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Angles are float32; like HF, the rotation itself runs in the activations' dtype. On CUDA, when q
-        and k are views of one packed qkv row (k's heads right after q's), one fused kernel does the norms
-        and the rotation and writes new q and k."""
-        if fused.enabled(q) and (qk := _packed(q, k)) is not None:
+        """(q, k) rotated at their positions, same shapes. With both q_norm and k_norm, each head of q and k
+        is RMS-normed first (Qwen3; a GemmaRMSNorm works too). Angles are float32; like HF, the rotation
+        itself runs in the activations' dtype. On CUDA, when q and k are views of one packed qkv row (k's
+        heads right after q's) and the norms are plain RMSNorms, one fused kernel does the norms and the
+        rotation and writes new q and k."""
+        fusable = not (getattr(q_norm, "unit_offset", False) or getattr(k_norm, "unit_offset", False))
+        if fused.enabled(q) and fusable and (qk := _packed(q, k)) is not None:
             w = (
                 (q_norm.weight, k_norm.weight, q_norm.eps)
                 if q_norm is not None and k_norm is not None

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from turnout.errors import WeightLoadError
-from turnout.loader.weights import _one_line
+from turnout.loader.weights import one_line
 
 CONVERT_MARKER = "turnout-convert.json"
 CONVERT_VERSION = 3  # 3: weights stored in the config's dtype, the folder named by the source's content
@@ -66,7 +66,7 @@ def _open(gguf_path: Path) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(gguf_path)
     except Exception as e:
-        raise WeightLoadError(f"corrupt GGUF file {gguf_path}: {_one_line(e)}; re-download it") from None
+        raise WeightLoadError(f"corrupt GGUF file {gguf_path}: {one_line(e)}; re-download it") from None
 
 
 def _tensor(t: Any, gguf_path: Path) -> torch.Tensor:
@@ -154,7 +154,7 @@ def _save_tokenizer(reader: gguf.GGUFReader, gguf_path: Path, out: Path) -> None
         tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     except (ValueError, KeyError, OSError) as e:
         raise WeightLoadError(
-            f"cannot build the tokenizer of {gguf_path}: {_one_line(e)}; "
+            f"cannot build the tokenizer of {gguf_path}: {one_line(e)}; "
             "upgrade transformers or convert from the HF release"
         ) from None
     if not tok.chat_template and (template := _meta(reader, "tokenizer.chat_template")):

@@ -8,7 +8,8 @@ from safetensors import SafetensorError, safe_open
 from turnout.errors import WeightLoadError
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
+    """The error's message on one line, runs of whitespace and newlines as single spaces."""
     return " ".join(str(err).split())
 
 
@@ -17,7 +18,7 @@ def _index_shards(index: Path) -> list[Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise WeightLoadError(
-            f"unreadable weight index {index}: {_one_line(e)}; re-download it or remove it"
+            f"unreadable weight index {index}: {one_line(e)}; re-download it or remove it"
         ) from None
     shards = [index.parent / name for name in sorted(set(weight_map.values()))]
     for shard in shards:
@@ -51,5 +52,5 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
                     yield name, f.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise WeightLoadError(
-                f"corrupt weight file {path}: {_one_line(e)}; re-download or re-convert it"
+                f"corrupt weight file {path}: {one_line(e)}; re-download or re-convert it"
             ) from None

@@ -15,7 +15,7 @@ logger = logging.getLogger("turnout")
 def add_tune_parser(subparsers: Any) -> None:
     """Register `turnout tune`, with the engine flags of generate and explain."""
     from turnout.bench.random_models import SHAPES
-    from turnout.cli import _engine_flags
+    from turnout.engine_args import add_engine_args
 
     t = subparsers.add_parser(
         "tune", help="measure the candidate configurations on this machine and record the figures"
@@ -25,13 +25,13 @@ def add_tune_parser(subparsers: Any) -> None:
     t.add_argument("--workload", help="throughput, latency, prefix or FILE.jsonl (default: tune_workload)")
     t.add_argument("--budget", type=float, metavar="SECONDS", help="time to spend (default: tune_budget)")
     t.add_argument("--json", action="store_true", help="print the record and the decision as JSON")
-    _engine_flags(t, skip=("tune", "tuned"))
+    add_engine_args(t, skip=("tune", "tuned"))
     t.set_defaults(fn=cmd_tune)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """Tune, then print the table, the winner, the record's path and what was skipped."""
-    from turnout.cli import _config
+    from turnout.engine_args import engine_config_from_args
     from turnout.tuning.rule import decide, user_settings
     from turnout.tuning.tuner import tune
 
@@ -44,7 +44,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         from turnout.bench.random_models import random_model
 
         args.model = str(random_model(args.random_model))
-    config = _config(args)
+    config = engine_config_from_args(args)
     budget = config.tune_budget if args.budget is None else args.budget
     if budget <= 0:
         raise TurnoutError(f"--budget {budget}: give a positive number of seconds")
@@ -65,7 +65,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _print(record: Any, decision: Any) -> None:
-    from turnout.cli import _table
+    from turnout.tables import print_table
     from turnout.tuning.rule import gain, pct
 
     print(f"workload: {record.workload}: {record.requests}; tuned in {record.tune_s:.0f} s")
@@ -79,7 +79,7 @@ def _print(record: Any, decision: Any) -> None:
         )
         runs = " ".join(f"{r:,.0f}" for r in c.runs)
         rows.append([c.label, runs, f"{c.median:,.0f}", pct(c.noise), vs if base else ""])
-    _table(["candidate", "runs", f"median {record.metric}", "noise", "vs default"], rows, "  ")
+    print_table(["candidate", "runs", f"median {record.metric}", "noise", "vs default"], rows, "  ")
     default = f"the default {base.label}" if base else "none"
     print(f"winner: {decision.winner.label if decision.winner else default} ({decision.why})")
     print(f"record: {record.path}")
