@@ -355,8 +355,9 @@ def select_all(
     )
     if moe and effective.uses_graphs and (why := graph_blocker(moe.obj, config.expert_parallel_size)):
         effective, note = GraphPolicy("NONE", RuntimeMode.NONE, RuntimeMode.NONE), why
-    if note:  # expected on CPU; worth a warning only where graphs could have run
+    if note:  # worth a warning only where graphs could have run; on CPU they never do (explain shows it)
         level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
+        level = level if platform.is_cuda else logging.DEBUG
         logger.log(level, "cudagraph_mode %s -> %s: %s", graph.chosen.name, effective.name, note)
     fitted = fit_defaults(config, platform, backend)
     async_on, async_note = resolve_async_scheduling(config.async_scheduling, executor.obj, platform)
