@@ -11,24 +11,15 @@ import logging
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import turnout.llm
 from turnout import LLM, cli
 from turnout.sampling_params import SamplingParams
 
+from fuzzing import fuzz
 
-def fuzz(max_examples: int) -> settings:
-    return settings(FUZZ, max_examples=max_examples)
-
-
-FUZZ = settings(
-    deadline=None,
-    derandomize=True,  # the same cases every run
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
 VOCAB = 49152
 JUNK = st.one_of(
     st.none(),

@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
@@ -21,6 +21,8 @@ from test_server import KEY, TINY, Server
 
 from turnout.entrypoints.openai.protocol import INT64_MAX
 from turnout.entrypoints.openai.serving_chat import ROLES
+
+from fuzzing import fuzz
 
 MAX_LEN = 64
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -242,12 +244,6 @@ def test_integers_beyond_64_bits_are_a_400_naming_the_field(server: Server) -> N
 
 
 # ---- the fuzz ----
-FUZZ = settings(
-    deadline=None,
-    derandomize=True,  # the same cases every run
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
 EXAMPLES = 150
 TIMEOUT = 15.0  # seconds for one answer: a request of a few tokens takes milliseconds
 
@@ -283,7 +279,7 @@ def test_fuzz_from_the_document_gets_no_5xx_and_no_hang(server: Server) -> None:
     )
     seen: dict[int, int] = {}
 
-    @settings(FUZZ, max_examples=EXAMPLES)
+    @fuzz(EXAMPLES)
     @given(case=cases)
     def run(case: Any) -> None:
         case.body = _cheap(case.body)

@@ -133,7 +133,7 @@ class FunctionCall(_Strict):
 
 
 class ToolCall(_Strict):
-    """A call an assistant message made (sent back in the conversation)."""
+    """A call an assistant message made: in an answer, and sent back in the conversation."""
 
     id: str
     type: Literal["function"] = "function"
@@ -299,21 +299,10 @@ class CompletionStreamResponse(BaseModel):
     usage: Usage | None = None
 
 
-class ChatFunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON text, as the model wrote it
-
-
-class ChatToolCall(BaseModel):
-    id: str
-    type: Literal["function"]
-    function: ChatFunctionCall
-
-
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None  # None when the answer is tool calls only
-    tool_calls: list[ChatToolCall] | None = None
+    tool_calls: list[ToolCall] | None = None  # the same shape as a request's assistant message holds
 
 
 class ChatTopLogprob(BaseModel):
