@@ -394,6 +394,24 @@ def cpu_section() -> list[str]:
     return out + table(["file", "commit", "bf16 vs HF bf16", "turnout default vs HF float32"], rows)
 
 
+CPU_TTFT = {  # bench_cpu.py ttft, its A/B records, and turnout bench latency's records
+    "input_len": "prompt tokens", "run": "run", "tpot_ms": "TPOT (ms)",
+    **{f"ttft_{n}_s": f"TTFT {n:,} (s)" for n in (512, 2048, 4096)},
+    "turnout_first_s": "turnout, first run (s)", "turnout_ttft_s": "turnout (s)",
+    "before_ttft_s": "before (s)", "after_ttft_s": "after (s)",
+    "hf_bfloat16_ttft_s": "HF bf16 (s)", "hf_bf16_ttft_s": "HF bf16 (s)",
+    "hf_float32_ttft_s": "HF fp32 (s)", "hf_fp32_ttft_s": "HF fp32 (s)", "speedup": "after / before",
+    "hf_bf16_over_turnout": "HF bf16 / turnout", "after_vs_hf_bf16": "HF bf16 / after",
+}  # fmt: skip
+
+
+def _ttft_rows(doc: Doc) -> list[dict]:
+    if isinstance(doc, dict):
+        return doc["results"]
+    ttft = lambda r: {f"ttft_{n}_s": ms / 1e3 for n, ms in r["ttft_ms"].items()}
+    return [{"run": r["run"], "tpot_ms": r["tpot_ms"], **ttft(r)} for r in doc if r["engine"] == "turnout"]
+
+
 def render() -> str:
     out = [
         "# Performance",
@@ -413,6 +431,7 @@ def render() -> str:
         ),
         ("llama-3-8b", "Llama-3-8B shape", lambda: bench_section("llama-3-8b")),
         ("cpu-vs-hf", "CPU: turnout against HF transformers", cpu_section),
+        ("cpu-latency", "CPU: time to first token", lambda: per_file("cpu-latency", CPU_TTFT, _ttft_rows)),
         ("graphs", "CUDA graphs", lambda: per_file("graphs", GRAPHS, _graph_rows, GRAPHS_LEGEND)),
         ("attention", "Attention kernels", attention_section),
         ("gemv", "The decode GEMV", gemv_section),

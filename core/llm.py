@@ -63,7 +63,7 @@ class LLM:
 
     def _need_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
-            why = getattr(self.engine, "tokenizer_problem", "the engine loaded none")  # an LLMEngine says
+            why = getattr(self.engine, "tokenizer_problem", "the engine loaded none")  # data parallel: none
             raise RequestError(f"{what} need a tokenizer, but {why}")
         return self.tokenizer
 
