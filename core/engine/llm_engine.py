@@ -310,16 +310,21 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the loop ----
+    @property
+    def _sync(self) -> bool:
+        """Steps are launched and read one at a time: no async scheduling, or a structured-output request
+        runs (its next bitmask needs its last token on the host)."""
+        return not self.async_scheduling or self.structured.active
+
     def step(self) -> list[StepOutput]:
         """Sync: schedule, launch and read one step. Async: schedule and launch step N+1, then read step N
         and return its outputs. While a structured-output request runs, steps are sync: its bitmask needs
         its last token."""
-        sync = not self.async_scheduling or self.structured.active
         prev = self._in_flight
-        if prev is not None and (prev.feeds_next or sync):  # read it first; the next call launches the next
+        if prev is not None and (prev.feeds_next or self._sync):  # read it first; the next call launches
             self._in_flight = None
             return self._read(prev)
-        if sync:
+        if self._sync:
             return self._read(self._launch(self.scheduler.schedule()))
         self._in_flight = self._launch(self.scheduler.schedule())
         return self._read(prev)
@@ -331,9 +336,11 @@ class LLMEngine:
             elif out.finished_req_ids:  # let workers drop state of aborted requests
                 self.executor.execute_model(out)
             return None
-        if not self.async_scheduling or self.structured.active:  # read at once: no request leaves meanwhile
-            sampled = [s.req_id for s in out.requests if s.sample]
-            res = self.executor.step(out, lambda: self.structured.grammar_output(sampled))
+        if self._sync:  # read at once: no request leaves meanwhile
+            grammar = None
+            if self.structured.active:
+                grammar = lambda: self.structured.grammar_output([s.req_id for s in out.requests if s.sample])
+            res = self.executor.step(out, grammar)
             return LaunchedStep(out, self.requests, lambda: res, False)
         reqs = {s.req_id: self.requests[s.req_id] for s in out.requests}
         feeds_next = any(s.sample and s.params.needs_output_tokens for s in out.requests)
