@@ -13,10 +13,11 @@ is the geometric mean over the cases. The best config is checked against torch S
 or make it the default in _prefill_config.
 
 --decode: decode batches of 64 and 256 requests at 512, 1024 and 2048 keys (Qwen3-0.6B heads: 16 query /
-8 KV, head 128; bf16, block_size 16, shuffled block table), for every (block_n, warps, stages) of the grid
-and the current default first, each timed with CUDA events after an L2 flush (median); the score is the
-geometric mean time over the cases. The best is checked against torch SDPA in float32. Use it with
-TURNOUT_TRITON_DECODE=block_n,warps,stages or make it the default in _decode_config.
+8 KV, or --heads 32,8 for Qwen3-8B's; head 128; bf16, block_size 16, shuffled block table), for every
+(block_n, warps, stages) of the grid and the current default first, each timed with CUDA events after an
+L2 flush (median); the score is the geometric mean time over the cases. The best is checked against torch
+SDPA in float32. Use it with TURNOUT_TRITON_DECODE=block_n,warps,stages or make it the default in
+_decode_config.
 
   python benchmarks/tune_triton.py --json /tmp/tune.json   # suite: tune-triton
   python benchmarks/tune_triton.py --decode --json /tmp/decode.json   # suite: tune-triton
@@ -280,7 +281,7 @@ def decode_main(args: argparse.Namespace, cuda: bool) -> None:
         heads, bs, batches, ctxs = (8, 2, 64), 16, [2], [40, 100]
         grid_ = dict(block_n=[16, 32], warps=[1], stages=[1])
     else:
-        heads, bs, batches, ctxs = (16, 8, 128), 16, [64, 256], [512, 1024, 2048]
+        heads, bs, batches, ctxs = (*args.heads, 128), 16, [64, 256], [512, 1024, 2048]
         grid_ = dict(block_n=[32, 64, 128], warps=[2, 4, 8], stages=[2, 3, 4])
     sets = [
         ",".join(map(str, t)) for t in itertools.product(*(getattr(args, k) or v for k, v in grid_.items()))
@@ -325,6 +326,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes and grid; runs under TRITON_INTERPRET=1")
     p.add_argument("--decode", action="store_true", help="sweep the decode kernel's tiles instead")
+    p.add_argument("--heads", type=_ints, default=[16, 8], help="--decode: query,KV heads (default 16,8)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--block-m", type=_ints, default=None, help="comma list (default 64,128)")
     p.add_argument("--block-n", type=_ints, default=None, help="comma list (default 32,64,128)")

@@ -79,6 +79,12 @@ FUSED_KERNELS = EnvVar(
     "TURNOUT_FUSED_KERNELS", flag, True, "0: the torch path instead of the fused CUDA kernels between GEMMs"
 )
 TRITON_GEMV = EnvVar("TURNOUT_TRITON_GEMV", flag, True, "0: every matmul goes to F.linear, no Triton GEMV")
+GEMV_MAX_K = EnvVar(
+    "TURNOUT_GEMV_MAX_K",
+    int,
+    16384,
+    "the longest weight row (in features) a decode matmul sends to the Triton GEMV; longer ones: F.linear",
+)
 
 
 GEMV_TILES = EnvVar(
@@ -112,6 +118,7 @@ CORE: tuple[EnvVar[Any], ...] = (
     CACHE_DIR,
     FUSED_KERNELS,
     TRITON_GEMV,
+    GEMV_MAX_K,
     GEMV_TILES,
     PDL,
     CONFORMANCE_ERRORS,

@@ -41,15 +41,22 @@ def switched_on() -> bool:
     return envs.TRITON_GEMV.value
 
 
+@functools.cache
+def max_k() -> int:
+    """TURNOUT_GEMV_MAX_K, read once: the longest weight row sent here."""
+    return envs.GEMV_MAX_K.value
+
+
 def enabled(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     """Whether a linear layer sends x @ weight^T here: CUDA, fp16/bf16 (weight of the same dtype), at most
-    MAX_M rows, not switched off. Without weight: whether x's rows qualify, for the layers before one."""
+    MAX_M rows, a weight row of at most max_k() features, not switched off. Without weight: whether x's
+    rows qualify, for the layers before one (a norm that hands a linear its prologue)."""
     return (
         x.is_cuda
         and x.dim() == 2
         and x.shape[0] <= MAX_M
         and x.dtype in (torch.float16, torch.bfloat16)
-        and (weight is None or weight.dtype == x.dtype)
+        and (weight is None or (weight.dtype == x.dtype and weight.shape[1] <= max_k()))
         and switched_on()
     )
 
