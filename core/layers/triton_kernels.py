@@ -52,29 +52,32 @@ def rms_norm_kernel(
 @triton.jit
 def qk_norm_rope_kernel(
     qkv, q_out, k_out, q_w, k_w, cos, sin, positions, s_t, s_qt, s_kt, s_c, eps,
-    HQ: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+    HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, HB: tl.constexpr,
+    NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Grid (T, Hq + Hkv): head h of token t; q heads first, as packed in qkv's rows."""
+    """Grid (T, cdiv(Hq + Hkv, HB)): heads [HB * pid1, +HB) of token t, q heads first, as packed in qkv's
+    rows; each row of the [HB, HALF_P2] tiles is one head's two rotate-half halves."""
     pdl_wait(PDL)
-    t, h = tl.program_id(0), tl.program_id(1)
-    i = tl.arange(0, HALF_P2)
-    m = i < HALF
-    qm, km = m & (i * 0 + h < HQ), m & (i * 0 + h >= HQ)  # this head is q / is k
+    t = tl.program_id(0)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]  # [HB, 1]
+    i = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
+    m = (i < HALF) & (h < HQ + HK)
+    qm, km = m & (h < HQ), m & (h >= HQ)  # this head is q / is k
     src = qkv + t * s_t + h * 2 * HALF
-    x1 = tl.load(src + i, mask=m, other=0.0)  # [HALF_P2], the rotate-half layout's two halves
+    x1 = tl.load(src + i, mask=m, other=0.0)  # [HB, HALF_P2]
     x2 = tl.load(src + HALF + i, mask=m, other=0.0)
     dt = x1.dtype
     if NORM:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / (2 * HALF) + eps)
+        rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)  # [HB]
         w1 = tl.load(q_w + i, mask=qm, other=0.0) + tl.load(k_w + i, mask=km, other=0.0)
         w2 = tl.load(q_w + HALF + i, mask=qm, other=0.0)
         w2 += tl.load(k_w + HALF + i, mask=km, other=0.0)
-        x1 = (w1.to(tl.float32) * (f1 * rstd).to(dt).to(tl.float32)).to(dt)
-        x2 = (w2.to(tl.float32) * (f2 * rstd).to(dt).to(tl.float32)).to(dt)
+        x1 = (w1.to(tl.float32) * (f1 * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+        x2 = (w2.to(tl.float32) * (f2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
     pos = tl.load(positions + t)
-    c = tl.load(cos + pos * s_c + i, mask=m, other=0.0).to(dt).to(tl.float32)
-    s = tl.load(sin + pos * s_c + i, mask=m, other=0.0).to(dt).to(tl.float32)
+    c = tl.load(cos + pos * s_c + i, mask=i < HALF, other=0.0).to(dt).to(tl.float32)  # [1, HALF_P2]
+    s = tl.load(sin + pos * s_c + i, mask=i < HALF, other=0.0).to(dt).to(tl.float32)
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
     o1 = ((a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)).to(dt)
     o2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
