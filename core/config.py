@@ -140,6 +140,8 @@ class EngineConfig(BaseModel):
 
     @property
     def world_size(self) -> int:
+        """Ranks of one engine replica: tensor_parallel_size x pipeline_parallel_size (data parallelism
+        runs data_parallel_size such replicas)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
@@ -157,6 +159,8 @@ class EngineConfig(BaseModel):
         return self._sources.get(name, "default")
 
     def with_sources(self, sources: dict[str, str]) -> EngineConfig:
+        """This config, its fields' sources (name -> default, file, env, flag or argument) updated from
+        `sources`, as source() then reports them; returns self."""
         self._sources = {**self._sources, **sources}
         return self
 

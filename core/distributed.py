@@ -69,6 +69,8 @@ def init_parallel_groups(
 
 
 def get_parallel_state() -> ParallelState:
+    """This process's ParallelState: ranks, sizes and groups of tensor, pipeline and expert parallelism,
+    as the rank bootstrap set it (the defaults, rank 0 of 1, under uniproc)."""
     return _state
 
 

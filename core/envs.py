@@ -22,6 +22,9 @@ PREFIX = "TURNOUT_"
 
 @dataclass(frozen=True)
 class EnvVar(Generic[T]):
+    """One environment switch: its full name (TURNOUT_...), the parser of its text, the default where it is
+    unset, and one line of doc, quoted in the error for a value that does not parse."""
+
     name: str
     parse: Callable[[str], T]
     default: T

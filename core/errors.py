@@ -6,7 +6,8 @@ class TurnoutError(Exception):
 
 
 class ConfigError(TurnoutError):
-    pass
+    """A setting that cannot be used: an unknown key, a bad value, or settings that cannot run together;
+    the message names the setting, where it came from where that matters, and the fix."""
 
 
 class SelectionError(TurnoutError):

@@ -61,19 +61,13 @@ class LLM:
         without tokenizer files)."""
         return self.tokenizer
 
-    def _need_tokenizer(self, what: str) -> Any:
-        if self.tokenizer is None:
-            why = getattr(self.engine, "tokenizer_problem", "the engine loaded none")  # data parallel: none
-            raise RequestError(f"{what} need a tokenizer, but {why}")
-        return self.tokenizer
-
     # ---- prompts ----
     def apply_chat_template(
         self, messages: Conversation, chat_template: str | None = None, add_generation_prompt: bool = True
     ) -> str:
         """The conversation as the model's chat template writes it; RequestError if it is malformed."""
         check_conversation(messages)
-        tokenizer = self._need_tokenizer("chat conversations")
+        tokenizer = self.engine.need_tokenizer("chat conversations")
         try:
             return tokenizer.apply_chat_template(
                 messages,

@@ -29,6 +29,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One prompt's result (vLLM's shape): the prompt and its token ids, its n CompletionOutputs (one per
+    sample, by index), how many prompt tokens came from the prefix cache, and prompt logprobs where asked."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -40,12 +43,15 @@ class RequestOutput:
 
     @property
     def text(self) -> str:
+        """The first completion's text; "" where there is none."""
         return self.outputs[0].text if self.outputs else ""
 
     @property
     def token_ids(self) -> list[int]:
+        """The first completion's generated token ids (not the prompt's); [] where there is none."""
         return self.outputs[0].token_ids if self.outputs else []
 
     @property
     def finish_reason(self) -> str | None:
+        """Why the first completion ended ("stop", "length", "abort"); "error" where there is none."""
         return self.outputs[0].finish_reason if self.outputs else "error"

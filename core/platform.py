@@ -13,6 +13,9 @@ from turnout import envs
 
 @dataclass(frozen=True)
 class Platform:
+    """The hardware here, probed once (current_platform): the device kind, name, count and compute
+    capability, one device's memory, the dtypes it runs and whether bf16 is native."""
+
     device_type: str  # "cuda" or "cpu"
     device_name: str
     device_count: int
@@ -23,9 +26,11 @@ class Platform:
 
     @property
     def is_cuda(self) -> bool:
+        """The devices are CUDA GPUs (else the CPU)."""
         return self.device_type == "cuda"
 
     def describe(self) -> str:
+        """One line for logs and explain: "cuda:NVIDIA H200 sm90 x1, 140 GiB" or "cpu:cpu x1, 31 GiB"."""
         cap = f" sm{self.capability[0]}{self.capability[1]}" if self.capability else ""
         gib = self.total_memory / 2**30
         return f"{self.device_type}:{self.device_name}{cap} x{self.device_count}, {gib:.0f} GiB"

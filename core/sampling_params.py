@@ -113,10 +113,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """temperature 0: the sampler takes the most likely token; seed, top_k, top_p and min_p do nothing."""
         return self.temperature == 0
 
     @property
     def needs_penalties(self) -> bool:
+        """A repetition, presence or frequency penalty is set: the sampler needs the tokens so far."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property

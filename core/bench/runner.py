@@ -149,10 +149,10 @@ class Bench:
     def throughput(self) -> tuple[list[dict], float | None]:
         a = self.args
         if a.input:
-            from transformers import AutoTokenizer
+            from turnout.engine.llm_engine import load_tokenizer
 
-            tok = AutoTokenizer.from_pretrained(self.cfg.tokenizer or self.model_dir)
-            reqs = workloads.from_jsonl(a.input, tok, a.max_tokens)
+            tok, problem = load_tokenizer(self.cfg, self.model_dir)
+            reqs = workloads.from_jsonl(a.input, tok, a.max_tokens, problem)
         else:
             reqs = workloads.throughput(a.num_prompts, a.max_input_len, a.max_output_len)
         sub = workloads.subset(reqs, a.peer_subset, a.peer_output_len)

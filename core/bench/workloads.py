@@ -54,8 +54,12 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return [rng.randint(0, 10000) for _ in range(n)]
 
 
-def from_jsonl(path: str | Path, tokenizer: Any, max_tokens: int) -> list[Req]:
-    """One JSON object per line: "prompt" (text, or a list of token ids), optional "max_tokens"."""
+def from_jsonl(
+    path: str | Path, tokenizer: Any, max_tokens: int, tokenizer_problem: str = "none was loaded"
+) -> list[Req]:
+    """One JSON object per line: "prompt" (text, or a list of token ids), optional "max_tokens". Token ids
+    need no tokenizer (None); a text prompt without one is a TurnoutError naming its line and
+    tokenizer_problem (why there is none, and the fix)."""
     reqs = []
     try:
         lines = Path(path).read_text().splitlines()
@@ -73,6 +77,8 @@ def from_jsonl(path: str | Path, tokenizer: Any, max_tokens: int) -> list[Req]:
             raise TurnoutError(
                 f'{path}:{n} needs a JSON object with a "prompt" (text or token ids)'
             ) from None
+        if isinstance(prompt, str) and tokenizer is None:
+            raise TurnoutError(f"{path}:{n}: text prompts need a tokenizer, but {tokenizer_problem}")
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         reqs.append(Req(ids, int(row.get("max_tokens", max_tokens))))
     if not reqs:
@@ -107,10 +113,12 @@ def run(llm: Any, reqs: list[Req]) -> tuple[float, int]:
 
 
 def warm_up(llm: Any) -> None:
-    """nano-vllm's warm-up: one text prompt, temperature 1, 64 tokens."""
+    """nano-vllm's warm-up: one text prompt (token ids where llm has no tokenizer), temperature 1, 64
+    tokens."""
     from turnout import SamplingParams
 
-    llm.generate(["Benchmark: "], SamplingParams(temperature=1.0, max_tokens=64), use_tqdm=False)
+    prompt = "Benchmark: " if llm.get_tokenizer() is not None else [1, 2, 3, 4]
+    llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=64), use_tqdm=False)
 
 
 def tpot_ms(llm: Any, tokens: int, prompt: list[int]) -> float:

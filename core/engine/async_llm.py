@@ -13,15 +13,14 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
-
-from transformers import AutoTokenizer
+from typing import Any, Protocol
 
 from turnout import envs
 from turnout.config import EngineConfig
 from turnout.engine.core import CoreBatch, EngineDeadError, EngineOutput, EngineRequest, SchedulerStats
 from turnout.engine.core_client import CoreProcClient, CoreThreadClient
-from turnout.errors import TurnoutError
+from turnout.engine.llm_engine import load_tokenizer
+from turnout.errors import RequestError, TurnoutError
 
 logger = logging.getLogger("turnout")
 
@@ -123,13 +122,26 @@ class AsyncLLM:
         self.client: CoreProcClient | CoreThreadClient = client(config, max_waiting_requests)
         self.config, self.info = config, self.client.info
         self.max_model_len = self.info.max_model_len
-        # the front's own tokenizer: the core detokenizes on its side
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or self.info.model)
+        # the front's own tokenizer (the core detokenizes on its side); none where the core has none
+        self.tokenizer: Any = None
+        self.tokenizer_problem = self.info.tokenizer_problem
+        if not self.tokenizer_problem:
+            try:
+                self.tokenizer, self.tokenizer_problem = load_tokenizer(config, self.info.model)
+            except BaseException:
+                self.client.shutdown()  # the core is up: a front that fails must not leave it running
+                raise
         self.stat_loggers = list(stat_loggers)
         self._timings: dict[str, _Timing] = {}
         self._acks: dict[int, asyncio.Future] = {}
         self._keys = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    def need_tokenizer(self, what: str) -> Any:
+        """The front's tokenizer, or RequestError: `what` needs one, why this engine has none, and the fix."""
+        if self.tokenizer is None:
+            raise RequestError(f"{what} need a tokenizer, but {self.tokenizer_problem}")
+        return self.tokenizer
 
     @property
     def dead(self) -> str | None:

@@ -77,7 +77,8 @@ class CoreBatch:
 
 @dataclass
 class EngineInfo:
-    """What the front needs of a started engine: its context limit, and the selection's names."""
+    """What the front needs of a started engine: its context limit, the selection's names, and why it has
+    no tokenizer ("" where it has one)."""
 
     max_model_len: int
     model: str  # the HF-style folder loaded (its tokenizer is the front's)
@@ -85,6 +86,7 @@ class EngineInfo:
     backend: str
     executor: str
     graph_mode: str
+    tokenizer_problem: str
 
     @classmethod
     def of(cls, engine: Any) -> EngineInfo:
@@ -92,6 +94,7 @@ class EngineInfo:
         return cls(
             engine.max_model_len, str(sel.model_info.path), sel.model_info.architecture,
             sel.attention.chosen.name, sel.executor.chosen.name, sel.effective_graph.name,
+            engine.tokenizer_problem,
         )  # fmt: skip
 
 

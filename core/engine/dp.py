@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 from turnout.config import EngineConfig
 from turnout.engine.llm_engine import LLMEngine, StepOutput
@@ -47,7 +48,8 @@ class DataParallelEngine:
             self.shutdown()
             raise
         first = self.engines[0]
-        self.tokenizer, self.selection, self.info = first.tokenizer, first.selection, first.info
+        self.tokenizer, self.tokenizer_problem = first.tokenizer, first.tokenizer_problem
+        self.selection, self.info = first.selection, first.info
         self.max_model_len = min(e.max_model_len for e in self.engines)
         threaded = not self.selection.executor_spec.in_process
         self._pool = ThreadPoolExecutor(len(self.engines), "turnout-dp") if threaded else None
@@ -71,6 +73,10 @@ class DataParallelEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.engines[0].tokenize(prompt)
+
+    def need_tokenizer(self, what: str) -> Any:
+        """LLMEngine.need_tokenizer of the replicas, which load one tokenizer alike."""
+        return self.engines[0].need_tokenizer(what)
 
     @property
     def requests(self) -> dict[str, Request]:

@@ -46,11 +46,15 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """One step, as the scheduler hands it to the executor: the requests that run and, for each, the tokens
+    it runs now; and the ids of requests finished since the last step. Picklable, the same for every rank."""
+
     requests: list[ScheduledRequest] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # workers drop their per-request state
 
     @property
     def num_tokens(self) -> int:
+        """Tokens this step runs through the model: the sum of every request's token_ids."""
         return sum(len(r.token_ids) for r in self.requests)
 
 

@@ -18,18 +18,30 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ExecutorContext:
+    """What an executor's check(ctx) judges: the platform, the ranks one engine replica needs, whether the
+    user named this executor, and whether the ranks must run in processes of their own."""
+
     platform: Platform
     world_size: int  # tensor_parallel_size * pipeline_parallel_size
     explicit: bool  # the user named this executor
     own_processes: bool = False  # ranks must run outside the engine's process (data parallelism on CUDA)
 
 
+def _no_reasons(ctx: ExecutorContext) -> list[str]:
+    """check(ctx): every reason this executor cannot run ctx (world size, platform, processes of its own),
+    each naming the fix; empty where it can. The default finds none."""
+    return []
+
+
 @dataclass(frozen=True)
 class ExecutorSpec:
+    """An executor a plugin offers (`turnout_executors`): its name, priority tier and class (`target`,
+    imported only when chosen), check(ctx) for why it cannot serve, and what its class supports."""
+
     name: str
     target: str  # "package.module:ExecutorClass", imported only when chosen
     priority: int = Priority.DEFAULT
-    check: Callable[[ExecutorContext], list[str]] = field(default=lambda ctx: [])
+    check: Callable[[ExecutorContext], list[str]] = field(default=_no_reasons)
     # The model runs in the engine's own process. False: the ranks live in processes of their own, so a
     # DataParallelEngine may step this executor in a thread, and it can serve data parallelism on CUDA
     # (each replica's processes see only that replica's GPUs).
@@ -37,6 +49,7 @@ class ExecutorSpec:
     supports_async_scheduling: bool = False  # the executor implements step_async
 
     def load(self) -> type[Executor]:
+        """The Executor class `target` names, imported now."""
         module, _, attr = self.target.partition(":")
         return getattr(importlib.import_module(module), attr)
 
@@ -62,7 +75,8 @@ class Executor:
         """Raise if a worker is gone."""
 
     def shutdown(self) -> None:
-        pass
+        """Stop the workers and release what they hold (processes, actors, device memory); safe to call
+        any number of times."""
 
     def step(
         self,

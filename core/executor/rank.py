@@ -59,6 +59,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one), at least 1."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -107,9 +108,12 @@ class RankWorker:
         self.worker = Worker(info.config, selection, local_rank=info.local_rank)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """This rank's share of the step's forward (Worker.execute_model); every rank gets the same step."""
         self.worker.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput | None:
+        """Sample the step's rows (Worker.sample_tokens): the sampled tokens on the output rank, None on
+        every other."""
         out = self.worker.sample_tokens(grammar_output)
         return out if self.is_output else None
 
@@ -120,6 +124,7 @@ class RankWorker:
         return self.worker.call(method, *args, **kwargs)
 
     def shutdown(self) -> None:
+        """Shut the Worker down, then leave the process group."""
         self.worker.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()

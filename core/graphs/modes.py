@@ -15,6 +15,9 @@ from turnout.attention.backend import CudagraphSupport
 
 
 class RuntimeMode(enum.Enum):
+    """How one step runs: NONE eagerly; PIECEWISE as graphs of the pieces between attention calls, attention
+    eager in the holes; FULL as one graph of the whole forward, attention included (vLLM's CUDAGraphMode)."""
+
     NONE = "NONE"
     PIECEWISE = "PIECEWISE"
     FULL = "FULL"
@@ -31,10 +34,13 @@ class GraphPolicy:
     description: str = ""
 
     def runtime_mode(self, num_tokens: int, uniform_decode: bool) -> RuntimeMode:
+        """The mode of a step of num_tokens tokens (before padding to a capture size): decode where every
+        request runs one token (uniform_decode), else mixed. Capture asks it for every capture size too."""
         return self.decode if uniform_decode else self.mixed
 
     @property
     def uses_graphs(self) -> bool:
+        """Either half captures graphs (is not NONE); False: nothing is captured, every step runs eagerly."""
         return self.decode is not RuntimeMode.NONE or self.mixed is not RuntimeMode.NONE
 
 

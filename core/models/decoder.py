@@ -157,9 +157,14 @@ class DecoderForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> hidden states [T, hidden] after the final norm; a later pipeline
+        stage takes `intermediate` [2, T, hidden] (hidden, residual) instead, and a non-last stage returns
+        that pair stacked (CausalLM.forward)."""
         return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        """hidden [N, hidden] -> logits [N, vocab_size] through lm_head (the embedding, where tied), the
+        whole vocabulary on every tensor-parallel rank."""
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -60,6 +60,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
+        """The one constraint given: "json", "json_object", "regex", "choice" or "grammar" (a backend's
+        compile(kind, spec) takes it)."""
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     @property
@@ -132,6 +134,7 @@ class GrammarOutput:
 
 
 def bitmask_words(vocab_size: int) -> int:
+    """int32 words in one row of a token bitmask: one bit per token id, ceil(vocab_size / 32)."""
     return (vocab_size + 31) // 32
 
 

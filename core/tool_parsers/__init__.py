@@ -122,3 +122,15 @@ def _installed() -> dict[str, type[ToolParser]]:
             else:
                 found[name], owner[name] = cls, res.plugin
     return found
+
+
+__all__ = [
+    "DeltaMessage",
+    "ParsedToolCall",
+    "ParsedToolCalls",
+    "ToolCallDelta",
+    "ToolParser",
+    "get_tool_parser",
+    "join_deltas",
+    "tool_parser_names",
+]

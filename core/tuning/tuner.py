@@ -337,13 +337,14 @@ def tune(
 
 
 def _load(workload: str, config: EngineConfig, model_dir: str, info: ModelInfo, platform: Any) -> Load:
-    """The workload named, sized for platform; a JSONL file's text prompts use the model's tokenizer."""
-    tokenizer = None
+    """The workload named, sized for platform; a JSONL file's text prompts use the model's tokenizer, and
+    its token ids need none."""
+    tokenizer, problem = None, ""
     if workload.endswith(".jsonl"):
-        from transformers import AutoTokenizer
+        from turnout.engine.llm_engine import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
-    return load_for(workload, platform, info.hf_config.get("vocab_size", 10000), tokenizer)
+        tokenizer, problem = load_tokenizer(config, model_dir)
+    return load_for(workload, platform, info.hf_config.get("vocab_size", 10000), tokenizer, problem)
 
 
 def tune_if_unseen(config: EngineConfig) -> TuningRecord | None:

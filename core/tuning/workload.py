@@ -86,8 +86,15 @@ class Load:
         return len(reqs) * (math.ceil(longest / block_size) + 1)
 
 
-def load_for(workload: str, platform: Platform, vocab_size: int, tokenizer: Any = None) -> Load:
-    """The workload a profile name or a JSONL file names, sized for this platform."""
+def load_for(
+    workload: str,
+    platform: Platform,
+    vocab_size: int,
+    tokenizer: Any = None,
+    tokenizer_problem: str = "none was loaded",
+) -> Load:
+    """The workload a profile name or a JSONL file names, sized for this platform; a JSONL file's text
+    prompts need the tokenizer, and without one (None) fail with tokenizer_problem."""
     if workload in PROFILES:
         n, lens, out, prefix = SIZES[workload, platform.is_cuda]
         return Load(workload, n, lens, out, prefix, vocab_size)
@@ -96,6 +103,6 @@ def load_for(workload: str, platform: Platform, vocab_size: int, tokenizer: Any 
             f"unknown workload {workload!r}: use throughput, latency, prefix or an existing FILE.jsonl"
         )
     out = SIZES["throughput", platform.is_cuda][2]
-    reqs = tuple(workloads.from_jsonl(workload, tokenizer, out))
+    reqs = tuple(workloads.from_jsonl(workload, tokenizer, out, tokenizer_problem))
     lens = (min(len(r.prompt) for r in reqs), max(len(r.prompt) for r in reqs))
     return Load(workload, len(reqs), lens, out, 0, vocab_size, reqs)

@@ -51,6 +51,9 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 @dataclass
 class ModelRunnerOutput:
+    """One step's sampled tokens on the host, by request id: the new token of every request that sampled,
+    its logprobs where asked (logprob, rank, top N), and the prompt logprobs scored this step."""
+
     sampled: dict[str, int] = field(default_factory=dict)  # req id -> new token
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # req id -> (index of the first prompt token scored this step, one entry per prompt token from there)
@@ -77,6 +80,7 @@ class AsyncModelRunnerOutput:
             self.copied.record()
 
     def get(self) -> ModelRunnerOutput:
+        """Wait for the copy to the host (not for later work on the device); the step's ModelRunnerOutput."""
         if self.sampled is None:
             return ModelRunnerOutput(prompt_logprobs=self.prompt_logprobs)
         if self.copied is not None:

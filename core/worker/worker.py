@@ -16,6 +16,10 @@ from turnout.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, Mod
 
 
 class Worker:
+    """One rank: its device (cuda:local_rank, or the CPU) and its ModelRunner. Executors drive it by method
+    name (call, collective_rpc): KV sizing and allocation once, then execute_model and sample_tokens each
+    step."""
+
     def __init__(self, config: EngineConfig, selection: Selection, local_rank: int = 0) -> None:
         if selection.platform.is_cuda:
             self.device = torch.device("cuda", local_rank)
@@ -26,22 +30,31 @@ class Worker:
         self.runner = ModelRunner(selection.apply(config), selection, self.device)
 
     def determine_num_blocks(self) -> int:
+        """KV blocks that fit on this rank: num_gpu_blocks_override, cpu_kv_cache_bytes on the CPU, or what
+        gpu_memory_utilization leaves after a max-size dummy step. The engine takes the ranks' minimum."""
         return self.runner.determine_num_blocks()
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate num_blocks KV blocks for this rank's layers, then capture the CUDA graphs over them."""
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_graphs(num_blocks)
 
     def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block takes on this rank, over all of its attention layers."""
         return self.runner.kv_bytes_per_block()
 
     def execute_model(self, out: SchedulerOutput) -> None:
+        """Run the step's forward; its logits wait on the device for sample_tokens."""
         self.runner.execute_model(out)
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Sample the rows of the step execute_model ran, a grammar_output's rows masked by its bitmask
+        first; waits for the tokens on the host."""
         return self.runner.sample_tokens(grammar_output)
 
     def sample_tokens_async(self) -> AsyncModelRunnerOutput:
+        """sample_tokens without waiting: get() on the result waits for the tokens, which stay on the device
+        too, for the next step's placeholder inputs (async scheduling)."""
         return self.runner.sample_tokens_async()
 
     def memory_report(self) -> dict[str, Any]:
@@ -69,4 +82,5 @@ class Worker:
             torch.cuda.empty_cache()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The Worker method named `method`, called with args and kwargs (collective_rpc's way in)."""
         return getattr(self, method)(*args, **kwargs)

@@ -108,18 +108,19 @@ class OpenAIServingChat(OpenAIServing):
         if not req.messages:
             raise OpenAIError(400, "messages is empty; send at least one message", param="messages")
         conv = [self._message(m, i) for i, m in enumerate(req.messages)]
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        tokenizer = self.need_tokenizer("chat conversations", "messages")
+        if getattr(tokenizer, "chat_template", None) is None:
             raise OpenAIError(400, "this model's tokenizer has no chat template; use /v1/completions")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 conv, tools=tools, tokenize=False, add_generation_prompt=True
             )
         except TemplateError as e:
             raise OpenAIError(
                 400, f"the chat template rejected the messages: {e}", param="messages"
             ) from None
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template writes the special tokens
+        return tokenizer.encode(text, add_special_tokens=False)  # the template writes the special tokens
 
     def _message(self, m: ChatMessage, i: int) -> dict[str, Any]:
         if m.role not in ROLES:

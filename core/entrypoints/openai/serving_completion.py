@@ -67,7 +67,9 @@ class OpenAIServingCompletion(OpenAIServing):
         return [self._encode(p) if isinstance(p, str) else p for p in prompt]
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True) if text else []  # as LLM.generate
+        if not text:
+            return []  # as LLM.generate
+        return self.need_tokenizer("text prompts", "prompt").encode(text, add_special_tokens=True)
 
     def _logprobs(self, entries: list[tuple[int, float, list[tuple[int, float]]]], offset: int) -> dict:
         """OpenAI's completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
@@ -78,5 +80,5 @@ class OpenAIServingCompletion(OpenAIServing):
             lps.append(max(lp, -9999.0))
             tops.append({self.token_text(t): max(v, -9999.0) for t, v in [(token_id, lp), *top]})
             offsets.append(offset)
-            offset += len(text)
+            offset += len(text) if self.tokenizer is not None else 0  # no text: "token_id:N" only
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

@@ -13,7 +13,7 @@ from turnout.engine.async_llm import AsyncLLM
 from turnout.engine.core import EngineBusyError, EngineDeadError, EngineOutput, EngineRequest
 from turnout.engine.detokenizer import Detokenizer
 from turnout.entrypoints.openai.protocol import OpenAIError
-from turnout.errors import TurnoutError
+from turnout.errors import RequestError, TurnoutError
 from turnout.prompts import context_problem
 from turnout.sampling_params import SamplingParams
 from turnout.structured_outputs import StructuredOutputsParams
@@ -109,6 +109,13 @@ class OpenAIServing:
         self.engine, self.model_names = engine, model_names
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
+
+    def need_tokenizer(self, what: str, param: str) -> Any:
+        """The server's tokenizer, or a 400 about `param`: `what` needs one, why there is none, the fix."""
+        try:
+            return self.engine.need_tokenizer(what)
+        except RequestError as e:
+            raise OpenAIError(400, str(e), param=param) from None
 
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.model_names:
@@ -231,6 +238,9 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     def token_text(self, token_id: int) -> str:
+        """A token's text; without a tokenizer "token_id:N", as vLLM's --return-tokens-as-token-ids."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
         if (s := self._token_text.get(token_id)) is None:
             s = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return s
