@@ -138,6 +138,39 @@ def test_backend_gets_its_spec_once_before_kv_sizing(tiny_qwen3, register_plugin
     assert [o.token_ids for o in outs] == hf_greedy(tiny_qwen3, prompts, GREEDY.max_tokens)
 
 
+class _BeforeLayerFeatures:
+    """A backend whose forward takes no `layer` (plugin API 2 as first written), counting its calls."""
+
+    calls = 0
+
+    @hookimpl
+    def turnout_attention_backends(self, platform):
+        from turnout_cpu.backend import CPUAttentionBackend
+
+        owner = self
+
+        class Old(CPUAttentionBackend):
+            name = "old"
+
+            def forward(self, q, k, v, kv_cache, meta):
+                owner.calls += 1
+                return super().forward(q, k, v, kv_cache, meta)
+
+        return [Old()]
+
+
+def test_a_backend_written_before_layer_features_still_serves(tiny_llama, register_plugin) -> None:
+    """Its forward is called without `layer`, and it declares no attention_features (inheriting the CPU
+    backend's would claim what its forward cannot see)."""
+    old = _BeforeLayerFeatures()
+    register_plugin(old, "old")
+    prompts = _prompts(3, 2, 3, 20)
+    llm = LLM(str(tiny_llama), cpu_kv_cache_bytes=1 << 22, attention_backend="old")
+    assert llm.engine.selection.attention_backend.attention_features == frozenset()
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert old.calls > 0 and [o.token_ids for o in outs] == hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
+
+
 def test_spec_counts_heads_per_rank_and_layers_per_stage(tmp_path) -> None:
     """Under TP 2 x PP 2, rank (tp 1, pp 1) of a 4-layer model with 4 heads and 2 KV heads runs 2 heads,
     1 KV head and its stage's 2 layers, whose KV caches are 0 and 1."""

@@ -193,10 +193,12 @@ class AttentionBackend:
         if unknown := set(cls.attention_features) - set(LAYER_FEATURES):
             raise TypeError(f"attention backend {cls.__name__}: unknown attention_features {sorted(unknown)}")
         if cls.attention_features and not cls._takes_layer:
-            raise TypeError(
-                f"attention backend {cls.__name__} declares attention_features, so its forward must take "
-                "`layer` (forward(q, k, v, kv_cache, meta, layer))"
-            )
+            if "attention_features" in vars(cls):
+                raise TypeError(
+                    f"attention backend {cls.__name__} declares attention_features, so its forward must take "
+                    "`layer` (forward(q, k, v, kv_cache, meta, layer))"
+                )
+            cls.attention_features = frozenset()  # a forward that never sees the layer serves none
 
     def import_error(self) -> str | None:
         """Import the heavy library; return why it is unusable, or None. Called only when checked."""
