@@ -163,3 +163,10 @@ def test_layers_using_an_undeclared_feature_stop_start_up(gemma2, example_gemma2
     why = "attention layers use per-layer logits_soft_cap, sliding_window, which attention backend plain"
     with pytest.raises(TurnoutError, match=f"Gemma2ForCausalLM's {why} does not serve"):
         LLM(str(gemma2[0]), cpu_kv_cache_bytes=1 << 22, attention_backend="plain")
+
+
+def test_the_guide_shows_the_declaration_verbatim() -> None:
+    source = (EXAMPLES / "turnout-example-gemma2/turnout_example_gemma2/__init__.py").read_text()
+    start = source.index("def attention_features")
+    declaration = source[start : source.index("return used\n", start) + len("return used\n")]
+    assert declaration in (EXAMPLES.parent / "docs/writing-a-plugin.md").read_text()
