@@ -98,6 +98,8 @@ class Gemma2Model(nn.Module):
 
 
 class Gemma2ForCausalLM(nn.Module):
+    """turnout.models.CausalLM for Gemma2ForCausalLM checkpoints; every layer on one pipeline stage."""
+
     def __init__(self, cfg: dict) -> None:
         super().__init__()
         self.model = Gemma2Model(cfg)
@@ -122,6 +124,7 @@ class Gemma2ForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF's names, with q/k/v and gate/up packed into one parameter each; returns the names loaded."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
