@@ -24,7 +24,7 @@ test-all: setup-test  ## everything, GPU tests included (on a CUDA machine)
 lint: setup-test  ## ruff, and the import contracts of pyproject.toml (plugins use only the core's facades)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	PYTHONPATH=examples/turnout-example-backend:examples/turnout-example-model $(BIN)/lint-imports
+	PYTHONPATH=examples/turnout-example-backend:examples/turnout-example-model:examples/turnout-example-gemma2 $(BIN)/lint-imports
 
 format: setup-test
 	$(BIN)/ruff format .

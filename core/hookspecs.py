@@ -63,7 +63,8 @@ def turnout_attention_backends(platform: Platform) -> list[AttentionBackend]:
 
     Return every backend the plugin has, even one whose kernel library is missing or that cannot serve this
     platform: its `check(ctx)` turns that into reasons, so users see why it is not chosen. Import the kernel
-    library lazily (in `import_error()`), never at module import. An empty list offers nothing.
+    library lazily (in `import_error()`), never at module import. A backend declares the per-layer features
+    its forward serves in `attention_features`. An empty list offers nothing.
 
     Combine: all plugins' lists are concatenated. A backend named by `attention_backend` must be valid, or
     start-up fails with its reasons; under "auto" the valid backend with the highest priority wins (see
@@ -79,7 +80,9 @@ def turnout_model_architectures() -> list[ModelArchitecture]:
     checkpoint's config.json to a class, imported only when chosen. The class must implement
     `turnout.models.CausalLM`: built as `Class(hf_config)` under the engine's default dtype and device, with
     `forward(input_ids, positions, intermediate)`, `compute_logits(hidden)` and `load_weights(weights)`
-    returning the names it loaded, and its attention through the core `Attention` layer. An empty list
+    returning the names it loaded, and its attention through the core `Attention` layer. A class whose
+    layers use per-layer attention features (a sliding window, a logit soft-cap, scales that differ)
+    declares them (`attention_features`), so that only backends that serve them are valid. An empty list
     provides nothing.
 
     Combine: concatenated; the architectures whose name matches the checkpoint's are valid, and among them

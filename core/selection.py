@@ -164,6 +164,17 @@ def _candidates(
     return cands
 
 
+def attention_context(
+    info: ModelInfo, arch: ModelArchitecture, platform: Platform, dtype: torch.dtype, block_size: int | None
+) -> AttentionContext:
+    """What the attention backends are checked against: the checkpoint's heads, and the per-layer features
+    the chosen model class declares for it."""
+    features = arch.layer_features(info.hf_config)
+    return AttentionContext(
+        platform, dtype, info.head_size, info.num_heads, info.num_kv_heads, block_size, features
+    )
+
+
 def attention_candidates(pm: PluginManager, ctx: AttentionContext) -> list[Candidate]:
     check = lambda _, b: b.check(ctx)
     return _candidates(pm, "turnout_attention_backends", "attention", check, platform=ctx.platform)
@@ -333,20 +344,15 @@ def select_all(
     pm = pm or get_plugin_manager()
     platform = platform or current_platform()
     dtype = info.resolve_dtype(config.dtype, platform)
-    actx = AttentionContext(
-        platform, dtype, info.head_size, info.num_heads, info.num_kv_heads, config.block_size
-    )
     measured = measured_tier(config, info, platform, pm)
     if measured.state == "used":
         logger.info("measured tier: %s", measured.describe())
     if measured.decision is not None and measured.decision.settings:
         config = config.model_copy(update=measured.decision.settings)
-        actx = AttentionContext(
-            platform, dtype, info.head_size, info.num_heads, info.num_kv_heads, config.block_size
-        )
-    attention = choose_attention(attention_candidates(pm, actx), config.attention_backend, actx)
     moe = _choose_moe(config, info, platform, dtype)  # first: a dense model's MoE settings say so
-    model = _choose_model(pm, info.architecture, config)
+    model = _choose_model(pm, info.architecture, config)  # before attention: its layers' features
+    actx = attention_context(info, model.obj, platform, dtype, config.block_size)
+    attention = choose_attention(attention_candidates(pm, actx), config.attention_backend, actx)
     executor = choose_executor(pm, config, platform)
     graph = choose("graph", graph_candidates(pm), config.cudagraph_mode)
     backend: AttentionBackend = attention.obj

@@ -21,8 +21,11 @@ def ref_paged_attention(
     meta: AttentionMetadata,
     scale: float,
     num_kv_heads: int,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention in float64 -> [num_actual_tokens, H, D]."""
+    """Causal paged attention in float64 -> [num_actual_tokens, H, D]; a query at position p sees the keys
+    (p - sliding_window, p] under a window, and scores s become cap * tanh(s / cap) under a soft-cap."""
     h, d = q.shape[1:]
     bs = kv_cache.shape[2]
     cu, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
@@ -36,9 +39,14 @@ def ref_paged_attention(
         kv = kv.repeat_interleave(h // num_kv_heads, dim=2)  # [2, S, H, D]
         qb = q[q0:q1].double()  # [L, H, D]
         s = torch.einsum("qhd,khd->hqk", qb, kv[0]) * scale  # [H, L, S]
-        qpos = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)
-        causal = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]  # [L, S]
-        p = s.masked_fill(~causal, float("-inf")).softmax(-1)
+        if logits_soft_cap is not None:
+            s = torch.tanh(s / logits_soft_cap) * logits_soft_cap
+        qpos = torch.arange(seq_len - (q1 - q0), seq_len, device=q.device)[:, None]
+        kpos = torch.arange(seq_len, device=q.device)[None, :]
+        seen = kpos <= qpos  # [L, S]
+        if sliding_window is not None:
+            seen &= kpos > qpos - sliding_window
+        p = s.masked_fill(~seen, float("-inf")).softmax(-1)
         out[q0:q1] = torch.einsum("hqk,khd->qhd", p, kv[1])
     return out
 

@@ -7,7 +7,9 @@ and checks:
   - the cache bit for bit: k, v written exactly at slot_mapping, every other slot (poison included)
     untouched;
   - that q, k, v were not modified.
-The scale cases give a softmax scale other than head_size ** -0.5, so a backend must use spec.scale.
+The scale cases give a softmax scale other than head_size ** -0.5, so a backend must use spec.scale; the
+per-layer cases run a layer with its own scale, sliding window or logit soft-cap (AttentionLayerSpec), for
+the backends that declare those attention_features, so a backend must use the layer it is given.
 Off CUDA, Triton backends run under TRITON_INTERPRET=1, which is set only while the backends are
 discovered (and their libraries imported) and while this module's tests run (triton imports more of
 itself lazily), so the other test modules do not see it.
@@ -26,7 +28,13 @@ import random
 import pytest
 import torch
 
-from turnout.attention import AttentionBackend, AttentionContext, AttentionSpec, CudagraphSupport
+from turnout.attention import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayerSpec,
+    AttentionSpec,
+    CudagraphSupport,
+)
 from turnout.platform import current_platform
 
 from attention_reference import KINDS, make_case, ref_paged_attention
@@ -104,26 +112,41 @@ def _block_size(be: AttentionBackend, want: int = 16) -> int:
     return want if want % m == 0 else m * -(-want // m)
 
 
+def _layers(scale: float, layer: AttentionLayerSpec | None) -> tuple[AttentionLayerSpec, ...]:
+    """The spec's layers: one plain layer at scale, or that one and `layer` (index 1) after it."""
+    return (AttentionLayerSpec(0, scale),) + ((layer,) if layer is not None else ())
+
+
 def _run(be: AttentionBackend, batch: str, gqa: int, head: int, dtype: torch.dtype, seed: int, shape: dict,
-         block_size: int | None = None, scale: float | None = None) -> None:  # fmt: skip
+         block_size: int | None = None, scale: float | None = None,
+         layer: AttentionLayerSpec | None = None) -> None:  # fmt: skip
+    """One random step through be; with `layer`, as the second of two layers, the first plain at the
+    spec's scale, the second with layer's scale and features."""
     bs = block_size or _block_size(be)
-    ctx = AttentionContext(PLATFORM, dtype, head, shape["num_kv_heads"] * gqa, shape["num_kv_heads"], bs)
+    layers = _layers(scale or head**-0.5, layer)
+    features = AttentionSpec(1, 1, head, dtype, bs, layers[0].scale, len(layers), layers).features
+    kv_heads = shape["num_kv_heads"]
+    ctx = AttentionContext(PLATFORM, dtype, head, kv_heads * gqa, kv_heads, bs, features)
     if reasons := be.check(ctx):
         pytest.skip(f"{be.name}: " + "; ".join(reasons))
     kinds, pad, decode_first = BATCHES[batch]
     rng = random.Random(f"{seed}-{batch}-{gqa}-{head}-{dtype}-{bs}")
     c = make_case(rng, gqa=gqa, head_size=head, dtype=dtype, block_size=bs, kinds=kinds, pad_tokens=pad,
                   decode_first=decode_first, device=DEVICE, **shape)  # fmt: skip
-    if scale is not None:  # the same step under another softmax scale, against the same reference
-        expected = ref_paged_attention(c.q, c.expected_cache, c.meta, scale, c.num_kv_heads)
-        c = dataclasses.replace(c, scale=scale, expected=expected)
-    be.setup(AttentionSpec(c.q.shape[1], c.num_kv_heads, head, dtype, bs, c.scale, num_layers=1))
+    run = layers[-1]
+    if scale is not None or layer is not None:  # the same step under the layer's scale and features
+        features = dict(sliding_window=run.sliding_window, logits_soft_cap=run.logits_soft_cap)
+        expected = ref_paged_attention(c.q, c.expected_cache, c.meta, run.scale, c.num_kv_heads, **features)
+        c = dataclasses.replace(c, scale=layers[0].scale, expected=expected)
+    spec = AttentionSpec(c.q.shape[1], c.num_kv_heads, head, dtype, bs, c.scale, len(layers), layers)
+    be.setup(spec)
     inputs = [x.clone() for x in (c.q, c.k, c.v)]
     c.meta.backend_data = be.build_metadata(c.meta)
-    out = be.forward(c.q, c.k, c.v, c.kv_cache, c.meta)
+    out = be.attend(c.q, c.k, c.v, c.kv_cache, c.meta, run)
     n, m = c.meta.num_actual_tokens, c.meta
     where = f"{be.name} {batch}: {c.kinds}, seq_lens={m.seq_lens.tolist()} cu={m.query_start_loc.tolist()}"
     where += f", scale {c.scale:.4g}" if scale is not None else ""
+    where += f", layer {run}" if layer is not None else ""
     assert out.shape == c.q.shape and out.dtype == dtype, where
     assert torch.isfinite(out[:n]).all(), f"non-finite output: {where}"
     err = ((out[:n].double() - c.expected).norm() / c.expected.norm()).item()
@@ -173,6 +196,44 @@ def test_softmax_scale(be: AttentionBackend, batch: str, dtype: torch.dtype, sca
     """Scales far from head_size ** -0.5 (0.125 here), as Gemma's query_pre_attn_scalar or a model's
     per-layer scale give: a backend that ignores spec.scale fails them."""
     _run(be, batch, 2, 64, dtype, seed=6, shape=LARGE if ON_CUDA else SMALL, scale=scale)
+
+
+FEATURES = {  # id -> the run layer's (sliding_window, logits_soft_cap): windows below, across and above a
+    # key tile (the interpreter's are 32 keys) and a block, and caps that change most scores (std ~1 here)
+    "window7": (7, None),
+    "window40": (40, None),
+    "softcap2": (None, 2.0),
+    "window19-softcap5": (19, 5.0),
+}
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize(
+    "batch,dtype",
+    [
+        ("decode", torch.float32),
+        ("chunked", torch.bfloat16),
+        ("mixed", torch.float32),
+        ("unordered", torch.float16),
+    ],
+    ids=["decode-float32", "chunked-bfloat16", "mixed-float32", "unordered-float16"],
+)
+@pytest.mark.parametrize("features", list(FEATURES))
+def test_layer_features(be: AttentionBackend, batch: str, dtype: torch.dtype, features: str) -> None:
+    """A layer with a sliding window, a logit soft-cap or both, at a scale of its own, against the float64
+    reference; backends that do not declare the feature (selection refuses them such models) skip."""
+    window, cap = FEATURES[features]
+    layer = AttentionLayerSpec(1, 0.1, sliding_window=window, logits_soft_cap=cap)
+    _run(be, batch, 2, 64, dtype, seed=7, shape=LARGE if ON_CUDA else SMALL, layer=layer)
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_per_layer_scale(be: AttentionBackend, batch: str) -> None:
+    """Layer 1's own scale (0.3) differs from the spec's (layer 0's, 0.125): a backend that attends with
+    spec.scale instead of the layer's fails."""
+    _run(be, batch, 2, 64, torch.float32, seed=8, shape=LARGE if ON_CUDA else SMALL,
+         layer=AttentionLayerSpec(1, 0.3))  # fmt: skip
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from turnout import LLM, SamplingParams, TurnoutError, hookimpl
-from turnout.attention import AttentionBackend, AttentionSpec
+from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionSpec
 from turnout.models import CausalLM, ModelArchitecture
 
 from tiny_models import _tokenizer, hf_greedy, make_tiny_model
@@ -131,10 +131,44 @@ def test_backend_gets_its_spec_once_before_kv_sizing(tiny_qwen3, register_plugin
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     setups = [e for e in rec.events if e[0] == "setup"]
     assert rec.events[0] == setups[0] and len(setups) == 1
-    # tiny_qwen3: 4 query heads, 1 KV head of 16, 2 layers, a float32 checkpoint on the CPU
-    assert setups[0][1] == AttentionSpec(4, 1, 16, torch.float32, 4, 16**-0.5, num_layers=2)
+    # tiny_qwen3: 4 query heads, 1 KV head of 16, 2 plain layers, a float32 checkpoint on the CPU
+    plain = tuple(AttentionLayerSpec(i, 16**-0.5) for i in range(2))
+    assert setups[0][1] == AttentionSpec(4, 1, 16, torch.float32, 4, 16**-0.5, num_layers=2, layers=plain)
     assert ("kv_cache_shape",) in rec.events and ("build_metadata",) in rec.events
     assert [o.token_ids for o in outs] == hf_greedy(tiny_qwen3, prompts, GREEDY.max_tokens)
+
+
+class _BeforeLayerFeatures:
+    """A backend whose forward takes no `layer` (plugin API 2 as first written), counting its calls."""
+
+    calls = 0
+
+    @hookimpl
+    def turnout_attention_backends(self, platform):
+        from turnout_cpu.backend import CPUAttentionBackend
+
+        owner = self
+
+        class Old(CPUAttentionBackend):
+            name = "old"
+
+            def forward(self, q, k, v, kv_cache, meta):
+                owner.calls += 1
+                return super().forward(q, k, v, kv_cache, meta)
+
+        return [Old()]
+
+
+def test_a_backend_written_before_layer_features_still_serves(tiny_llama, register_plugin) -> None:
+    """Its forward is called without `layer`, and it declares no attention_features (inheriting the CPU
+    backend's would claim what its forward cannot see)."""
+    old = _BeforeLayerFeatures()
+    register_plugin(old, "old")
+    prompts = _prompts(3, 2, 3, 20)
+    llm = LLM(str(tiny_llama), cpu_kv_cache_bytes=1 << 22, attention_backend="old")
+    assert llm.engine.selection.attention_backend.attention_features == frozenset()
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert old.calls > 0 and [o.token_ids for o in outs] == hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
 
 
 def test_spec_counts_heads_per_rank_and_layers_per_stage(tmp_path) -> None:
@@ -153,7 +187,8 @@ def test_spec_counts_heads_per_rank_and_layers_per_stage(tmp_path) -> None:
     finally:
         set_parallel_state(prev)
     spec = bind_attention_layers(model, torch.bfloat16, 16)
-    assert spec == AttentionSpec(2, 1, 16, torch.bfloat16, 16, 16**-0.5, num_layers=2)
+    plain = tuple(AttentionLayerSpec(i, 16**-0.5) for i in range(2))
+    assert spec == AttentionSpec(2, 1, 16, torch.bfloat16, 16, 16**-0.5, num_layers=2, layers=plain)
     assert [m.layer_idx for m in model.modules() if isinstance(m, Attention)] == [0, 1]
     assert isinstance(model, CausalLM)
 

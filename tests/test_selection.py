@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -251,3 +252,62 @@ def test_data_parallel_on_cuda_needs_an_executor_with_processes_of_its_own(plugi
     with pytest.raises(SelectionError, match="'uniproc' cannot be used: runs the model in the engine's"):
         choose_executor(plugin_manager, dp2.model_copy(update={"executor": "uniproc"}), gpus)
     assert choose_executor(plugin_manager, dp2, CPU).chosen.name == "uniproc"  # replicas share this process
+
+
+class _PlainBackend:
+    """A backend written before per-layer features: its forward takes no `layer`, so it declares none."""
+
+    @hookimpl
+    def turnout_attention_backends(self, platform):
+        from turnout_cpu.backend import CPUAttentionBackend
+
+        class Plain(CPUAttentionBackend):
+            name = "plain"
+
+            def forward(self, q, k, v, kv_cache, meta):
+                return super().forward(q, k, v, kv_cache, meta)
+
+        return [Plain()]
+
+
+def _windowed(hf_config: dict) -> tuple[str, ...]:
+    return ("sliding_window", "logits_soft_cap")
+
+
+class _WindowedLlama:
+    """Llama's class, declared as if its layers had a sliding window and a logit soft-cap."""
+
+    @hookimpl
+    def turnout_model_architectures(self):
+        from turnout.models import ModelArchitecture
+
+        target = "turnout_llama.model:LlamaForCausalLM"
+        return [ModelArchitecture("LlamaForCausalLM", target, 50, attention_features=_windowed)]
+
+
+def test_a_backend_without_a_layer_feature_is_refused_with_its_reason(
+    register_plugin, plugin_manager, tiny_llama, capsys
+):
+    """The model's declared per-layer features are checked against each backend's attention_features: a
+    backend lacking one is invalid with one line, which explain shows and naming it raises; for a model
+    without them the same backend is valid."""
+    from turnout.cli import main
+
+    register_plugin(_PlainBackend(), "plain_plugin")
+    info = ModelInfo.from_dir(tiny_llama)
+    plain_cfg = EngineConfig(attention_backend="plain")
+    assert select_all(plain_cfg, info, plugin_manager, CPU).attention.chosen.name == "plain"
+    register_plugin(_WindowedLlama(), "windowed")
+    sel = select_all(EngineConfig(), info, plugin_manager, CPU)
+    why = "per-layer logits_soft_cap, sliding_window unsupported (supports none)"
+    reasons = {c.name: c.reasons for c in sel.attention.candidates}
+    assert reasons["plain"] == [why] and sel.attention.chosen.name == "cpu" and reasons["cpu"] == []
+    assert why in reasons["flashinfer"]  # declares none either
+    with pytest.raises(
+        SelectionError, match=re.escape(f"backend 'plain' cannot be used: {why}; valid here: cpu")
+    ):
+        select_all(plain_cfg, info, plugin_manager, CPU)
+    capsys.readouterr()
+    assert main(["explain", "--model", str(tiny_llama)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["plain"])
+    assert why in row

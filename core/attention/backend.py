@@ -11,12 +11,15 @@ Shapes (T = tokens in the step, B = requests in the step, H / Hkv / D from the A
   seq_lens: [B] int32                  tokens in the KV cache after this step (context + query)
   block_table: [B, max_blocks] int32   block ids of each request, padded with 0
 Query token i of request b sits at position seq_lens[b] - query_len[b] + i and attends causally to every
-cached token up to and including that position.
+cached token up to and including that position; a layer may narrow that to a sliding window and cap its
+scores (AttentionLayerSpec), where its backend declares the feature (attention_features).
 """
 
 from __future__ import annotations
 
 import enum
+import inspect
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -48,9 +51,39 @@ class CudagraphSupport(enum.IntEnum):
         return cls[value]
 
 
+# What a layer may set for itself, by vLLM's names: its own softmax scale (a feature where the layers'
+# scales differ), a sliding window and a logit soft-cap.
+LAYER_FEATURES = ("scale", "sliding_window", "logits_soft_cap")
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """One attention layer's own features, handed to the backend's forward as `layer`.
+
+    sliding_window: a query at position p attends to keys in (p - sliding_window, p], its own included
+    (HF's and vLLM's convention); None attends to every earlier key. logits_soft_cap: each score s (after the
+    scale) becomes cap * tanh(s / cap) before the causal mask and the softmax, as Gemma 2 does; None leaves
+    it."""
+
+    index: int  # layer_idx: this layer's KV cache
+    scale: float  # softmax scale
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+
+def layer_features(layers: Iterable[AttentionLayerSpec]) -> frozenset[str]:
+    """The LAYER_FEATURES the layers use: "scale" where their scales differ, "sliding_window" and
+    "logits_soft_cap" where any layer sets one."""
+    layers = list(layers)
+    used = {"scale"} if len({layer.scale for layer in layers}) > 1 else set()
+    used |= {f for f in LAYER_FEATURES[1:] if any(getattr(layer, f) is not None for layer in layers)}
+    return frozenset(used)
+
+
 @dataclass(frozen=True)
 class AttentionContext:
-    """What selection knows when it asks a backend whether it can serve: the model's head counts."""
+    """What selection knows when it asks a backend whether it can serve: the model's head counts and the
+    per-layer features (LAYER_FEATURES names) its layers use, as its ModelArchitecture declares them."""
 
     platform: Platform
     dtype: torch.dtype
@@ -58,20 +91,31 @@ class AttentionContext:
     num_heads: int
     num_kv_heads: int
     block_size: int
+    features: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What every attention layer on this rank runs, given to the chosen backend once by `setup`. Every
-    layer shares it: one KV cache shape, one scale."""
+    """What the attention layers on this rank run, given to the chosen backend once by `setup`. Every layer
+    shares one KV cache shape; `layers` holds what each sets for itself (AttentionLayerSpec)."""
 
     num_heads: int  # query heads on this rank: the model's / tensor_parallel_size
     num_kv_heads: int  # KV heads on this rank: the model's / tensor_parallel_size, at least 1 (replicated)
     head_size: int
     dtype: torch.dtype  # of q, k, v, the output and the KV cache
     block_size: int  # tokens per KV block
-    scale: float  # softmax scale, head_size ** -0.5 for the bundled models
+    scale: float  # softmax scale of every layer; where layers differ ("scale" feature), layer 0's
     num_layers: int  # attention layers on this rank (this pipeline stage's)
+    layers: tuple[AttentionLayerSpec, ...] = ()  # by layer_idx; empty: every layer is plain, at `scale`
+
+    def layer(self, i: int) -> AttentionLayerSpec:
+        """Layer i's own features: layers[i], or plain causal attention at `scale` where layers is empty."""
+        return self.layers[i] if self.layers else AttentionLayerSpec(i, self.scale)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The LAYER_FEATURES these layers use (layer_features)."""
+        return layer_features(self.layers)
 
 
 @dataclass
@@ -129,11 +173,15 @@ class AttentionBackend:
     preferred_block_size: int = 16  # block_size where the config leaves it unset; a multiple of the above
     min_capability: ClassVar[tuple[int, int] | None] = None  # CUDA compute capability
     cudagraph_support: ClassVar[CudagraphSupport] = CudagraphSupport.NEVER
+    # the LAYER_FEATURES forward serves: a model whose layers use another is refused by selection
+    attention_features: ClassVar[frozenset[str]] = frozenset()
 
     _spec: AttentionSpec | None = None
+    _takes_layer: ClassVar[bool] = True  # forward takes `layer`; False for a forward written before it
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        cls._takes_layer = "layer" in inspect.signature(cls.forward).parameters
         if cls.forward is AttentionBackend.forward:
             return  # an intermediate base class
         missing = [a for a in ("name", "device_types", "dtypes") if not hasattr(cls, a)]
@@ -142,6 +190,15 @@ class AttentionBackend:
                 f"attention backend {cls.__name__} must declare {', '.join(missing)}, e.g. name = "
                 '"mine", device_types = ("cpu", "cuda"), dtypes = (torch.float32, torch.bfloat16)'
             )
+        if unknown := set(cls.attention_features) - set(LAYER_FEATURES):
+            raise TypeError(f"attention backend {cls.__name__}: unknown attention_features {sorted(unknown)}")
+        if cls.attention_features and not cls._takes_layer:
+            if "attention_features" in vars(cls):
+                raise TypeError(
+                    f"attention backend {cls.__name__} declares attention_features, so its forward must take "
+                    "`layer` (forward(q, k, v, kv_cache, meta, layer))"
+                )
+            cls.attention_features = frozenset()  # a forward that never sees the layer serves none
 
     def import_error(self) -> str | None:
         """Import the heavy library; return why it is unusable, or None. Called only when checked."""
@@ -175,6 +232,9 @@ class AttentionBackend:
             reasons.append(f"block_size {ctx.block_size} is not a multiple of {self.block_size_multiple}")
         if ctx.num_heads % ctx.num_kv_heads:
             reasons.append(f"num_heads {ctx.num_heads} not divisible by num_kv_heads {ctx.num_kv_heads}")
+        if missing := sorted(ctx.features - set(self.attention_features)):
+            have = ", ".join(sorted(self.attention_features)) or "none"
+            reasons.append(f"per-layer {', '.join(missing)} unsupported (supports {have})")
         if not reasons and (err := self.import_error()):
             reasons.append(err)
         return reasons
@@ -212,7 +272,26 @@ class AttentionBackend:
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor,  # this layer's, kv_cache_shape(...)
         meta: AttentionMetadata,
+        layer: AttentionLayerSpec | None = None,
     ) -> torch.Tensor:
-        """Write k, v into kv_cache at meta.slot_mapping (skipping -1), then attend with spec.scale.
-        Returns [T, H, D]; must not modify q, k or v."""
+        """Write k, v into kv_cache at meta.slot_mapping (skipping -1), then attend as `layer` says: its
+        scale, and its sliding window and soft-cap where attention_features declares them; None (a direct
+        call, as a benchmark makes) means spec.layer(0). Returns [T, H, D]; must not modify q, k or v.
+
+        A forward without the `layer` parameter (plugin API 2 before per-layer features) is still called,
+        without it: it attends with spec.scale and declares no attention_features."""
         raise NotImplementedError
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        layer: AttentionLayerSpec,
+    ) -> torch.Tensor:
+        """One layer's attention as the core calls it: forward, given `layer` where it takes it."""
+        if self._takes_layer:
+            return self.forward(q, k, v, kv_cache, meta, layer=layer)
+        return self.forward(q, k, v, kv_cache, meta)

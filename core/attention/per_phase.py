@@ -18,6 +18,7 @@ import torch
 from turnout.attention.backend import (
     AttentionBackend,
     AttentionContext,
+    AttentionLayerSpec,
     AttentionMetadata,
     AttentionSpec,
     CudagraphSupport,
@@ -61,6 +62,7 @@ class PerPhaseBackend(AttentionBackend):
         self.block_size_multiple = math.lcm(decode.block_size_multiple, mixed.block_size_multiple)
         self.preferred_block_size = self._preferred_block_size()
         self.cudagraph_support = phase_support(decode.cudagraph_support, mixed.cudagraph_support)
+        self.attention_features = frozenset(decode.attention_features) & frozenset(mixed.attention_features)
 
     def _preferred_block_size(self) -> int:
         """mixed's preference where decode takes it (prefill kernels care most about page size), else
@@ -122,5 +124,6 @@ class PerPhaseBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        layer: AttentionLayerSpec | None = None,
     ) -> torch.Tensor:
-        return self.half(meta).forward(q, k, v, kv_cache, meta)
+        return self.half(meta).attend(q, k, v, kv_cache, meta, layer or self.spec.layer(0))

@@ -163,7 +163,8 @@ class GraphRunner:
             pw.graphs[-1].capture_end()
             pw.holes.append(_Hole(layer_idx, q, k, v))
             out = self._attn_out(n, q.shape[1] * q.shape[2], q)
-            out.copy_(self.backend.forward(q, k, v, self.kv_caches[layer_idx], meta).reshape(n, -1))
+            layer = self.backend.spec.layer(layer_idx)
+            out.copy_(self.backend.attend(q, k, v, self.kv_caches[layer_idx], meta, layer).reshape(n, -1))
             pw.graphs.append(torch.cuda.CUDAGraph())
             pw.graphs[-1].capture_begin(pool=self.pool)
             return out
@@ -217,7 +218,8 @@ class GraphRunner:
         for graph, h in zip(pw.graphs, pw.holes + [None]):
             graph.replay()
             if h is not None:
-                o = self.backend.forward(h.q[:t], h.k[:t], h.v[:t], self.kv_caches[h.layer_idx], step_meta)
+                layer, cache = self.backend.spec.layer(h.layer_idx), self.kv_caches[h.layer_idx]
+                o = self.backend.attend(h.q[:t], h.k[:t], h.v[:t], cache, step_meta, layer)
                 self.attn_out[:t].copy_(o.reshape(t, -1))
         return pw.output[:t]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turnout.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
+from turnout.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttentionSpec
 from turnout.errors import TurnoutError
 
 
@@ -47,43 +47,65 @@ def get_forward_context() -> ForwardContext:
 
 class Attention(nn.Module):
     """Paged causal attention over q, k, v of this rank's heads (under tensor parallelism, num_heads and
-    num_kv_heads are the per-rank counts). The layer owns no weights."""
+    num_kv_heads are the per-rank counts). The layer owns no weights.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> None:
+    Each layer may set its own scale, a sliding_window (a query attends to its latest sliding_window keys,
+    its own included) and a logits_soft_cap (scores s -> cap * tanh(s / cap)); the model's ModelArchitecture
+    declares the features its layers use (attention_features), so selection picks a backend that serves
+    them."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or at least 1, not {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be None or positive, not {logits_soft_cap}")
         self.num_heads, self.num_kv_heads, self.head_size, self.scale = (
             num_heads,
             num_kv_heads,
             head_size,
             scale,
         )
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.layer_idx: int | None = None  # set by bind_attention_layers: this layer's KV cache
+        self.layer_spec: AttentionLayerSpec | None = None  # likewise: what the backend's forward gets
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
         ctx = get_forward_context()
         if ctx.hole is not None:
             return ctx.hole(self.layer_idx, q, k, v)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta)
+        out = ctx.backend.attend(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, self.layer_spec)
         return out.reshape(q.shape[0], -1)
 
 
 def bind_attention_layers(model: nn.Module, dtype: torch.dtype, block_size: int) -> AttentionSpec:
     """Number the model's Attention layers 0..n-1 in module order (layer i reads and writes kv_caches[i])
-    and return the AttentionSpec they share."""
+    and return the AttentionSpec they share, with each layer's own features in its `layers`."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers:
         raise TurnoutError(
             f"model {type(model).__name__} has no turnout.layers.Attention layer; "
             "its attention must call one (see docs/writing-a-plugin.md)"
         )
-    shapes = {(m.num_heads, m.num_kv_heads, m.head_size, m.scale) for m in layers}
+    shapes = {(m.num_heads, m.num_kv_heads, m.head_size) for m in layers}
     if len(shapes) > 1:
         raise TurnoutError(
-            f"model {type(model).__name__}'s Attention layers differ in (heads, KV heads, head size, "
-            f"scale): {sorted(shapes)}; turnout's paged KV cache needs one shape for every layer"
+            f"model {type(model).__name__}'s Attention layers differ in (heads, KV heads, head size): "
+            f"{sorted(shapes)}; turnout's paged KV cache needs one shape for every layer"
         )
     for i, m in enumerate(layers):
         m.layer_idx = i
-    heads, kv_heads, head_size, scale = shapes.pop()
-    return AttentionSpec(heads, kv_heads, head_size, dtype, block_size, scale, len(layers))
+        m.layer_spec = AttentionLayerSpec(i, m.scale, m.sliding_window, m.logits_soft_cap)
+    heads, kv_heads, head_size = shapes.pop()
+    specs = tuple(m.layer_spec for m in layers)
+    return AttentionSpec(heads, kv_heads, head_size, dtype, block_size, layers[0].scale, len(layers), specs)

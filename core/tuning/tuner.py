@@ -20,14 +20,19 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from turnout.attention.backend import AttentionContext
 from turnout.attention.per_phase import split_name
 from turnout.config import EngineConfig
 from turnout.errors import ConfigError, SelectionError, TurnoutError
 from turnout.models.info import ModelInfo
 from turnout.platform import current_platform
 from turnout.plugins import get_plugin_manager
-from turnout.selection import Selection, attention_candidates, graph_candidates, select_all
+from turnout.selection import (
+    Selection,
+    attention_candidates,
+    attention_context,
+    graph_candidates,
+    select_all,
+)
 from turnout.tuning.key import tuning_key
 from turnout.tuning.record import TUNABLE, Measured, TuningRecord, find_record, save
 from turnout.tuning.rule import MARGIN, beats, decide, rank, user_settings
@@ -124,8 +129,7 @@ class Search:
 
     def _valid_backends(self) -> dict[str, Any]:
         """name -> backend, of every backend valid for this model here (at any block size), by rank."""
-        i, dtype = self.info, self.sel.dtype
-        ctx = AttentionContext(self.platform, dtype, i.head_size, i.num_heads, i.num_kv_heads, None)
+        ctx = attention_context(self.info, self.sel.model_architecture, self.platform, self.sel.dtype, None)
         out: dict[str, Any] = {}
         for c in sorted(attention_candidates(self.pm, ctx), key=lambda c: c.rank):
             if c.valid:

@@ -114,6 +114,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = self._load_model()
         self.attn_spec = bind_attention_layers(self.model, self.dtype, self.block_size)
+        self._check_layer_features()
         self.backend.setup(self.attn_spec)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -126,6 +127,17 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None  # by sample_tokens_async, for placeholder inputs
         self._staging_fill = HostStaging(device, torch.int64)
         self.block_tables = block_table.BlockTables()
+
+    def _check_layer_features(self) -> None:
+        """The layers as built use only features the backend serves: selection went by what the model's
+        ModelArchitecture declares (attention_features), and a declaration can fall short."""
+        if missing := sorted(self.attn_spec.features - set(self.backend.attention_features)):
+            arch = self.selection.architecture.name
+            raise TurnoutError(
+                f"{arch}'s attention layers use per-layer {', '.join(missing)}, which attention backend "
+                f"{self.backend.name} does not serve; its ModelArchitecture must declare them "
+                "(attention_features) so that selection picks a backend that does"
+            )
 
     def _load_model(self) -> CausalLM:
         t0 = time.perf_counter()

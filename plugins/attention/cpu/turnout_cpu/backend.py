@@ -8,20 +8,32 @@ hit, an earlier chunk) over the cache with a causal mask offset by that context,
 keys end on the kernel's key tiles. That gives the bits of a fresh prompt ending where the chunk ends, so a
 prefix hit changes no output. All indices are built once per step in build_metadata, from the metadata and
 the block size of the spec.
+
+A layer with a sliding window or a logit soft-cap runs explicit matmuls instead (SDPA cannot cap scores):
+decode rows batched as above, with the window narrowing the length mask; prefill rows in slices of
+ROW_SLICE queries, each against only the keys its window reaches.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from turnout import Priority
-from turnout.attention import AttentionBackend, AttentionMetadata, CudagraphSupport, valid_rows
+from turnout.attention import (
+    LAYER_FEATURES,
+    AttentionBackend,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    CudagraphSupport,
+    valid_rows,
+)
 
 KEY_TILE = 512  # keys a tile of torch's CPU flash kernel (kv_split_size in aten's FlashAttentionKernel.cpp)
+ROW_SLICE = 512  # queries per explicit-matmul slice: [H, 512, keys] float32 scores at a time
 
 
 @dataclass
@@ -42,6 +54,17 @@ class CPUMetadata:
     store_rows: torch.Tensor | None  # [n] rows with a slot when some slots are -1 (padding), else None
     decode_slots: torch.Tensor  # [Bd * L] cache slot of every key position, L = longest decode row
     decode_mask: torch.Tensor  # [Bd, 1, 1, L] True = attend
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding_window -> decode_mask in it
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """decode_mask narrowed to each row's latest `window` keys (made once a step per window)."""
+        if window is None:
+            return self.decode_mask
+        if window not in self.windowed:
+            pos = torch.arange(self.decode_mask.shape[-1])
+            recent = pos[None, :] >= (self.decode_lens - window)[:, None]  # [Bd, L]
+            self.windowed[window] = self.decode_mask & recent[:, None, None, :]
+        return self.windowed[window]
 
 
 class CPUAttentionBackend(AttentionBackend):
@@ -50,6 +73,7 @@ class CPUAttentionBackend(AttentionBackend):
     device_types = ("cpu",)
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     cudagraph_support = CudagraphSupport.NEVER
+    attention_features = frozenset(LAYER_FEATURES)
 
     def build_metadata(self, meta: AttentionMetadata) -> CPUMetadata:
         qsl = meta.query_start_loc.tolist()
@@ -84,16 +108,25 @@ class CPUAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        layer: AttentionLayerSpec | None = None,
     ) -> torch.Tensor:
         md: CPUMetadata = meta.backend_data
-        scale = self.spec.scale
+        layer = layer or self.spec.layer(0)
+        plain = layer.sliding_window is None and layer.logits_soft_cap is None
         self._store(kv_cache, k, v, meta, md)
         out = torch.zeros_like(q)
         if len(md.decode_tokens):
             dq = q.index_select(0, md.decode_tokens)
-            out.index_copy_(0, md.decode_tokens, self._decode(dq, kv_cache, md, scale))
+            if plain:
+                o = self._decode(dq, kv_cache, md, layer.scale)
+            else:
+                o = self._decode_features(dq, kv_cache, md, layer)
+            out.index_copy_(0, md.decode_tokens, o)
         for p in md.prefills:
-            _prefill(q, k, v, kv_cache, p, scale, out)
+            if plain:
+                _prefill(q, k, v, kv_cache, p, layer.scale, out)
+            else:
+                _prefill_features(q, kv_cache, p, layer, out)
         return out
 
     def _store(
@@ -129,6 +162,55 @@ class CPUAttentionBackend(AttentionBackend):
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [Bd, Hkv, G, L]
         scores.masked_fill_(~md.decode_mask, float("-inf"))
         return torch.matmul(scores.softmax(-1).to(q.dtype), vals).view_as(q)
+
+    def _decode_features(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: CPUMetadata, layer: AttentionLayerSpec
+    ) -> torch.Tensor:
+        """q [Bd, H, D] -> [Bd, H, D] under the layer's window and soft-cap."""
+        bd = md.decode_blocks.shape[0]
+        hkv, d = kv_cache.shape[-2:]
+        keys, vals = (
+            kv_cache[i].view(-1, hkv, d).index_select(0, md.decode_slots).view(bd, -1, hkv, d).transpose(1, 2)
+            for i in (0, 1)
+        )  # [Bd, Hkv, L, D]
+        qg = q.view(bd, hkv, -1, 1, d)  # [Bd, Hkv, G, 1, D]
+        mask = md.window_mask(layer.sliding_window)[..., None, :]  # [Bd, 1, 1, 1, L]
+        return _explicit(qg, keys, vals, mask, layer).view_as(q)
+
+
+def _explicit(
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec
+) -> torch.Tensor:
+    """softmax(cap(q k^T * scale), masked) v in float32, as HF's eager attention computes it: q [N, Hkv, G,
+    L, D], keys and vals [N, Hkv, S, D], mask broadcast to [N, Hkv, G, L, S] (True = attend) ->
+    [N, Hkv, G, L, D]. Masked keys must be finite."""
+    scores = torch.matmul(q.float(), keys.unsqueeze(2).transpose(-1, -2).float()) * layer.scale
+    if (cap := layer.logits_soft_cap) is not None:
+        scores = torch.tanh(scores / cap) * cap
+    probs = scores.masked_fill_(~mask, float("-inf")).softmax(-1)
+    return torch.matmul(probs, vals.unsqueeze(2).float()).to(q.dtype)
+
+
+def _prefill_features(
+    q: torch.Tensor, kv_cache: torch.Tensor, p: _Prefill, layer: AttentionLayerSpec, out: torch.Tensor
+) -> None:
+    """One request's chunk of queries into out[q_start:q_end] under the layer's window and soft-cap, in
+    slices of ROW_SLICE queries, each against the cached keys its window reaches (this chunk's included)."""
+    hkv, d = kv_cache.shape[-2:]
+    keys, vals = (kv_cache[i].index_select(0, p.blocks).view(-1, hkv, d)[: p.seq_len] for i in (0, 1))
+    ctx, window = p.seq_len - (p.q_end - p.q_start), layer.sliding_window
+    for start in range(p.q_start, p.q_end, ROW_SLICE):
+        end = min(start + ROW_SLICE, p.q_end)
+        first, last = ctx + start - p.q_start, ctx + end - p.q_start  # positions [first, last)
+        lo = 0 if window is None else max(0, first - window + 1)
+        qpos, kpos = torch.arange(first, last)[:, None], torch.arange(lo, last)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        qg = q[start:end].transpose(0, 1).reshape(hkv, -1, end - start, d)[None]  # [1, Hkv, G, n, D]
+        kk, vv = (t[lo:last].transpose(0, 1)[None] for t in (keys, vals))  # [1, Hkv, S, D]
+        o = _explicit(qg, kk, vv, mask, layer)  # [1, Hkv, G, n, D]
+        out[start:end] = o.reshape(-1, end - start, d).transpose(0, 1)
 
 
 def _decode_slots(blocks: torch.Tensor, lens: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:

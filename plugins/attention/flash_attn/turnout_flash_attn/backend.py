@@ -167,6 +167,8 @@ class FlashAttnBackend(AttentionBackend):
     dtypes = (torch.float16, torch.bfloat16)
     head_sizes = None  # depends on the library: path_reasons()
     min_capability = (8, 0)
+    # none: attends at spec.scale, without a window or soft-cap (both libraries take them; not wired yet)
+    attention_features = frozenset()
 
     def __init__(self, platform: Platform | None = None, found: Probe | None = None) -> None:
         """found: the library to drive; by default probed here, once, on a CUDA platform."""

@@ -126,6 +126,8 @@ class FlashInferBackend(AttentionBackend):
     block_size_multiple = 1  # a block is a page; FlashInfer takes any page size
     min_capability = (8, 0)
     cudagraph_support = CudagraphSupport.UNIFORM_DECODE  # static decode buffers (module docstring)
+    # none: one plan per step for every layer, at spec.scale, without a window or soft-cap
+    attention_features = frozenset()
 
     def __init__(self) -> None:
         self.cudagraph_support = CudagraphSupport.from_env(CUDAGRAPH, self.cudagraph_support)

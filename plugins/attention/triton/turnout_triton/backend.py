@@ -12,7 +12,14 @@ from types import ModuleType
 import torch
 
 from turnout import Priority
-from turnout.attention import AttentionBackend, AttentionContext, AttentionMetadata, CudagraphSupport
+from turnout.attention import (
+    LAYER_FEATURES,
+    AttentionBackend,
+    AttentionContext,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    CudagraphSupport,
+)
 
 MAX_HEAD_SIZE = 256  # heads are padded to a power of two in registers; past 256 the tiles spill
 
@@ -38,6 +45,8 @@ class TritonAttentionBackend(AttentionBackend):
     # rule, as in vLLM: max_query_len at capture picks the kernels. Captured with max_query_len == 1, the
     # graph serves decode-only batches; captured with max_query_len > 1, it serves any batch.
     cudagraph_support = CudagraphSupport.ALWAYS
+    # a sliding window and a soft-cap compile their own kernel variants (constexpr), one per value
+    attention_features = frozenset(LAYER_FEATURES)
 
     def __init__(self) -> None:
         if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every kernel on the host
@@ -69,16 +78,19 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         meta: AttentionMetadata,
+        layer: AttentionLayerSpec | None = None,
     ) -> torch.Tensor:
         kn = _kernels()
+        layer = layer or self.spec.layer(0)
         # A captured graph replays with other lengths: the model runner captures with max_seq_len at its
         # largest (max_model_len), and any split count that covers the lengths gives the same bits.
         splits = kn.num_splits(meta.max_seq_len)
         lens = (meta.query_start_loc, meta.seq_lens, meta.block_table)
         counts = self._split_counts(meta.num_reqs, q.device)
         return kn.paged_attention(
-            q, k, v, kv_cache, meta.slot_mapping, *lens, self.spec.scale, meta.max_query_len, splits, counts
-        )
+            q, k, v, kv_cache, meta.slot_mapping, *lens, layer.scale, meta.max_query_len, splits, counts,
+            sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap,
+        )  # fmt: skip
 
     def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
         self._max_reqs = max_num_reqs

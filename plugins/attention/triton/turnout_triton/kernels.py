@@ -16,6 +16,13 @@ Prefill: a program owns BLOCK_Q query tokens x their QPK heads against one KV he
 below its first row's causal diagonal run in a loop without any mask (one FMA and one exp2 per score);
 the tiles that cross the diagonal run masked after it. Programs start with the longest query tiles. Its
 tiles can be overridden at run time (TURNOUT_TRITON_PREFILL) for benchmarks/tune_triton.py.
+
+Per-layer features are constexpr flags, so a layer without them runs the kernels above unchanged: WINDOW
+(a sliding window of that many keys, 0 for none) and SOFT_CAP (the logit soft-cap in log2 units, 0 for
+none), one compiled variant per value. Under a window, prefill skips the key tiles below its first row's
+window and masks every tile it reads; decode splits only the keys [seq_len - WINDOW, seq_len), from the
+start of the tile holding the first, and masks that tile. A soft-capped score is capped in float32 from the
+raw dot, SOFT_CAP * tanh(s * scale_log2 / SOFT_CAP), before the mask.
 """
 
 from __future__ import annotations
@@ -136,16 +143,27 @@ def _block_ids(bt_row, j, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _soft_cap(s, CAP: tl.constexpr):
+    """CAP * tanh(s / CAP) for CAP > 0, from one exp2 of a non-positive argument (no overflow); within
+    ~1e-7 CAP of the exact value. (libdevice's tanh does not run in the interpreter.)"""
+    e = tl.exp2(tl.abs(s) * (-2.0 * 1.4426950408889634 / CAP))  # e^(-2 |s| / CAP)
+    t = (1.0 - e) / (1.0 + e) * CAP
+    return tl.where(s < 0, -t, t)
+
+
+@triton.jit
 def _attend_tile(
     qt, m, den, acc, k_cache, v_cache, blk, j, kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2,
     HEAD: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    MASK: tl.constexpr, K_T: tl.constexpr, PREC: tl.constexpr,
+    MASK: tl.constexpr, K_T: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
     """Keys [j, j + BLOCK_N) (j a multiple of BLOCK_N, blk their _block_ids) against qt [M, HEAD_P2];
     m is in log2 units (scale_log2 > 0).
 
     MASK False: every key is below the causal diagonal of every row and < kv_end, so nothing is masked
-    and m stays finite. MASK True: keys past a row's position or >= kv_end are masked."""
+    and m stays finite; under a WINDOW, every key is also inside every row's window. MASK True: keys past a
+    row's position or >= kv_end are masked, and under a WINDOW those at or before its position - WINDOW.
+    SOFT_CAP (log2 units): scores are capped first, and are then in log2 units already."""
     pos = j + tl.arange(0, BLOCK_N)
     kmask = pos < kv_end
     off = blk.to(tl.int64) * s_cb + (pos % BLOCK_SIZE) * s_cs + kv_off  # [BLOCK_N] element offset of each key
@@ -155,8 +173,14 @@ def _attend_tile(
         kt = tl.trans(_gather_rows(k_cache, off, d, kmask, HEAD, HEAD_P2, MASK, False))
     vt = _gather_rows(v_cache, off, d, kmask, HEAD, HEAD_P2, MASK, False)  # [BLOCK_N, HEAD_P2]
     s = _dot(qt, kt, PREC)  # [M, BLOCK_N] raw scores
+    if SOFT_CAP > 0:
+        s = _soft_cap(s * scale_log2, SOFT_CAP)
+        scale_log2 = 1.0
     if MASK:
-        s = tl.where(kmask[None, :] & (pos[None, :] <= qpos[:, None]), s * scale_log2, float("-inf"))
+        ok = kmask[None, :] & (pos[None, :] <= qpos[:, None])
+        if WINDOW:
+            ok = ok & (pos[None, :] > qpos[:, None] - WINDOW)
+        s = tl.where(ok, s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at zero weight
         p = tl.exp2(s - m_use[:, None])
@@ -176,7 +200,7 @@ def _prefill_kernel(
     s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
     QPK: tl.constexpr, QPK_P2: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, K_T: tl.constexpr,
-    PREC: tl.constexpr, PDL: tl.constexpr,
+    PREC: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
     """Grid (T // BLOCK_Q + B, num_kv_heads). Requests with query_len 1 are left to the decode kernel.
 
@@ -209,23 +233,33 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_P2], tl.float32)
     bt_row = block_table + b.to(tl.int64) * s_bt
     kv_off = kvh * s_ch
-    # The block ids of the next tile are read one iteration ahead, so the K/V loads, whose addresses
-    # need them, depend on no load of their own iteration. Triton's pipeliner counts such a load as a
-    # level of indirection and splits the stages between the levels (num_stages 3 would prefetch K/V
-    # only one tile ahead); this way K/V get all num_stages - 1 tiles of prefetch.
-    ids = _block_ids(bt_row, 0, full_end, BLOCK_N, BLOCK_SIZE)
-    for j in range(0, full_end, BLOCK_N):
-        cur = ids
-        ids = _block_ids(bt_row, j + BLOCK_N, full_end, BLOCK_N, BLOCK_SIZE)
-        m, den, acc = _attend_tile(
-            qt, m, den, acc, k_cache, v_cache, cur, j, kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2,
-            HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, K_T, PREC,
-        )  # fmt: skip
-    for j in range(full_end, kv_end, BLOCK_N):  # the tiles that cross the diagonal: masked
-        m, den, acc = _attend_tile(
-            qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, kv_end, BLOCK_N, BLOCK_SIZE), j, kv_end,
-            qpos, d, kv_off, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, True, K_T, PREC,
-        )  # fmt: skip
+    if WINDOW:  # from the tile of the first row's oldest key, every tile masked
+        lo = tl.maximum(ctx + qb * BLOCK_Q - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        for j in range(lo, kv_end, BLOCK_N):
+            m, den, acc = _attend_tile(
+                qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, kv_end, BLOCK_N, BLOCK_SIZE), j,
+                kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, True,
+                K_T, PREC, WINDOW, SOFT_CAP,
+            )  # fmt: skip
+    else:
+        # The block ids of the next tile are read one iteration ahead, so the K/V loads, whose addresses
+        # need them, depend on no load of their own iteration. Triton's pipeliner counts such a load as a
+        # level of indirection and splits the stages between the levels (num_stages 3 would prefetch K/V
+        # only one tile ahead); this way K/V get all num_stages - 1 tiles of prefetch.
+        ids = _block_ids(bt_row, 0, full_end, BLOCK_N, BLOCK_SIZE)
+        for j in range(0, full_end, BLOCK_N):
+            cur = ids
+            ids = _block_ids(bt_row, j + BLOCK_N, full_end, BLOCK_N, BLOCK_SIZE)
+            m, den, acc = _attend_tile(
+                qt, m, den, acc, k_cache, v_cache, cur, j, kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2,
+                HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, K_T, PREC, 0, SOFT_CAP,
+            )  # fmt: skip
+        for j in range(full_end, kv_end, BLOCK_N):  # the tiles that cross the diagonal: masked
+            m, den, acc = _attend_tile(
+                qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, kv_end, BLOCK_N, BLOCK_SIZE), j,
+                kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, True,
+                K_T, PREC, 0, SOFT_CAP,
+            )  # fmt: skip
     acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
     o_ptr = out + row[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
     tl.store(o_ptr, acc.to(out.dtype.element_ty), mask=io_mask)
@@ -237,7 +271,8 @@ def _decode_kernel(
     scale_log2, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
     QPK: tl.constexpr, ROWS: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, num_kv_heads, P); only requests with query_len 1. A request's keys [0, seq_len) fall into
     chunks of max(SPLIT_KEYS, seq_len / MAX_SPLITS) keys, split s covering chunk s; program p computes
@@ -248,15 +283,23 @@ def _decode_kernel(
     (_attend_tile), block ids are read a tile ahead; only a split's last, partial tile is masked.
 
     The program that owns a request's last split first writes the request's new k, v to the cache at its
-    slot: no other program reads that key, and store_kv need not run in decode-only steps."""
+    slot: no other program reads that key, and store_kv need not run in decode-only steps.
+
+    Under a WINDOW the chunks split the keys from lo, the start of the tile of seq_len - WINDOW, instead
+    of 0; split 0 runs its first tile masked."""
     _pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     q0 = tl.load(cu + b)
     is_dec = tl.load(cu + b + 1) - q0 == 1
     seq_len = tl.where(is_dec, tl.load(seq_lens + b), 0)
-    chunk = _chunk(seq_len, SPLIT_KEYS, MAX_SPLITS, BLOCK_N)
-    written = tl.cdiv(seq_len, chunk)  # splits with keys
+    if WINDOW:
+        lo = tl.maximum(seq_len - WINDOW, 0) // BLOCK_N * BLOCK_N
+        chunk = _chunk(seq_len - lo, SPLIT_KEYS, MAX_SPLITS, BLOCK_N)
+        written = tl.cdiv(seq_len - lo, chunk)
+    else:
+        chunk = _chunk(seq_len, SPLIT_KEYS, MAX_SPLITS, BLOCK_N)
+        written = tl.cdiv(seq_len, chunk)  # splits with keys
     d = tl.arange(0, HEAD_P2)
     slot = tl.load(slot_mapping + q0, mask=is_dec, other=-1)
     if (slot >= 0) & ((written - 1) % tl.num_programs(2) == tl.program_id(2)):
@@ -275,24 +318,34 @@ def _decode_kernel(
     o_ptr = out + q0 * s_ot + head[:, None] * s_oh + d[None, :]
     for sp in range(tl.program_id(2), written, tl.num_programs(2)):  # none past seq_len
         start = sp * chunk
+        if WINDOW:
+            start += lo
         end = tl.minimum(start + chunk, seq_len)
         m = tl.full([ROWS], float("-inf"), tl.float32)
         den = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HEAD_P2], tl.float32)
-        full = start + (end - start) // BLOCK_N * BLOCK_N  # start is a multiple of BLOCK_N
+        if WINDOW:  # the tile of the window's first key, masked; the rest of split 0 from the next one
+            if sp == 0:
+                m, den, acc = _attend_tile(
+                    qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, start, end, BLOCK_N, BLOCK_SIZE),
+                    start, end, qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N,
+                    BLOCK_SIZE, True, False, PREC, WINDOW, SOFT_CAP,
+                )  # fmt: skip
+                start = tl.minimum(start + BLOCK_N, end)
+        full = start + (end - start) // BLOCK_N * BLOCK_N  # start is a multiple of BLOCK_N (or end)
         ids = _block_ids(bt_row, start, full, BLOCK_N, BLOCK_SIZE)
         for j in range(start, full, BLOCK_N):
             cur = ids
             ids = _block_ids(bt_row, j + BLOCK_N, full, BLOCK_N, BLOCK_SIZE)
             m, den, acc = _attend_tile(
                 qt, m, den, acc, k_cache, v_cache, cur, j, end, qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2,
-                HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, False, PREC,
+                HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, False, PREC, 0, SOFT_CAP,
             )  # fmt: skip
         for j in range(full, end, BLOCK_N):  # at most one
             m, den, acc = _attend_tile(
                 qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, end, BLOCK_N, BLOCK_SIZE), j, end,
                 qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, True, False,
-                PREC,
+                PREC, 0, SOFT_CAP,
             )  # fmt: skip
         acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
         if (NUM_SPLITS == 1) | (written == 1):  # a lone split: the merge would give these bits
@@ -380,9 +433,13 @@ def paged_attention(
     num_splits: int,
     counts: torch.Tensor,
     programs: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Write k, v to the cache at slot_mapping, then q [T, H, D] against the cache -> [T, H, D]. Rows past
-    query_start_loc[-1] (padding) stay unwritten.
+    query_start_loc[-1] (padding) stay unwritten. sliding_window and logits_soft_cap: the layer's (None:
+    none), as turnout.attention.AttentionLayerSpec defines them.
 
     The decode kernel always runs (its programs skip requests with query_len != 1) and writes the k, v of
     the requests it serves; store_kv and the prefill kernel run only when max_query_len > 1 (the prefill
@@ -416,11 +473,17 @@ def paged_attention(
         out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), block_table.stride(0),
         QPK=qpk, ROWS=dec["rows"], HEAD=hs, HEAD_P2=hp2, BLOCK_N=dec["block_n"], BLOCK_SIZE=bs,
         NUM_SPLITS=s, PREC=prec, SPLIT_KEYS=SPLIT_KEYS, MAX_SPLITS=MAX_SPLITS, num_warps=dec["warps"],
-        num_stages=dec["stages"], **pdl_launch(),
+        num_stages=dec["stages"], **_features(sliding_window, logits_soft_cap), **pdl_launch(),
     )  # fmt: skip
     if max_query_len > 1:
-        _launch_prefill(q, kv_cache, out, query_start_loc, seq_lens, block_table, scale, None)
+        _launch_prefill(q, kv_cache, out, query_start_loc, seq_lens, block_table, scale, None,
+                        sliding_window, logits_soft_cap)  # fmt: skip
     return out
+
+
+def _features(sliding_window: int | None, logits_soft_cap: float | None) -> dict:
+    """The kernels' constexpr flags for a layer's features: 0 where it has none."""
+    return dict(WINDOW=sliding_window or 0, SOFT_CAP=(logits_soft_cap or 0.0) * LOG2E)
 
 
 def split_counts(n: int, device: torch.device) -> torch.Tensor:
@@ -438,13 +501,16 @@ def prefill_attention(
     scale: float,
     config: dict | None = None,
     out: torch.Tensor | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """The prefill kernel alone (for tuning): rows of requests with query_len > 1 of q [T, H, D]. config
     (block_m, block_n, warps, stages, trans_k) overrides _prefill_config; rows it skips stay unwritten."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if q.shape[0] and seq_lens.shape[0]:
         _launch_prefill(_last_dim_contiguous(q), kv_cache, out, query_start_loc, seq_lens, block_table, scale,
-                        config)  # fmt: skip
+                        config, sliding_window, logits_soft_cap)  # fmt: skip
     return out
 
 
@@ -457,6 +523,8 @@ def _launch_prefill(
     block_table: torch.Tensor,
     scale: float,
     config: dict | None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> object:
     """Launch the prefill kernel; returns what the launch returns (the compiled kernel, on a GPU)."""
     t, h, hs = q.shape
@@ -473,7 +541,7 @@ def _launch_prefill(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         block_table.stride(0), QPK=qpk, QPK_P2=qpk_p2, HEAD=hs, HEAD_P2=hp2, BLOCK_Q=bq,
         BLOCK_N=cfg["block_n"], BLOCK_SIZE=bs, K_T=cfg["trans_k"], PREC=prec, num_warps=cfg["warps"],
-        num_stages=cfg["stages"], **pdl_launch(),
+        num_stages=cfg["stages"], **_features(sliding_window, logits_soft_cap), **pdl_launch(),
     )  # fmt: skip
 
 

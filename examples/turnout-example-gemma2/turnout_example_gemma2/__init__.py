@@ -1,0 +1,33 @@
+"""A third-party model plugin: Gemma 2. Its attention layers alternate a sliding window with global
+attention and cap their scores, so it declares those per-layer features: selection then picks a backend
+that serves them. The class is imported only when a checkpoint needs it."""
+
+import turnout
+from turnout.models import ModelArchitecture
+
+
+def layer_types(cfg: dict) -> list[str]:
+    """Each layer's kind, "sliding_attention" or "full_attention": config.json's layer_types, or Gemma 2's
+    alternation (sliding first) where an older config lacks them."""
+    n = cfg["num_hidden_layers"]
+    return cfg.get("layer_types") or ["full_attention" if i % 2 else "sliding_attention" for i in range(n)]
+
+
+def attention_features(cfg: dict) -> set[str]:
+    """What the layers use for this checkpoint: a window on the sliding layers, a soft-cap on every layer."""
+    used = set()
+    if cfg.get("sliding_window") and "sliding_attention" in layer_types(cfg):
+        used.add("sliding_window")
+    if cfg.get("attn_logit_softcapping"):
+        used.add("logits_soft_cap")
+    return used
+
+
+@turnout.hookimpl
+def turnout_model_architectures():
+    target = "turnout_example_gemma2.model:Gemma2ForCausalLM"
+    return [
+        ModelArchitecture(
+            "Gemma2ForCausalLM", target, pipeline_parallel=False, attention_features=attention_features
+        )
+    ]

@@ -1,0 +1,143 @@
+"""Gemma 2 as a turnout.models.CausalLM, from the public layers only.
+
+What sets it apart from the bundled decoder: the embedding scaled by sqrt(hidden_size); four GemmaRMSNorms
+per layer (each weight applied as 1 + w), the attention and MLP outputs normed before their residual add;
+a tanh-GELU gate; a softmax scale of query_pre_attn_scalar ** -0.5 rather than head_dim ** -0.5;
+attention layers alternating a sliding window with global attention, every one capping its scores
+(attn_logit_softcapping); and the final logits capped too (final_logit_softcapping).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from turnout.layers import (
+    Attention,
+    GeluAndMul,
+    GemmaRMSNorm,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from turnout_example_gemma2 import layer_types
+
+PACKED = {  # checkpoint name -> (our parameter, shard id)
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_activation -> GeluAndMul's approximate
+
+
+class Gemma2Attention(nn.Module):
+    def __init__(self, cfg: dict, layer: int) -> None:
+        super().__init__()
+        hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.head_size, bias = cfg.get("head_dim") or hidden // heads, cfg.get("attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_size, heads, kv_heads, bias=bias)
+        self.o_proj = RowParallelLinear(heads * self.head_size, hidden, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        rope = cfg.get("rope_parameters") or {}
+        base = cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)
+        self.rotary = RotaryEmbedding(self.head_size, cfg["max_position_embeddings"], base, rope or None)
+        sliding = layer_types(cfg)[layer] == "sliding_attention"
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_size, cfg["query_pre_attn_scalar"] ** -0.5,
+            sliding_window=cfg["sliding_window"] if sliding else None,
+            logits_soft_cap=cfg.get("attn_logit_softcapping"),
+        )  # fmt: skip
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        q, k, v = self.qkv_proj(x).split([h * d, hkv * d, hkv * d], -1)
+        q, k = self.rotary(positions, q.view(-1, h, d), k.view(-1, hkv, d))
+        return self.o_proj(self.attn(q, k, v.view(-1, hkv, d)))
+
+
+class Gemma2MLP(nn.Module):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg["hidden_size"], [cfg["intermediate_size"]] * 2)
+        self.down_proj = RowParallelLinear(cfg["intermediate_size"], cfg["hidden_size"])
+        self.act = GeluAndMul(GELU[cfg.get("hidden_activation") or "gelu_pytorch_tanh"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Gemma2Layer(nn.Module):
+    def __init__(self, cfg: dict, layer: int) -> None:
+        super().__init__()
+        norm = lambda: GemmaRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.self_attn = Gemma2Attention(cfg, layer)
+        self.mlp = Gemma2MLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma2Model(nn.Module):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(Gemma2Layer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+        self.norm = GemmaRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        # in the model's dtype, as HF rounds it: sqrt(2304) is not a bfloat16
+        self.register_buffer("embed_scale", torch.tensor(cfg["hidden_size"] ** 0.5), persistent=False)
+
+
+class Gemma2ForCausalLM(nn.Module):
+    """turnout.models.CausalLM for Gemma2ForCausalLM checkpoints; every layer on one pipeline stage."""
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.model = Gemma2Model(cfg)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
+        self.tie = cfg.get("tie_word_embeddings", True)
+        if self.tie:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.final_soft_cap = cfg.get("final_logit_softcapping")
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids) * self.model.embed_scale
+        for layer in self.model.layers:
+            x = layer(positions, x)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if cap := self.final_soft_cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF's names, with q/k/v and gate/up packed into one parameter each; returns the names loaded."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if self.tie and name == "lm_head.weight":
+                continue  # the embedding's, already
+            ckpt = next((c for c in PACKED if f".{c}." in name), None)
+            if ckpt is not None:  # q, k, v and gate, up: one shard each of a fused parameter
+                ours, shard = PACKED[ckpt]
+                name = name.replace(ckpt, ours)
+                params[name].weight_loader(params[name], tensor, shard)
+            elif hasattr(param := params[name], "weight_loader"):  # turnout's parallel layers
+                param.weight_loader(param, tensor)
+            else:  # GemmaRMSNorm weights, as stored: the layer adds the 1
+                param.data.copy_(tensor)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,59 @@
+"""The Triton attention kernels' code generation, checked on a machine without a GPU: Triton's interpreter
+runs their arithmetic on the CPU (test_attention_conformance.py) but never compiles them, so a construct
+only the compiler rejects would first fail on a GPU. Here each variant is compiled for sm_90 (to PTX and,
+with the ptxas Triton ships, a cubin) in a fresh process, where triton is imported without the
+interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from turnout_triton import kernels
+
+LOG2E = kernels.LOG2E
+INTS = {"counts", "cu", "seq_lens", "block_table"}
+
+
+def compile_(fn, consts, **opts):
+    sig = {}
+    for n in fn.arg_names:
+        sig[n] = "constexpr" if n in consts else "*i32" if n in INTS else "*i64" if n == "slot_mapping" \\
+            else "*fp32" if n in ("part_o", "part_lse") else "fp32" if n == "scale_log2" \\
+            else "i32" if n.startswith("s_") or n == "num_reqs" else "*bf16"
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["cubin"]
+
+
+for window, cap in [(int(w), float(c) * LOG2E) for w, c in (v.split(":") for v in sys.argv[1:])]:
+    feats = dict(WINDOW=window, SOFT_CAP=cap, PDL=True, PREC="tf32", HEAD=128, HEAD_P2=128, BLOCK_SIZE=16)
+    compile_(kernels._decode_kernel, dict(QPK=2, ROWS=16, BLOCK_N=32, NUM_SPLITS=4, SPLIT_KEYS=512,
+             MAX_SPLITS=16, **feats), num_warps=2, num_stages=4)
+    compile_(kernels._prefill_kernel, dict(QPK=2, QPK_P2=2, BLOCK_Q=64, BLOCK_N=128, K_T=False, **feats),
+             num_warps=8, num_stages=3)
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_the_per_layer_feature_variants_compile_for_sm90() -> None:
+    """A sliding window, a soft-cap, and both (window:cap; 0 is none), on the bf16 paths' tiles. (triton is
+    not imported here: this process may need it under the interpreter.)"""
+    if importlib.util.find_spec("triton") is None or not importlib.util.find_spec("triton.backends.nvidia"):
+        pytest.skip("needs triton with its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, without its warning
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT, "7:0", "0:50", "4096:50"], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
