@@ -85,7 +85,7 @@ TRITON_GEMV = EnvVar("TURNOUT_TRITON_GEMV", flag, True, "0: every matmul goes to
 GEMV_MAX_K = EnvVar(
     "TURNOUT_GEMV_MAX_K",
     int,
-    16384,
+    3072,
     "the longest weight row (in features) a decode matmul sends to the Triton GEMV; longer ones: F.linear",
 )
 

@@ -177,7 +177,7 @@ class LLMEngine:
         greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         length, steps = 16, 1
         while True:
-            n = min(length + 1, self.max_model_len - 4)
+            n = min(length + 1, self.max_model_len - 5)  # c: n + 3 prompt tokens and 2 outputs fit
             self.add_request(tokens(n, length), sample, req_id=f"warmup-{length}-a")
             self.step()
             self.add_request(tokens(n // 2 + 1, length + 1), greedy, req_id=f"warmup-{length}-b")

@@ -32,6 +32,9 @@ from turnout import envs
 from turnout.layers import fused, pdl
 
 MAX_M = 2  # rows routed here by enabled(); the kernel itself takes any M
+# enabled() routes weight rows of at most TURNOUT_GEMV_MAX_K (default 3072) features here. On an H200 at
+# batch 1 the GEMV wins at the Qwen3-0.6B rows (1024-3072) and loses at the 8B's (4096, 12288): its TPOT
+# there was 6.24 ms against 4.77 with cuBLAS (benchmarks/results/latency/*-qwen3-8b-gemv-max-k-3072.json).
 NORM_MAX_K = 4096  # a norm prologue holds M_P2 x BLOCK_N x K floats in registers
 
 

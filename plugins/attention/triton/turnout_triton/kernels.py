@@ -563,8 +563,9 @@ def decode_programs(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
 
 # Tile choices, tuned on an H200 (bf16, head 128; see benchmarks/bench_attention.py): decode 32-key tiles
 # on 2 warps with 4 stages were the fastest of 8 tile sets at batch 64 and 256, context 512-2048 (16 query
-# / 8 KV heads), ~3.7 TB/s at 256 x 512. Prefill 128 x 128 tiles on 8 warps reached
-# 360 TFLOP/s at 16k before the mask-free hot loop; benchmarks/tune_triton.py sweeps the prefill tiles.
+# / 8 KV heads), ~3.7 TB/s at 256 x 512; with 4 or more query heads a KV head (32 / 8, tune_triton.py
+# --decode --heads 32,8), the same tiles on 4 warps were 23% faster than on 2. Prefill 128 x 128 tiles on
+# 8 warps reached 360 TFLOP/s at 16k before the mask-free hot loop; benchmarks/tune_triton.py sweeps them.
 def _decode_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
     if _DECODE_OVERRIDE:
         return _parse_decode_config(_DECODE_OVERRIDE, qpk_p2)
@@ -572,7 +573,7 @@ def _decode_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
         return dict(rows=qpk_p2, block_n=32, warps=1, stages=1)
     rows = max(16, qpk_p2)  # tl.dot needs M >= 16
     if head_p2 <= 128 and not fp32:
-        return dict(rows=rows, block_n=32, warps=2 if rows <= 16 else 4, stages=4)
+        return dict(rows=rows, block_n=32, warps=2 if qpk_p2 <= 2 else 4, stages=4)
     return dict(rows=rows, block_n=32, warps=4, stages=2)
 
 
