@@ -353,7 +353,7 @@ def gemv_section() -> list[str]:
 
 
 def tune_section() -> list[str]:
-    """The newest prefill tile sweep (tune_triton.py) and the newest decode tile sweep."""
+    """The newest prefill tile sweep (tune_triton.py) and the newest decode tile sweep of each head ratio."""
     out = []
     docs = files("tune-triton")
     for path, doc in [d for d in docs if d[1].get("workload") != "decode-tiles"][:1]:
@@ -367,7 +367,10 @@ def tune_section() -> list[str]:
             ["config", "4k (TFLOP/s)", "16k", "4x4k"],
             ([r["config"], r["4k_tflops"], r["16k_tflops"], r["4x4k_tflops"]] for r in top),
         )
-    for path, doc in [d for d in docs if d[1].get("workload") == "decode-tiles"][:1]:
+    heads = {}  # the newest decode tile sweep of each head ratio
+    for path, doc in [d for d in docs if d[1].get("workload") == "decode-tiles"]:
+        heads.setdefault(tuple(doc.get("heads", ())), (path, doc))
+    for path, doc in heads.values():
         cases = [k for k in doc["results"][0] if k.endswith("_us")]
         out += ["", f"{caption(path, doc)} Best: `{doc['best']}` (block_n, warps, stages).", ""]
         out += table(
@@ -466,7 +469,7 @@ def headline() -> list[str]:
         ("latency", "Latency at batch 1"),
         ("prefix", "Prefix caching"),
     ):
-        docs = files(suite)
+        docs = [d for d in files(suite) if not any(r["engine"] == "vllm" for r in d[1])]  # vllm_headline's
         if suite == "latency":  # the newest run of a commit as it stands (an A/B run carries a note)
             pick = [d for d in docs if not any(r.get("note") for r in d[1])] or docs
         else:  # the newest run beside its peers, else the newest
@@ -482,9 +485,8 @@ def headline() -> list[str]:
                       if first.get(k) and rep.get(k)]  # fmt: skip
                 if vs:
                     fig += f" ({', '.join(vs)} in the same run)"
-                subs = (
-                    (f, r) for f, d in docs for r in d if r["engine"] == "turnout" and r.get("ratio_vs_peer")
-                )
+                hf = lambda r: r["engine"] == "turnout" and r.get("ratio_vs_peer")  # noqa: E731
+                subs = ((f, r) for f, d in docs for r in d if hf(r) and r["model"] == first.get("model"))
                 if (sub := next(subs, None)) is not None:  # the newest run beside HF
                     where = "" if sub[0] == path else f" ({cite(sub[0], '')})"
                     fig += (f"; {sub[1]['ratio_vs_peer']:.1f}x HF `generate_batch` on {sub[1]['subset']} "
@@ -493,7 +495,8 @@ def headline() -> list[str]:
                 fig = (
                     f"TPOT {num(rep.get('tpot_ms'))} ms, TTFT {_ttft(rep.get('ttft_ms'))} ms by prompt length"
                 )
-                for ppath, precs in pick_peers(docs)[:1]:  # the newest run beside a peer
+                same = [d for d in docs if d[1][0]["model"] == first.get("model")]
+                for ppath, precs in pick_peers(same)[:1]:  # the newest run of this model beside a peer
                     mine = next(r for r in precs if r["engine"] == "turnout" and r["run"] == "repeat")
                     peer = next(r for r in precs if r["engine"] != "turnout" and r["run"] == "repeat")
                     if ppath != path:
