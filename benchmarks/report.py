@@ -469,7 +469,8 @@ def headline() -> list[str]:
         ("latency", "Latency at batch 1"),
         ("prefix", "Prefix caching"),
     ):
-        docs = [d for d in files(suite) if not any(r["engine"] == "vllm" for r in d[1])]  # vllm_headline's
+        docs = files(suite)  # runs beside vLLM have their own line (vllm_headline) where there are others
+        docs = [d for d in docs if not any(r["engine"] == "vllm" for r in d[1])] or docs
         if suite == "latency":  # the newest run of a commit as it stands (an A/B run carries a note)
             pick = [d for d in docs if not any(r.get("note") for r in d[1])] or docs
         else:  # the newest run beside its peers, else the newest
