@@ -148,10 +148,12 @@ class AttentionMetadata:
 
     @property
     def num_reqs(self) -> int:
+        """Requests in the step, padding ones included: seq_lens' length."""
         return self.seq_lens.shape[0]
 
     @property
     def query_lens(self) -> torch.Tensor:
+        """[num_reqs] int32 on the device: each request's query tokens this step (1 for a decode row)."""
         return self.query_start_loc[1:] - self.query_start_loc[:-1]
 
     @property
@@ -247,6 +249,8 @@ class AttentionBackend:
 
     @property
     def spec(self) -> AttentionSpec:
+        """The AttentionSpec setup() was given (heads, head size, dtype, per-layer features); RuntimeError
+        before setup."""
         if self._spec is None:
             raise RuntimeError(f"attention backend {self.name}: setup(spec) must be called before any step")
         return self._spec

@@ -328,6 +328,10 @@ class FusedMoE(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] through each token's top_k experts (from router_logits [T, num_experts]), weighted
+        by their router probabilities (renormalised over the top_k where renormalize) -> [T, hidden], whole
+        on every rank: with EP the pairs travel to their experts' ranks and back, else the TP shards' partial
+        sums are all-reduced."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         if self.ep_size > 1:
             return self._forward_ep(x, topk_weights, topk_ids)
