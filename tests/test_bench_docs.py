@@ -121,3 +121,10 @@ def test_vllm_ratios_reach_the_tables_and_the_headline(tmp_path, monkeypatch):
     assert vs.startswith("- Against vLLM 0.26.0 in the same run, random-qwen3-8b on NVIDIA H200: ")
     assert "output tok/s 0.90x and 1.10x vLLM's on the first run and a repeat" in vs
     assert "on the first run (below 1 is faster): TPOT 0.98x, TTFT 1.25x at 4096, 0.75x at 32768" in vs
+
+
+def test_benchmarks_readme_indexes_every_script_and_suite():
+    text = (ROOT / "benchmarks/README.md").read_text()
+    scripts = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py"))]
+    missing = [s for s in (*scripts, *SUITES) if f"`{s}`" not in text]
+    assert not missing, f"benchmarks/README.md does not name {missing}"
