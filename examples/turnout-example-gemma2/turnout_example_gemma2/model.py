@@ -25,15 +25,10 @@ from turnout.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from turnout.models import DecoderForCausalLM
 from turnout_example_gemma2 import layer_types
 
-PACKED = {  # checkpoint name -> (our parameter, shard id)
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+PACKED = DecoderForCausalLM.packed  # checkpoint name -> (our parameter, shard id): the same fused layers
 GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_activation -> GeluAndMul's approximate
 
 
