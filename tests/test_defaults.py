@@ -25,7 +25,7 @@ def test_token_budget_fits_the_device():
     cpu = CPUAttentionBackend()
     assert values(EngineConfig(), H200, cpu)["max_num_batched_tokens"] == 16384
     assert values(EngineConfig(), L4, cpu)["max_num_batched_tokens"] == 8192
-    assert values(EngineConfig(), CPU, cpu)["max_num_batched_tokens"] == 2048
+    assert values(EngineConfig(), CPU, cpu)["max_num_batched_tokens"] == 4096
     assert "max_num_batched_tokens" not in values(EngineConfig(max_num_batched_tokens=512), H200, cpu)
 
 
@@ -38,7 +38,7 @@ def test_block_size_is_the_backends_preference_unless_set():
 
 def test_engine_and_workers_run_with_the_fitted_values(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", attention_backend="cpu", max_model_len=64)
-    assert (llm.engine.config.block_size, llm.engine.config.max_num_batched_tokens) == (16, 2048)
+    assert (llm.engine.config.block_size, llm.engine.config.max_num_batched_tokens) == (16, 4096)
     assert llm.engine.scheduler.bm.block_size == 16
     assert llm.engine.executor.worker.runner.block_size == 16
     out = llm.generate([[3, 4, 5]], use_tqdm=False)[0]

@@ -56,7 +56,8 @@ def test_llm_logs_its_choices_in_one_line(tiny_llama, caplog):
 def test_explain_shows_fitted_settings_and_why(tiny_llama, capsys):
     assert main(["explain", "--model", str(tiny_llama), "--block-size", "32", "--json"]) == 0
     settings = json.loads(capsys.readouterr().out)["settings"]
-    assert settings["max_num_batched_tokens"] == {"value": 2048, "source": "fitted: CPU: short steps"}
+    fitted = {"value": 4096, "source": "fitted: CPU: vLLM's offline default"}
+    assert settings["max_num_batched_tokens"] == fitted
     assert settings["block_size"] == {"value": 32, "source": "flag"}
     assert main(["explain", "--model", str(tiny_llama)]) == 0
     rows = _rows(capsys.readouterr().out, "engine settings")

@@ -39,14 +39,14 @@ def test_greedy_rows_are_argmax_first_on_ties_across_blocks(dtype, programs, mon
 
 
 def test_drawn_rows_follow_softmax_over_temperature():
-    """2048 draws from one distribution (rows of the same logits) against softmax(x / T) in float64; a
+    """1024 draws from one distribution (rows of the same logits) against softmax(x / T) in float64; a
     masked (-inf) entry is never drawn."""
     torch.manual_seed(0)
     if DEV == "cuda":
         torch.cuda.manual_seed(0)
     x = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf"), 1.5, -0.5, 0.25, 3.0])
     t = 0.7
-    rows = 2048
+    rows = 1024
     out = sample_kernel.gumbel_argmax(x.expand(rows, -1).to(DEV), torch.full((rows,), t, device=DEV))
     counts = torch.bincount(out.cpu(), minlength=x.numel()).double()
     p = torch.softmax(x.double() / t, -1)
