@@ -129,8 +129,9 @@ class SamplingParams:
     @property
     def needs_output_tokens(self) -> bool:
         """The sampler reads this request's generated tokens themselves, not only their count: under async
-        scheduling a step that samples for it is read before the next step is scheduled."""
-        return self.needs_penalties or bool(self.bad_words) or self.structured_outputs is not None
+        scheduling a step that samples for it is read before the next step is scheduled. (A structured
+        output's grammar takes them on the host, between the next step's forward and its sampling.)"""
+        return self.needs_penalties or bool(self.bad_words)
 
     @property
     def needs_history(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -444,3 +445,25 @@ def test_block_tables_written_incrementally_match_the_lists():
         want = [ids + [0] * (width - len(ids)) for ids in lists.values()]
         assert got.tolist() == want, step
     assert len(tables.table) > 64 and tables.table.shape[1] > 16
+
+
+def test_structured_outputs_keep_steps_in_flight(tiny_llama):
+    """Constrained requests beside free ones (chunked prefill, preemption): the same tokens as sync, each
+    constrained output inside its regex, and every step launched async: step N is read between N+1's
+    forward and its sampling, so N+1's bitmask sees N's tokens."""
+    prompts = [f"w{i} w{i + 1} w{i + 2}" for i in range(3, 15)]
+    rx = "(w7|w9)(w5|w8)(w6|w4)(w3|w2)(w7|w9)"  # each position its own tokens
+    so = SamplingParams(temperature=0, max_tokens=12, structured_outputs={"regex": rx})
+    sp = [so if i % 3 == 0 else SamplingParams(temperature=0, max_tokens=12 + i, ignore_eos=True)
+          for i in range(len(prompts))]  # fmt: skip
+    ref, _ = _run(tiny_llama, prompts, sp, async_scheduling=False)
+    llm = LLM(str(tiny_llama), **SMALL, async_scheduling=True)
+    ex, calls = llm.engine.executor, []
+    step, step_async = ex.step, ex.step_async
+    ex.step = lambda *a, **k: calls.append("sync") or step(*a, **k)
+    ex.step_async = lambda *a, **k: calls.append("async") or step_async(*a, **k)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    llm.shutdown()
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == [r[:2] for r in ref]
+    assert all(re.fullmatch(rx, outs[i].outputs[0].text.replace(" ", "")) for i in (0, 3, 6, 9))
+    assert calls and set(calls) == {"async"}

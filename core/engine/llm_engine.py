@@ -34,6 +34,7 @@ from turnout.selection import Selection, select_all
 from turnout.structured_outputs.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
+    from turnout.structured_outputs import GrammarOutput
     from turnout.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger("turnout")
@@ -312,24 +313,33 @@ class LLMEngine:
     # ---- the loop ----
     @property
     def _sync(self) -> bool:
-        """Steps are launched and read one at a time: no async scheduling, or a structured-output request
-        runs (its next bitmask needs its last token on the host)."""
-        return not self.async_scheduling or self.structured.active
+        """Steps are launched and read one at a time (no async scheduling)."""
+        return not self.async_scheduling
 
     def step(self) -> list[StepOutput]:
         """Sync: schedule, launch and read one step. Async: schedule and launch step N+1, then read step N
-        and return its outputs. While a structured-output request runs, steps are sync: its bitmask needs
-        its last token."""
+        and return its outputs. With a structured-output request, step N is read between N+1's forward and
+        its sampling: N+1's bitmask needs N's tokens in the grammars."""
         prev = self._in_flight
         if prev is not None and (prev.feeds_next or self._sync):  # read it first; the next call launches
             self._in_flight = None
             return self._read(prev)
         if self._sync:
             return self._read(self._launch(self.scheduler.schedule()))
-        self._in_flight = self._launch(self.scheduler.schedule())
-        return self._read(prev)
+        read: list[StepOutput] | None = None
 
-    def _launch(self, out: SchedulerOutput) -> LaunchedStep | None:
+        def read_prev() -> None:
+            nonlocal read
+            read = self._read(prev)
+
+        self._in_flight = self._launch(self.scheduler.schedule(), read_prev)
+        return read if read is not None else self._read(prev)
+
+    def _launch(
+        self, out: SchedulerOutput, read_prev: Callable[[], None] | None = None
+    ) -> LaunchedStep | None:
+        """Launch a scheduled step. Async, with structured outputs: read_prev() reads the step in flight
+        once this one's forward is launched, before its bitmask is made."""
         if not out.requests:
             if self.config.expert_parallel_spans_dp:  # the other replicas' all-to-alls wait for our ranks
                 self.executor.step(out)
@@ -344,7 +354,16 @@ class LLMEngine:
             return LaunchedStep(out, self.requests, lambda: res, False)
         reqs = {s.req_id: self.requests[s.req_id] for s in out.requests}
         feeds_next = any(s.sample and s.params.needs_output_tokens for s in out.requests)
-        return LaunchedStep(out, reqs, self.executor.step_async(out).get, feeds_next)
+        grammar = None
+        if self.structured.active and read_prev is not None:
+
+            def grammar() -> GrammarOutput | None:  # the rows of requests the step before has not ended
+                read_prev()
+                return self.structured.grammar_output(
+                    [s.req_id for s in out.requests if s.sample and not reqs[s.req_id].is_finished]
+                )
+
+        return LaunchedStep(out, reqs, self.executor.step_async(out, grammar).get, feeds_next)
 
     def _read(self, step: LaunchedStep | None) -> list[StepOutput]:
         """Wait for a launched step's tokens, update the scheduler; one output per request that got one."""

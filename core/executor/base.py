@@ -87,7 +87,13 @@ class Executor:
         self.execute_model(scheduler_output)
         return self.sample_tokens(grammar() if grammar is not None else None)
 
-    def step_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+    def step_async(
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar: Callable[[], GrammarOutput | None] | None = None,
+    ) -> AsyncModelRunnerOutput:
         """Launch the forward and the sampling and return at once; the result's get() waits for the sampled
-        tokens alone. Executors whose spec sets supports_async_scheduling implement it."""
+        tokens alone. grammar(), where given, is called once the forward is launched and before the
+        sampling, whose rows its GrammarOutput masks (it may wait for the step before: the forward runs
+        meanwhile). Executors whose spec sets supports_async_scheduling implement it."""
         raise NotImplementedError

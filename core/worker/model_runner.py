@@ -344,10 +344,10 @@ class ModelRunner:
         return self._sample(grammar_output).get()
 
     @torch.inference_mode()
-    def sample_tokens_async(self) -> AsyncModelRunnerOutput:
+    def sample_tokens_async(self, grammar_output: GrammarOutput | None = None) -> AsyncModelRunnerOutput:
         """sample_tokens without waiting: the tokens also stay on the device, where the next step's
         placeholder inputs take them from."""
-        out = self._sample()
+        out = self._sample(grammar_output)
         self._last_sampled = out.token_ids
         return out
 

@@ -52,10 +52,10 @@ class Worker:
         first; waits for the tokens on the host."""
         return self.runner.sample_tokens(grammar_output)
 
-    def sample_tokens_async(self) -> AsyncModelRunnerOutput:
+    def sample_tokens_async(self, grammar_output: GrammarOutput | None = None) -> AsyncModelRunnerOutput:
         """sample_tokens without waiting: get() on the result waits for the tokens, which stay on the device
         too, for the next step's placeholder inputs (async scheduling)."""
-        return self.runner.sample_tokens_async()
+        return self.runner.sample_tokens_async(grammar_output)
 
     def memory_report(self) -> dict[str, Any]:
         """This rank's share, in bytes: weights (experts' also apart), KV cache and, on CUDA, the peak

@@ -23,9 +23,9 @@ class UniprocExecutor(Executor):
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
         return self.worker.sample_tokens(grammar_output)
 
-    def step_async(self, scheduler_output: SchedulerOutput) -> AsyncModelRunnerOutput:
+    def step_async(self, scheduler_output: SchedulerOutput, grammar: Any = None) -> AsyncModelRunnerOutput:
         self.worker.execute_model(scheduler_output)
-        return self.worker.sample_tokens_async()
+        return self.worker.sample_tokens_async(grammar() if grammar is not None else None)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         return [self.worker.call(method, *args, **(kwargs or {}))]
