@@ -188,15 +188,18 @@ def test_rotary_is_rotate_half_with_float32_angles() -> None:
         None,
         {"rope_type": "default", "rope_theta": 10000.0},
         {"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64},
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
     ],
 )
 def test_rotary_scaling_forms_it_takes(scaling: dict | None) -> None:
     RotaryEmbedding(8, 128, 10000.0, scaling)
 
 
-@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn", "longrope"])
+@pytest.mark.parametrize("kind", ["dynamic", "longrope", "proportional"])
 def test_rotary_scaling_forms_it_refuses(kind: str) -> None:
-    with pytest.raises(ValueError, match=f"'{kind}' is not supported"):
+    supported = r"\(supported: default, linear, llama3, yarn\)"
+    with pytest.raises(ValueError, match=f"'{kind}' is not supported {supported}"):
         RotaryEmbedding(8, 128, 10000.0, {"rope_type": kind, "factor": 2.0})
 
 

@@ -84,6 +84,25 @@ def test_llama3_rope_scaling_matches_hf(tmp_path) -> None:
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
 
 
+@pytest.mark.parametrize(
+    "arch,scaling",
+    [
+        ("qwen3", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}),
+        ("llama", {"rope_type": "linear", "factor": 4.0}),
+    ],
+)
+def test_yarn_and_linear_rope_scaling_match_hf(tmp_path, arch: str, scaling: dict) -> None:
+    """Qwen3's YaRN (an original context of 64, so the blend and the attention factor matter by token 100)
+    and linear scaling on Llama, over prompts up to 110 tokens."""
+    from tiny_models import make_tiny_model
+
+    path = make_tiny_model(tmp_path, arch, rope_scaling=scaling, rope_theta=10000.0)
+    prompts = _prompts(9, 3, 90, 110)
+    ref = hf_greedy(path, prompts, MAX_NEW)
+    llm = LLM(str(path), cpu_kv_cache_bytes=1 << 22)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == ref
+
+
 def test_engine_stats_count_hits_and_preemptions(tiny_llama) -> None:
     llm = LLM(str(tiny_llama), cpu_kv_cache_bytes=1 << 22, block_size=4, num_gpu_blocks_override=12)
     prompts = _prompts(8, 4, 8, 14, shared_prefix=8)

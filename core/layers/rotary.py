@@ -1,9 +1,10 @@
-"""Rotary position embedding (HF's rotate-half layout), with Llama 3 frequency scaling, and the per-head
-q/k RMSNorm that Qwen3 applies just before it."""
+"""Rotary position embedding (HF's rotate-half layout), with HF's linear, Llama 3 and YaRN frequency scaling,
+and the per-head q/k RMSNorm that Qwen3 applies just before it."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,7 +14,26 @@ from turnout.layers import fused
 from turnout.layers.norm import RMSNorm
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+def _powers(base: float, dim: int) -> torch.Tensor:
+    """[dim / 2] float32: base^(2i / dim), the reciprocal of the unscaled inv_freq."""
+    return base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+
+
+# Each scaling kind: (base, dim, max_position, the scaling dict) -> (inv_freq, attention factor). The float32
+# arithmetic follows HF's order of operations, so the results are HF's bits.
+_Scaling = Callable[[float, int, int, dict[str, Any]], tuple[torch.Tensor, float]]
+
+
+def _default(base: float, dim: int, max_position: int, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    return 1.0 / _powers(base, dim), 1.0
+
+
+def _linear(base: float, dim: int, max_position: int, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    return 1.0 / _powers(base, dim) / s["factor"], 1.0
+
+
+def _llama3(base: float, dim: int, max_position: int, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    inv_freq = 1.0 / _powers(base, dim)
     factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
     old_ctx = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
@@ -21,7 +41,49 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     smooth = (old_ctx / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-    return torch.where(medium, smoothed, scaled)
+    return torch.where(medium, smoothed, scaled), 1.0
+
+
+def _yarn(base: float, dim: int, max_position: int, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    old_ctx = s.get("original_max_position_embeddings") or max_position
+    factor = s.get("factor") or max_position / old_ctx
+    powers = _powers(base, dim)
+    keep = _yarn_extrapolation(s, dim, base, old_ctx)
+    inv_freq = 1.0 / (factor * powers) * (1 - keep) + 1.0 / powers * keep
+    return inv_freq, _yarn_attention_factor(s, factor)
+
+
+def _yarn_extrapolation(s: dict[str, Any], dim: int, base: float, old_ctx: int) -> torch.Tensor:
+    """[dim / 2]: 1 for the pairs that turn more than beta_fast times in old_ctx (kept as trained), 0 for
+    those that turn fewer than beta_slow times (interpolated), a linear ramp over the pair index between."""
+
+    def pair_at(turns: float) -> float:  # the fractional pair index whose wavelength is old_ctx / turns
+        return dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_at(s.get("beta_fast") or 32), pair_at(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return 1 - ramp
+
+
+def _yarn_attention_factor(s: dict[str, Any], factor: float) -> float:
+    if s.get("attention_factor") is not None:
+        return s["attention_factor"]
+    mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+    if mscale and mscale_all_dim:  # DeepSeek's form
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+_SCALINGS: dict[str, _Scaling] = {"default": _default, "linear": _linear, "llama3": _llama3, "yarn": _yarn}
 
 
 class RotaryEmbedding(nn.Module):
@@ -33,25 +95,34 @@ class RotaryEmbedding(nn.Module):
     - Partial rotary: build it with head_size = the rotated dims and pass q[..., :rot], k[..., :rot], then
       concatenate the unrotated rest of each head back (the NeoX example plugin does this).
     - scaling: the HF rope_scaling / rope_parameters dict, its kind read from "rope_type" (or the older
-      "type"). None or "default": plain. "llama3": Llama 3.1's frequency smoothing, reading factor,
-      original_max_position_embeddings, low_freq_factor (default 1.0) and high_freq_factor (default 4.0).
-      Any other kind (linear, dynamic, yarn, longrope, ...) raises ValueError at construction. Other keys
-      (rope_theta, ...) are ignored: pass the base yourself."""
+      "type"), computed as HF transformers' modeling_rope_utils does:
+      - None or "default": plain.
+      - "linear": inv_freq / factor, i.e. positions divided by factor (Gemma 3's global layers).
+      - "llama3": Llama 3.1's frequency smoothing, reading factor, original_max_position_embeddings,
+        low_freq_factor (default 1.0) and high_freq_factor (default 4.0).
+      - "yarn" (Qwen3 / Qwen2.5 long context): each frequency blends from inv_freq / factor (pairs that turn
+        fewer than beta_slow times in original_max_position_embeddings) to inv_freq (more than beta_fast
+        turns), over a ramp of pair indices rounded outwards unless truncate is false. cos and sin are
+        multiplied by attention_factor, which defaults to 0.1 ln(factor) + 1 (1 for factor <= 1), or with
+        both mscale and mscale_all_dim to the ratio of that form with each. HF's defaults: beta_fast 32,
+        beta_slow 1, original_max_position_embeddings max_position, factor max_position / original.
+      Any other kind (dynamic, longrope, ...) raises ValueError at construction. Other keys (rope_theta,
+      partial_rotary_factor, ...) are ignored: pass the base and the rotated head_size yourself."""
 
     def __init__(
         self, head_size: int, max_position: int, base: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
+        scaling = scaling or {}
+        kind = scaling.get("rope_type") or scaling.get("type") or "default"
+        if kind not in _SCALINGS:
+            raise ValueError(f"rope scaling '{kind}' is not supported (supported: {', '.join(_SCALINGS)})")
         # float32 throughout, as HF computes it, so positions get bit-identical angles
-        inv_freq = 1.0 / base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size)
-        kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-        if kind == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling or {})
-        elif kind not in (None, "default"):
-            raise ValueError(f"rope scaling '{kind}' is not supported (supported: default, llama3)")
+        inv_freq, attention_factor = _SCALINGS[kind](base, head_size, max_position, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_position, head_size / 2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # [max_position, head_size / 2]; YaRN's attention factor scales both, as HF scales its cos and sin
+        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)

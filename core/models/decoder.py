@@ -1,8 +1,9 @@
 """The dense pre-norm decoder shared by Llama, Qwen2 and Qwen3: model plugins pick the options.
 
 Options read from the HF config: attention_bias (qkv bias; Qwen2 always), qk_norm (Qwen3's per-head RMSNorm
-on q and k), rope_scaling (llama3), tie_word_embeddings. The layers choose their kernels (fused norms, the
-decode GEMV with the norm or SiLU-and-mul in its prologue); the model only says which output feeds which.
+on q and k), rope_scaling (linear, llama3, yarn), tie_word_embeddings. The layers choose their kernels (fused
+norms, the decode GEMV with the norm or SiLU-and-mul in its prologue); the model only says which output feeds
+which.
 """
 
 from __future__ import annotations
