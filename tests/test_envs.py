@@ -64,6 +64,9 @@ def test_a_bad_switch_fails_config_on_any_device(monkeypatch):
         EngineConfig.load()
     monkeypatch.setenv("TURNOUT_GEMV_TILES", "4096x1024=4,4")
     assert EngineConfig.load().max_num_seqs == 256
+    monkeypatch.setenv("TURNOUT_TRITON_SPLIT_KEYS", "48")  # a plugin's switch: split boundaries of 32 keys
+    with pytest.raises(ConfigError, match=r"^TURNOUT_TRITON_SPLIT_KEYS='48' does not parse \(want a posi"):
+        EngineConfig.load()
 
 
 def _sources() -> list[Path]:

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from turnout.layers import pdl_launch
+from turnout_triton import envs
 from turnout_triton.envs import DECODE, PREFILL
 
 LOG2E = 1.4426950408889634
@@ -46,8 +47,9 @@ MAX_SPLITS = 16
 # Keys per decode split, at least: a request's split boundaries depend on its own seq_len alone, so every
 # split count that covers them gives bit-identical output, and eager steps and CUDA graphs (captured with
 # the split count of max_model_len) agree token for token. The interpreter uses small splits so that CPU
-# tests exercise them.
-SPLIT_KEYS = 64 if INTERPRET else 512
+# tests exercise them. TURNOUT_TRITON_SPLIT_KEYS sets it for a measured trade: at batch 1 and 512 keys, 512
+# leaves 48 of the 8B shape's 64 decode programs idle; smaller splits add partial writes at large batches.
+SPLIT_KEYS = 64 if INTERPRET else envs.SPLIT_KEYS.value
 DECODE_PROGRAMS = 1024  # decode programs to aim for (decode_programs): ~8 per SM of an H200
 
 
@@ -618,6 +620,8 @@ def _parse_decode_config(text: str, qpk_p2: int) -> dict:
         raise ValueError(f"TURNOUT_TRITON_DECODE={text!r}: want block_n,warps,stages") from None
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"TURNOUT_TRITON_DECODE={text!r}: block_n must be a power of two >= 16")
+    if SPLIT_KEYS % block_n:
+        raise ValueError(f"TURNOUT_TRITON_DECODE={text!r}: block_n must divide the split's {SPLIT_KEYS} keys")
     return dict(rows=max(16, qpk_p2), block_n=block_n, warps=warps, stages=stages)
 
 
