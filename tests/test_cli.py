@@ -308,7 +308,8 @@ def test_explain_shows_settings_and_their_source(tiny_llama, tmp_path, monkeypat
     assert settings["max_num_seqs"] == {"value": 8, "source": "flag"}
     assert settings["block_size"] == {"value": 32, "source": "file"}
     assert settings["max_model_len"] == {"value": 128, "source": "env"}
-    assert settings["max_num_batched_tokens"] == {"value": 2048, "source": "fitted: CPU: short steps"}
+    fitted = {"value": 4096, "source": "fitted: CPU: vLLM's offline default"}
+    assert settings["max_num_batched_tokens"] == fitted
     assert settings["enable_prefix_caching"] == {"value": True, "source": "default"}
     assert set(settings) == set(cli.EngineConfig.model_fields)
     assert cli.main(argv[:1] + argv[2:]) == 0

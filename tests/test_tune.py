@@ -93,7 +93,7 @@ def test_tune_measures_real_candidates_and_selection_takes_the_recorded_winner(
         "cpu",
         "cpu+naive",
     ]
-    assert sum(c.label.endswith(("tokens=1024", "tokens=4096")) for c in record.candidates) == 2
+    assert sum(c.label.endswith(("tokens=2048", "tokens=8192")) for c in record.candidates) == 2
     assert all(len(c.runs) >= 2 for c in record.candidates) and by["cpu"].median > by["naive"].median
     assert TuningRecord.load(record.path) == record
     decision = decide(record, {})
@@ -132,7 +132,7 @@ def test_selection_takes_a_recorded_winner_but_a_user_setting_wins(tiny_llama, n
     pm, info = naive(), ModelInfo.from_dir(tiny_llama)
     config = EngineConfig.load(model=str(tiny_llama), dtype="float32")
     default = {**DEFAULT, "attention_backend": "naive", "cudagraph_mode": "FULL_AND_PIECEWISE"}
-    default |= {"max_num_batched_tokens": 2048, "async_scheduling": False}
+    default |= {"max_num_batched_tokens": 4096, "async_scheduling": False}
     runs = {"naive": [2300.0, 2310.0], "cpu": [5000.0, 5010.0]}
     cands = [Measured(n, {**default, "attention_backend": n}, r) for n, r in runs.items()]
     key = tuning_key(config, info, current_platform(), pm, "throughput")
