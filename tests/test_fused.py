@@ -159,9 +159,10 @@ def test_linear_routes_small_cuda_batches_unless_switched_off(monkeypatch: pytes
     assert not gemv.enabled(x.float(), w.float())
     if DEV == "cuda":
         assert torch.equal(linear(x, w, None, None), gemv.gemv(x, w))
+    assert gemv.fits(x, w)
     monkeypatch.setenv("TURNOUT_GEMV_MAX_K", "16")
     gemv.max_k.cache_clear()
-    assert not gemv.enabled(x, w)  # a 32-feature row is past TURNOUT_GEMV_MAX_K: F.linear
+    assert not gemv.fits(x, w) and not gemv.enabled(x, w)  # a 32-feature row is past TURNOUT_GEMV_MAX_K
     monkeypatch.delenv("TURNOUT_GEMV_MAX_K")
     gemv.max_k.cache_clear()
     monkeypatch.setenv("TURNOUT_TRITON_GEMV", "0")

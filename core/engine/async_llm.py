@@ -19,8 +19,8 @@ from turnout import envs
 from turnout.config import EngineConfig
 from turnout.engine.core import CoreBatch, EngineDeadError, EngineOutput, EngineRequest, SchedulerStats
 from turnout.engine.core_client import CoreProcClient, CoreThreadClient
-from turnout.engine.llm_engine import load_tokenizer
-from turnout.errors import RequestError, TurnoutError
+from turnout.engine.llm_engine import load_tokenizer, require_tokenizer
+from turnout.errors import TurnoutError
 
 logger = logging.getLogger("turnout")
 
@@ -139,9 +139,7 @@ class AsyncLLM:
 
     def need_tokenizer(self, what: str) -> Any:
         """The front's tokenizer, or RequestError: `what` needs one, why this engine has none, and the fix."""
-        if self.tokenizer is None:
-            raise RequestError(f"{what} need a tokenizer, but {self.tokenizer_problem}")
-        return self.tokenizer
+        return require_tokenizer(self.tokenizer, self.tokenizer_problem, what)
 
     @property
     def dead(self) -> str | None:

@@ -56,6 +56,14 @@ def resolve_model_dir(config: EngineConfig) -> str:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt")
 
 
+def require_tokenizer(tokenizer: Any, problem: str, what: str) -> Any:
+    """tokenizer, or RequestError where it is None: `what` needs one, why there is none (problem, which names
+    the fix)."""
+    if tokenizer is None:
+        raise RequestError(f"{what} need a tokenizer, but {problem}")
+    return tokenizer
+
+
 def load_tokenizer(config: EngineConfig, model_dir: str) -> tuple[Any, str]:
     """(the tokenizer, "") or, where text prompts cannot be tokenized, (None, why, with the fix). Prompts of
     token ids need none: a model folder without a usable tokenizer starts, with one warning; a `tokenizer`
@@ -224,9 +232,7 @@ class LLMEngine:
 
     def need_tokenizer(self, what: str) -> Any:
         """The tokenizer, or RequestError: `what` needs one, why this engine has none, and the fix."""
-        if self.tokenizer is None:
-            raise RequestError(f"{what} need a tokenizer, but {self.tokenizer_problem}")
-        return self.tokenizer
+        return require_tokenizer(self.tokenizer, self.tokenizer_problem, what)
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, req_id: str | None = None
@@ -347,23 +353,30 @@ class LLMEngine:
                 self.executor.execute_model(out)
             return None
         if self._sync:  # read at once: no request leaves meanwhile
-            grammar = None
-            if self.structured.active:
-                grammar = lambda: self.structured.grammar_output([s.req_id for s in out.requests if s.sample])
-            res = self.executor.step(out, grammar)
+            res = self.executor.step(out, self._grammar(out, self.requests))
             return LaunchedStep(out, self.requests, lambda: res, False)
         reqs = {s.req_id: self.requests[s.req_id] for s in out.requests}
         feeds_next = any(s.sample and s.params.needs_output_tokens for s in out.requests)
-        grammar = None
-        if self.structured.active and read_prev is not None:
-
-            def grammar() -> GrammarOutput | None:  # the rows of requests the step before has not ended
-                read_prev()
-                return self.structured.grammar_output(
-                    [s.req_id for s in out.requests if s.sample and not reqs[s.req_id].is_finished]
-                )
-
+        grammar = self._grammar(out, reqs, read_prev)
         return LaunchedStep(out, reqs, self.executor.step_async(out, grammar).get, feeds_next)
+
+    def _grammar(
+        self, out: SchedulerOutput, reqs: dict[str, Request], read_prev: Callable[[], None] | None = None
+    ) -> Callable[[], GrammarOutput | None] | None:
+        """What the executor calls between a step's forward and its sampling (None without structured-output
+        requests): read_prev() where given, then the bitmask of the sampling rows whose request has not
+        ended."""
+        if not self.structured.active:
+            return None
+
+        def grammar() -> GrammarOutput | None:
+            if read_prev is not None:
+                read_prev()
+            return self.structured.grammar_output(
+                [s.req_id for s in out.requests if s.sample and not reqs[s.req_id].is_finished]
+            )
+
+        return grammar
 
     def _read(self, step: LaunchedStep | None) -> list[StepOutput]:
         """Wait for a launched step's tokens, update the scheduler; one output per request that got one."""

@@ -51,16 +51,20 @@ def max_k() -> int:
 
 
 def enabled(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
-    """Whether a linear layer sends x @ weight^T here: CUDA, fp16/bf16 (weight of the same dtype), at most
-    MAX_M rows, a weight row of at most max_k() features, not switched off. Without weight: whether x's
-    rows qualify, for the layers before one (a norm that hands a linear its prologue)."""
+    """Whether a linear layer sends x @ weight^T here: CUDA, the GEMV's shapes (fits), not switched off.
+    Without weight: whether x's rows qualify, for the layers before one (a norm that hands a linear its
+    prologue)."""
+    return x.is_cuda and fits(x, weight) and switched_on()
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    """Whether x @ weight^T has the GEMV's shapes, on any device: fp16/bf16 (weight of the same dtype), at
+    most MAX_M rows, a weight row of at most max_k() features."""
     return (
-        x.is_cuda
-        and x.dim() == 2
+        x.dim() == 2
         and x.shape[0] <= MAX_M
         and x.dtype in (torch.float16, torch.bfloat16)
         and (weight is None or (weight.dtype == x.dtype and weight.shape[1] <= max_k()))
-        and switched_on()
     )
 
 

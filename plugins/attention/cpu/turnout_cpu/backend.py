@@ -147,11 +147,8 @@ class CPUAttentionBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: CPUMetadata, scale: float) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D]."""
-        bd = md.decode_blocks.shape[0]
-        hkv, d = kv_cache.shape[-2:]
-        keys = kv_cache[0].view(-1, hkv, d).index_select(0, md.decode_slots).view(bd, -1, hkv, d)
-        vals = kv_cache[1].view(-1, hkv, d).index_select(0, md.decode_slots).view(bd, -1, hkv, d)
-        keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)  # [Bd, Hkv, L, D]
+        bd, hkv, d = md.decode_blocks.shape[0], *kv_cache.shape[-2:]
+        keys, vals = _decode_kv(kv_cache, md)
         if q.dtype == torch.float32:
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys, vals, attn_mask=md.decode_mask, scale=scale, enable_gqa=True
@@ -167,15 +164,18 @@ class CPUAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, kv_cache: torch.Tensor, md: CPUMetadata, layer: AttentionLayerSpec
     ) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D] under the layer's window and soft-cap."""
-        bd = md.decode_blocks.shape[0]
-        hkv, d = kv_cache.shape[-2:]
-        keys, vals = (
-            kv_cache[i].view(-1, hkv, d).index_select(0, md.decode_slots).view(bd, -1, hkv, d).transpose(1, 2)
-            for i in (0, 1)
-        )  # [Bd, Hkv, L, D]
+        bd, hkv, d = md.decode_blocks.shape[0], *kv_cache.shape[-2:]
+        keys, vals = _decode_kv(kv_cache, md)
         qg = q.view(bd, hkv, -1, 1, d)  # [Bd, Hkv, G, 1, D]
         mask = md.window_mask(layer.sliding_window)[..., None, :]  # [Bd, 1, 1, 1, L]
         return _explicit(qg, keys, vals, mask, layer).view_as(q)
+
+
+def _decode_kv(kv_cache: torch.Tensor, md: CPUMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decode row's cached keys and values, [Bd, Hkv, L, D] each (L = the longest row)."""
+    bd, (hkv, d) = md.decode_blocks.shape[0], kv_cache.shape[-2:]
+    k, v = (c.view(-1, hkv, d).index_select(0, md.decode_slots).view(bd, -1, hkv, d) for c in kv_cache)
+    return k.transpose(1, 2), v.transpose(1, 2)
 
 
 def _explicit(
