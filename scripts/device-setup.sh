@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --find-links .device-deps pydantic gguf 2>&1 | grep -v WARNING || true
-python3 -m pip install -q --no-index --find-links .device-deps fastapi uvicorn openai pyzmq msgpack 2>&1 | grep -v WARNING || true
+python3 -m pip install -q --no-index --find-links .device-deps fastapi uvicorn openai pyzmq msgpack xgrammar 2>&1 | grep -v WARNING || true
 args=(-e .)
 for p in plugins/*/*/; do args+=(-e "$p"); done
 python3 -m pip install -q --no-deps --no-build-isolation "${args[@]}" 2>&1 | grep -v -i warning || true

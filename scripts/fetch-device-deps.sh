@@ -13,4 +13,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
   -d .device-deps fastapi starlette opentelemetry-api anyio uvicorn openai httpx2 httpcore2 truststore jiter sniffio \
   pyzmq msgpack
+# structured outputs (the image has transformers, numpy and typing-extensions)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+  -d .device-deps "xgrammar==0.2.9" apache-tvm-ffi
 ls .device-deps
