@@ -29,6 +29,7 @@ SHAPES = {
 }  # fmt: skip
 SHARD_BYTES = 4 << 30
 MAX_POSITIONS = 40960  # Qwen3's max_position_embeddings, in every shape: a 32k-token prompt fits
+CHARS = [chr(c) for c in range(32, 127)]  # the tokenizer's last ids, one printable ASCII character each
 
 
 def random_model_dir(shape: str) -> Path:
@@ -56,7 +57,8 @@ def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
     """bf16 weights: matrices N(0, 0.02) like HF's init, norms 1. Written tensor by tensor as safetensors
     shards, then a word-level tokenizer over the whole vocabulary, then config.json last: a folder with a
     config.json is complete, and is reused (a folder with fewer positions has them raised to MAX_POSITIONS
-    in its config: positions carry no weights)."""
+    in its config: positions carry no weights; one whose tokenizer cannot spell JSON gets write_tokenizer's,
+    its weights untouched)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -64,6 +66,8 @@ def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
     path = Path(path)
     if (path / "config.json").exists():
         _raise_positions(path / "config.json")
+        if not spells_json(path):
+            write_tokenizer(path, json.loads((path / "config.json").read_text())["vocab_size"])
         return path
     cfg = random_config(shape)
     with torch.device("meta"):
@@ -105,12 +109,23 @@ def _raise_positions(config_file: Path) -> None:
 
 
 def write_tokenizer(path: Path, vocab_size: int) -> None:
-    """A word-level tokenizer with one word per token id: "<unk>", "<s>", "</s>", then "w3", "w4", ..."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A word-level tokenizer with one token per id: "<unk>", "<s>", "</s>", then "w3", "w4", ..., and the
+    last 95 ids the printable ASCII characters " " to "~", so that JSON can be spelled. Decoding joins the
+    tokens' strings as they are, which is how a grammar backend spells them. vocab_size is at least 98."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size - len(CHARS))}}
+    vocab = words | {c: vocab_size - len(CHARS) + i for i, c in enumerate(CHARS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(path)
+
+
+def spells_json(path: Path) -> bool:
+    """The folder's tokenizer.json has the single-character tokens JSON needs (a missing one counts as
+    spelling it: the folder is not one write_tokenizer made)."""
+    f = Path(path) / "tokenizer.json"
+    return not f.exists() or "{" in json.loads(f.read_text())["model"]["vocab"]
