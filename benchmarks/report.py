@@ -33,6 +33,7 @@ PERCENT = {
     "alone_hf_agrees",
     "tf_agree",
     "fraction_of_floor",
+    "structured_cost",
 }
 
 
@@ -121,6 +122,16 @@ BENCH_COLUMNS = {
         "no_cache_output_tokens_per_s": "cache off",
         "speedup_vs_no_cache": "speedup",
         "fraction_of_floor": "of floor",
+        "startup_s": "start-up (s)",
+    },
+    "structured": {
+        "structured_output_ratio": "share constrained",
+        "requests": "requests",
+        "num_completed": "grammars completed",
+        "mean_output_len": "mean output len",
+        "output_tokens_per_s": "output tok/s, constrained",
+        "unconstrained_output_tokens_per_s": "unconstrained",
+        "structured_cost": "cost",
         "startup_s": "start-up (s)",
     },
 }
@@ -427,6 +438,7 @@ def render() -> str:
         ("throughput", "Throughput: nano-vllm's bench", lambda: bench_section("throughput")),
         ("latency", "Latency at batch 1", lambda: bench_section("latency")),
         ("prefix", "Prefix caching", lambda: bench_section("prefix")),
+        ("structured", "Structured outputs", lambda: bench_section("structured")),
         (
             "async-scheduling",
             "GPU idle between decode steps",

@@ -46,6 +46,12 @@ SUITES = {
         "256 requests that share a 2,000-token prefix, prefix caching on against off, Qwen3-0.6B shape",
         [f"turnout bench prefix {QWEN3} --out {{out}}"],
     ),
+    "structured": Suite(
+        "nano-vllm's 256 requests with a JSON schema on every one and on a quarter of them, each against the "
+        "same prompts unconstrained to the same output lengths, prefix caching off, Qwen3-0.6B shape; "
+        "cost is 1 - constrained over unconstrained output tok/s",
+        [f"turnout bench structured {QWEN3} --out {{out}}"],
+    ),
     "serve": Suite(
         "nano-vllm's bench workload through `turnout serve` with the openai async client at full concurrency "
         "(streamed and not) against offline LLM.generate in the same run; then request rates 8, 32 and inf "

@@ -83,6 +83,11 @@ def test_record_schema():
     records.check(_record("throughput", output_tokens_per_s=1.0))
     records.check(_record("latency", tpot_ms=1.0, ttft_ms={"512": 2.0}))
     records.check(_record("prefix", speedup_vs_no_cache=3.0))
+    structured = dict(structured_output_ratio=1.0, num_constrained=4, output_tokens_per_s=9.0,
+                      unconstrained_output_tokens_per_s=10.0, mean_output_len=5.0)  # fmt: skip
+    records.check(_record("structured", **structured, structured_cost=0.1))
+    with pytest.raises(TurnoutError, match="lacks structured_cost"):
+        records.check(_record("structured", **structured))
     with pytest.raises(TurnoutError, match="lacks output_tokens_per_s"):
         records.check(_record("throughput"))
     with pytest.raises(TurnoutError, match="lacks ttft_ms"):
@@ -105,6 +110,8 @@ def test_record_schema():
         (["prefix", "--peers", "hf-generate"], "drop --peers"),
         (["throughput", "--peers", "nano-vllm", "--num-prompts", "8"], "nano-vllm runs its own bench.py"),
         (["latency", "--peers", "hf-generate-batch"], "no batch-1 latency mode"),
+        (["structured", "--peers", "vllm"], "the structured workload compares turnout with itself"),
+        (["structured", "--num-prompts", "2", "--structured-output-ratio", "0.2"], "constrains none of 2"),
     ],
 )
 def test_bad_bench_options_are_one_line_errors(argv, error, capsys):
@@ -378,3 +385,108 @@ def test_a_random_model_made_with_fewer_positions_gets_qwen3s(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text()) == {
         "max_position_embeddings": 40960, "vocab_size": 9
     }  # fmt: skip
+
+
+# ---- structured: nano-vllm's requests, some held to a JSON schema, against the same work unconstrained ----
+SMALL_SCHEMA = {  # outputs that complete within 64 tokens
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+        "text": {"type": "string", "maxLength": 8},
+    },
+    "required": ["id", "tags", "text"],
+}
+
+
+@pytest.fixture(scope="module")
+def json_model(tmp_path_factory) -> Path:
+    """A tiny llama with nano-vllm's prompt ids and the random models' tokenizer, which spells JSON."""
+    from turnout.bench.random_models import write_tokenizer
+
+    path = make_tiny_model(tmp_path_factory.mktemp("json_model"), "llama", vocab_size=10240,
+                           max_position_embeddings=1024)  # fmt: skip
+    write_tokenizer(path, 10240)
+    return path
+
+
+def test_structured_requests_are_spread_evenly():
+    assert workloads.constrained_ids(256, 0.25) == list(range(0, 256, 4))
+    assert workloads.constrained_ids(256, 1.0) == list(range(256))
+    assert workloads.constrained_ids(10, 0.3) == [0, 3, 6]
+    reqs = workloads.structured(workloads.throughput(8), SMALL_SCHEMA, 0.5)
+    assert [r.json_schema is not None for r in reqs] == [True, False] * 4
+    outs = [type("Out", (), {"token_ids": [0] * (i + 1)})() for i in range(8)]
+    same = workloads.same_lengths(reqs, outs)
+    assert [r.max_tokens for r in same] == list(range(1, 9)) and all(r.json_schema is None for r in same)
+    assert [r.prompt for r in same] == [r.prompt for r in reqs]
+
+
+def test_random_model_tokenizer_spells_json_for_the_engines_grammar(tmp_path):
+    from transformers import AutoTokenizer
+
+    from turnout.bench.random_models import write_tokenizer
+    from turnout.structured_outputs import StructuredOutputsParams
+    from turnout.structured_outputs.manager import StructuredOutputManager
+
+    write_tokenizer(tmp_path, 512)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.convert_ids_to_tokens([0, 2, 3, 416, 417, 511]) == ["<unk>", "</s>", "w3", "w416", " ", "~"]
+    text = '{"id": 7, "text": "w3"}'
+    ids = [417 + ord(c) - 32 for c in text]
+    assert tok.decode(ids) == text and tok.decode([3, 4]) == "w3w4"  # the tokens' strings, joined
+    so = StructuredOutputManager("auto", tok, 512, [2])
+    assert so.compile(StructuredOutputsParams(json=workloads.JSON_SCHEMA)) is not None
+
+
+def test_a_random_model_made_before_gets_a_tokenizer_that_spells_json(tmp_path):
+    from turnout.bench.random_models import make_random_model
+
+    path = make_tiny_model(tmp_path, "qwen3")  # "w{i}" tokens only, as random models had
+    weights = (path / "model.safetensors").read_bytes()
+    assert "{" not in json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    assert make_random_model(path, "qwen3-0.6b") == path
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    assert vocab["{"] == 512 - 95 + ord("{") - 32 and vocab["w3"] == 3 and len(vocab) == 512
+    assert (path / "model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.slow
+def test_structured_bench_writes_its_cost_per_ratio(json_model, tmp_path, capsys):
+    schema, out = tmp_path / "schema.json", tmp_path / "r.json"
+    schema.write_text(json.dumps(SMALL_SCHEMA))
+    argv = ["bench", "structured", "--model", str(json_model), "--max-model-len", "256", "--num-prompts", "8",
+            "--max-input-len", "16", "--max-output-len", "64", "--json-schema", str(schema),
+            "--structured-output-ratio", "1,0.25", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "roofline: no ceiling known" in capsys.readouterr().out
+    recs = json.loads(out.read_text())
+    assert [(r["structured_output_ratio"], r["num_constrained"]) for r in recs] == [(1.0, 8), (0.25, 2)]
+    for r in recs:
+        records.check(r)
+        c, u = r["output_tokens_per_s"], r["unconstrained_output_tokens_per_s"]
+        assert r["structured_cost"] == pytest.approx(1 - c / u) and r["run"] == "first"
+        assert r["mean_output_len"] == r["output_tokens"] / 8 and r["num_completed"] == r["num_constrained"]
+        cfg = r["config"]
+        assert cfg["engine"]["enable_prefix_caching"] is False and cfg["workload"]["schema"] == SMALL_SCHEMA
+
+
+@pytest.mark.slow
+def test_structured_outputs_validate_and_the_unconstrained_run_matches_their_lengths(json_model):
+    import jsonschema
+
+    from turnout import LLM
+
+    llm = LLM(str(json_model), max_model_len=256, enable_prefix_caching=False)
+    try:
+        reqs = workloads.structured(workloads.throughput(8, 16, 64), SMALL_SCHEMA, 0.5)
+        (_, outs), (_, plain) = workloads.structured_pair(llm, reqs)
+    finally:
+        llm.shutdown()
+    for r, o in zip(reqs, outs):
+        if r.json_schema is not None:
+            assert o.finish_reason == "stop" and len(o.token_ids) < 64
+            jsonschema.validate(json.loads(o.text), SMALL_SCHEMA)
+        else:
+            assert len(o.token_ids) == 64
+    assert [len(o.token_ids) for o in plain] == [len(o.token_ids) for o in outs]

@@ -123,6 +123,27 @@ def test_vllm_ratios_reach_the_tables_and_the_headline(tmp_path, monkeypatch):
     assert "on the first run (below 1 is faster): TPOT 0.98x, TTFT 1.25x at 4096, 0.75x at 32768" in vs
 
 
+def test_structured_records_reach_their_table(tmp_path, monkeypatch):
+    common = dict(num_prompts=256, num_completed=0, mean_output_len=560.0, startup_s=9.0)
+    (one,) = _records("structured", {("turnout", "first"): common})
+    recs = [
+        {**one, "structured_output_ratio": r, "num_constrained": round(256 * r), "output_tokens_per_s": c,
+         "unconstrained_output_tokens_per_s": 1000.0, "structured_cost": 1 - c / 1000}
+        for r, c in ((1.0, 920.0), (0.25, 985.0))
+    ]  # fmt: skip
+    for r in recs:
+        records.check(r)
+    folder = tmp_path / "benchmarks/results/structured"
+    folder.mkdir(parents=True)
+    (folder / "2026-12-02-0000-h200-structured-triton.json").write_text(json.dumps(recs))
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "benchmarks/results")
+    text = "\n".join(report.bench_section("structured"))
+    assert "| share constrained | requests | grammars completed |" in text
+    assert "| 1 | 256 | 0 | 560 | 920 | 1,000 | 8.0% | 9 |" in text and "| 0.25 | 256 |" in text
+    assert "1.5%" in text
+
+
 def test_benchmarks_readme_indexes_every_script_and_suite():
     text = (ROOT / "benchmarks/README.md").read_text()
     scripts = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py"))]

@@ -1,6 +1,6 @@
-"""turnout bench {throughput,latency,prefix}: one workload on turnout and its peers, side by side on the same
-prompts and weights, the first run and a repeat apart, with the workload's roofline; prints a table and
-writes a list of records (records.py) to benchmarks/results/<workload>/."""
+"""turnout bench {throughput,latency,prefix,structured}: one workload on turnout and its peers, side by side
+on the same prompts and weights, the first run and a repeat apart, with the workload's roofline; prints a
+table and writes a list of records (records.py) to benchmarks/results/<workload>/."""
 
 from __future__ import annotations
 
@@ -18,8 +18,19 @@ COLUMNS = {  # printed per record
     "startup_s".split(),
     "prefix": "engine run output_tokens_per_s no_cache_output_tokens_per_s speedup_vs_no_cache "
     "fraction_of_floor startup_s".split(),
+    "structured": "engine structured_output_ratio num_constrained num_completed mean_output_len "
+    "output_tokens_per_s unconstrained_output_tokens_per_s structured_cost startup_s".split(),
 }
-PLOT_METRIC = {"throughput": "output_tokens_per_s", "latency": "tpot_ms", "prefix": "output_tokens_per_s"}
+PLOT_METRIC = {
+    "throughput": "output_tokens_per_s",
+    "latency": "tpot_ms",
+    "prefix": "output_tokens_per_s",
+    "structured": "structured_cost",
+}
+SELF_COMPARED = {  # workloads that compare turnout with itself, and what with
+    "prefix": "caching off",
+    "structured": "unconstrained",
+}
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -71,7 +82,21 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     pre.add_argument("--prefix-len", type=int, default=2000, help="tokens every request shares")
     pre.add_argument("--suffix-len", type=int, default=32, help="tokens of each request's own")
     pre.add_argument("--output-len", type=int, default=32)
-    for p in (t, lat, pre):
+    so = workloads_.add_parser(
+        "structured", parents=[common], help="nano-vllm's bench with a JSON schema on some requests vs none"
+    )
+    so.add_argument("--num-prompts", type=int, default=256, help="the first N of nano-vllm's 256 requests")
+    so.add_argument("--max-input-len", type=int, default=1024, help="prompt lengths in [min(100, N), N]")
+    so.add_argument("--max-output-len", type=int, default=1024, help="output lengths in [min(100, N), N]")
+    so.add_argument("--json-schema", metavar="FILE", help="a JSON Schema (default: an id, tags and a text)")
+    so.add_argument(
+        "--structured-output-ratio",
+        type=_ratios,
+        default=[1.0, 0.25],
+        metavar="R,R",
+        help="the share of requests held to the schema, one run pair each (default: 1,0.25)",
+    )
+    for p in (t, lat, pre, so):
         p.set_defaults(fn=cmd_bench)
     return workloads_
 
@@ -98,8 +123,8 @@ def _peers(args: argparse.Namespace) -> list[str]:
     if bad := [p for p in peers if p not in PEERS]:
         raise TurnoutError(f"unknown peer {bad[0]!r}; --peers takes {', '.join(PEERS)}")
     w = args.workload
-    if w == "prefix" and peers:
-        raise TurnoutError("the prefix workload compares turnout with itself (caching off); drop --peers")
+    if (against := SELF_COMPARED.get(w)) and peers:
+        raise TurnoutError(f"the {w} workload compares turnout with itself ({against}); drop --peers")
     if w == "latency" and "hf-generate-batch" in peers:
         raise TurnoutError("hf-generate-batch has no batch-1 latency mode; use --peers hf-generate")
     for p in (p for p in peers if p in BENCH_PY_PEERS):
@@ -114,3 +139,14 @@ def _peers(args: argparse.Namespace) -> list[str]:
         if w == "latency" and args.tpot_tokens != 256:
             raise TurnoutError(f"{p}'s TPOT is over 256 tokens; drop --tpot-tokens or the peer")
     return peers
+
+
+def _ratios(text: str) -> list[float]:
+    """R[,R...]: each a share of the requests, in (0, 1]."""
+    try:
+        ratios = [float(x) for x in text.split(",")]
+    except ValueError:
+        ratios = []
+    if not ratios or not all(0 < r <= 1 for r in ratios):
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated shares in (0, 1]")
+    return ratios

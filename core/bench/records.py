@@ -6,6 +6,11 @@ throughput  run, output_tokens_per_s (+ ratio_vs_vllm, ratio_vs_nano_vllm: turno
 latency     run, tpot_ms, ttft_ms ({prompt length: ms}) (+ tpot_ratio_vs_vllm, ttft_ratio_vs_vllm: turnout's
             over vLLM's, {prompt length: ratio}; ttft_skipped: lengths over max_model_len)
 prefix      run, speedup_vs_no_cache
+structured  run ("first" only: prefix caching is off, so no run reuses another's blocks),
+            structured_output_ratio (the share of requests held to the JSON schema), num_constrained,
+            output_tokens_per_s (that run), unconstrained_output_tokens_per_s (the same prompts without the
+            schema, each to the tokens it produced constrained), structured_cost (1 - the first over the
+            second), mean_output_len (+ num_completed: constrained requests that their grammar ended)
 """
 
 from __future__ import annotations
@@ -28,6 +33,15 @@ BY_WORKLOAD = {
     "throughput": ("run", "output_tokens_per_s"),
     "latency": ("run", "tpot_ms", "ttft_ms"),
     "prefix": ("run", "speedup_vs_no_cache"),
+    "structured": (
+        "run",
+        "structured_output_ratio",
+        "num_constrained",
+        "output_tokens_per_s",
+        "unconstrained_output_tokens_per_s",
+        "structured_cost",
+        "mean_output_len",
+    ),
 }
 ENGINES = ("turnout", "vllm", "nano-vllm", "hf-generate-batch", "hf-generate")
 
@@ -140,7 +154,10 @@ def plot(records: list[dict[str, Any]], metric: str, path: str | Path, floor: fl
     plt = pyplot()
     rows = [r for r in records if r.get(metric) is not None]
     labels = [
-        f"{r['engine']}\n{r['run']}" + (f"\n{r['subset']} req" if r.get("subset") else "") for r in rows
+        f"{r['engine']}\n{r['run']}"
+        + (f"\n{r['subset']} req" if r.get("subset") else "")
+        + (f"\n{r['structured_output_ratio']:g} held" if "structured_output_ratio" in r else "")
+        for r in rows
     ]
     fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(rows)), 4))
     ax.bar(

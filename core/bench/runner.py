@@ -19,6 +19,13 @@ WORKLOAD_KEYS = {
     "throughput": ("num_prompts", "max_input_len", "max_output_len"),
     "latency": ("tpot_tokens", "ttft_lens"),
     "prefix": ("num_prompts", "prefix_len", "suffix_len", "output_len"),
+    "structured": (
+        "num_prompts",
+        "max_input_len",
+        "max_output_len",
+        "json_schema",
+        "structured_output_ratio",
+    ),
 }
 
 
@@ -52,6 +59,7 @@ class Bench:
         from turnout.platform import current_platform
 
         self.args, self.peers = args, peer_names
+        self.schema = self.structured_schema() if args.workload == "structured" else None
         if args.cold_cache:
             os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="turnout-triton-")
         cfg = engine_config_from_args(args)
@@ -71,6 +79,8 @@ class Bench:
             if skipped := [n for n in args.ttft_lens if n >= limit]:
                 print(f"note: TTFT skipped at {', '.join(map(str, skipped))} tokens: the prompt and one "
                       f"output token exceed max_model_len {limit}", file=sys.stderr, flush=True)  # fmt: skip
+        if args.workload == "structured":  # every run a first run: no request hits blocks another cached
+            update["enable_prefix_caching"] = False
         if cfg.max_model_len is None:  # nano-vllm's 4096, or what the latency workload's prompts need
             update["max_model_len"] = 4096
             if args.workload == "latency":
@@ -106,6 +116,8 @@ class Bench:
         if self.args.workload == "throughput" and any(p in self.peers for p in peers.HF_ENGINES):
             keys += ["peer_subset", "peer_output_len"]
         workload = {k: a[k] for k in keys} | {"peers": self.peers, "cold_cache": a["cold_cache"]}
+        if self.schema is not None:
+            workload["schema"] = self.schema
         return {"workload": workload, **self.selection, "engine": self.cfg.model_dump()}
 
     def peer_config(self, engine: str, res: dict[str, Any]) -> dict[str, Any]:
@@ -230,6 +242,32 @@ class Bench:
         llm.shutdown()
         return recs, floor
 
+    def structured(self) -> tuple[list[dict], None]:
+        """Per --structured-output-ratio R: round(R * N) of nano-vllm's requests held to the schema, then
+        the same prompts unconstrained, each to the tokens it produced constrained. No floor: the cost is
+        one run over the other."""
+        a = self.args
+        base = workloads.throughput(a.num_prompts, a.max_input_len, a.max_output_len)
+        llm, recs = self.start(), []
+        workloads.run(llm, [workloads.Req([1, 2, 3, 4], 8, json_schema=self.schema)])  # compiled, untimed
+        for ratio in a.structured_output_ratio:
+            reqs = workloads.structured(base, self.schema, ratio)
+            m = structured_metrics(reqs, *workloads.structured_pair(llm, reqs))
+            recs.append(self.record("turnout", "first", structured_output_ratio=ratio, **m,
+                                    startup_s=self.startup_s))  # fmt: skip
+        llm.shutdown()
+        return recs, None
+
+    def structured_schema(self) -> dict[str, Any]:
+        """--json-schema's schema, or the built-in one; TurnoutError where a ratio constrains no request."""
+        a = self.args
+        if none := [r for r in a.structured_output_ratio if round(r * a.num_prompts) == 0]:
+            raise TurnoutError(
+                f"--structured-output-ratio {none[0]} constrains none of {a.num_prompts} requests; "
+                "raise it or --num-prompts"
+            )
+        return workloads.json_schema(a.json_schema) if a.json_schema else workloads.JSON_SCHEMA
+
     # ---- peers ----
     def child(self, engine: str, plan: dict[str, Any]) -> dict[str, Any]:
         return peers.child(engine, self.model_dir, self.dtype, plan, self.args.peer_timeout)
@@ -295,8 +333,10 @@ class Bench:
         return output_tokens / self._floor_s(shapes) if self.ceiling else None
 
     def roofline_line(self, floor: float | None, recs: list[dict]) -> str:
-        if not self.ceiling or not floor:
+        if not self.ceiling:
             return f"roofline: no ceiling known for {self.device}"
+        if not floor:
+            return f"roofline: none for the {self.args.workload} workload"
         c, lat = self.ceiling, self.args.workload == "latency"
         ours = [r for r in recs if r["engine"] == "turnout" and "subset" not in r]
         got = ", ".join(
@@ -307,6 +347,26 @@ class Bench:
             f"roofline at {c.bytes_per_s / 1e12:.1f} TB/s, {c.flops_per_s / 1e12:.0f} TFLOP/s ({c.where}): "
             f"floor {records.fmt(floor)} {'ms a token' if lat else 'output tok/s'}; turnout: {got} of it"
         )
+
+
+def structured_metrics(
+    reqs: list[workloads.Req], constrained: tuple[float, list], plain: tuple[float, list]
+) -> dict[str, Any]:
+    """A structured run's record metrics from its (seconds, outputs) and the unconstrained run's."""
+    (seconds, outs), (plain_s, plain_outs) = constrained, plain
+    m = rate(seconds, sum(len(o.token_ids) for o in outs))
+    plain_rate = sum(len(o.token_ids) for o in plain_outs) / plain_s
+    held = [o for r, o in zip(reqs, outs) if r.json_schema is not None]
+    return {
+        **m,
+        "unconstrained_output_tokens_per_s": plain_rate,
+        "unconstrained_seconds": plain_s,
+        "structured_cost": 1 - m["output_tokens_per_s"] / plain_rate,
+        "num_prompts": len(reqs),
+        "num_constrained": len(held),
+        "num_completed": sum(o.finish_reason == "stop" for o in held),  # grammars that ended their request
+        "mean_output_len": m["output_tokens"] / len(reqs),
+    }
 
 
 def prefix_cache_counts(llm: Any) -> tuple[int, int] | None:

@@ -5,19 +5,33 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from turnout.errors import TurnoutError
 
+# The structured workload's default: every field required and no string bounded, so outputs run long.
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "text": {"type": "string"},
+    },
+    "required": ["id", "tags", "text"],
+}
+
 
 @dataclass(frozen=True)
 class Req:
+    """One bench request; json_schema, where set, holds its output to that schema."""
+
     prompt: list[int]
     max_tokens: int
     temperature: float = 0.6
     ignore_eos: bool = True
+    json_schema: dict[str, Any] | None = None
 
 
 def throughput(num_prompts: int = 256, max_input_len: int = 1024, max_output_len: int = 1024) -> list[Req]:
@@ -47,6 +61,37 @@ def prefix(
         Req(shared + [rng.randint(0, 10000) for _ in range(suffix_len)], output_len, 0.0)
         for _ in range(num_prompts)
     ]
+
+
+def constrained_ids(n: int, ratio: float) -> list[int]:
+    """The round(ratio * n) of n requests that a structured run constrains, spread evenly over them."""
+    k = round(ratio * n)
+    return [i * n // k for i in range(k)]
+
+
+def structured(reqs: list[Req], schema: dict[str, Any], ratio: float) -> list[Req]:
+    """reqs with constrained_ids(len(reqs), ratio) of them held to schema."""
+    ids = set(constrained_ids(len(reqs), ratio))
+    return [replace(r, json_schema=schema) if i in ids else r for i, r in enumerate(reqs)]
+
+
+def same_lengths(reqs: list[Req], outs: list[Any]) -> list[Req]:
+    """reqs unconstrained, each to the tokens its output holds: a constrained run's work without grammars
+    (a grammar that completes ends its request before max_tokens)."""
+    return [replace(r, max_tokens=len(o.token_ids), json_schema=None) for r, o in zip(reqs, outs)]
+
+
+def json_schema(path: str | Path) -> dict[str, Any]:
+    """The JSON Schema a file holds; TurnoutError naming the file where it cannot be read or is no object."""
+    try:
+        schema = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise TurnoutError(f"--json-schema {path}: {e.strerror}; pass a JSON Schema file") from None
+    except json.JSONDecodeError as e:
+        raise TurnoutError(f"--json-schema {path} is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise TurnoutError(f"--json-schema {path} holds a {type(schema).__name__}, not a JSON Schema object")
+    return schema
 
 
 def random_prompt(n: int, seed: int) -> list[int]:
@@ -96,20 +141,35 @@ def shapes(reqs: list[Req], cached: int = 0) -> list[tuple[int, int, int]]:
 
 
 # ---- timed turnout runs ----
-def run(llm: Any, reqs: list[Req]) -> tuple[float, int]:
-    """Seconds for llm.generate over reqs, and the output tokens it produced."""
+def generate(llm: Any, reqs: list[Req]) -> tuple[float, list[Any]]:
+    """Seconds for llm.generate over reqs, and its RequestOutputs in their order."""
     from turnout import SamplingParams
+    from turnout.structured_outputs import StructuredOutputsParams
 
+    held = [None if r.json_schema is None else StructuredOutputsParams(json=r.json_schema) for r in reqs]
     params = [
-        SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
-        for r in reqs
-    ]
+        SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos,
+                       structured_outputs=so)
+        for r, so in zip(reqs, held)
+    ]  # fmt: skip
     t = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
     seconds = time.perf_counter() - t
     if bad := [o.error for o in outs if o.error]:
         raise TurnoutError(f"{len(bad)} bench requests were rejected: {bad[0]}")
+    return seconds, outs
+
+
+def run(llm: Any, reqs: list[Req]) -> tuple[float, int]:
+    """Seconds for llm.generate over reqs, and the output tokens it produced."""
+    seconds, outs = generate(llm, reqs)
     return seconds, sum(len(o.token_ids) for o in outs)
+
+
+def structured_pair(llm: Any, reqs: list[Req]) -> tuple[tuple[float, list[Any]], tuple[float, list[Any]]]:
+    """generate over reqs as given, then over same_lengths of them: the same work, unconstrained."""
+    constrained = generate(llm, reqs)
+    return constrained, generate(llm, same_lengths(reqs, constrained[1]))
 
 
 def warm_up(llm: Any) -> None:
