@@ -132,8 +132,9 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(model_dir)
         vocab = self.info.hf_config.get("vocab_size") or len(self.tokenizer or ())
         self.structured = StructuredOutputManager(
-            config.structured_outputs_backend, self.tokenizer, vocab, self.eos_token_ids
-        )
+            config.structured_outputs_backend, self.tokenizer, vocab, self.eos_token_ids,
+            pin_memory=self.selection.platform.is_cuda,
+        )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()

@@ -53,8 +53,15 @@ def choose_backend(name: str) -> type[StructuredOutputBackend]:
 
 
 class StructuredOutputManager:
-    def __init__(self, backend_name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self.backend_name, self.tokenizer = backend_name, tokenizer
+    def __init__(
+        self,
+        backend_name: str,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        pin_memory: bool = False,
+    ) -> None:
+        self.backend_name, self.tokenizer, self.pin_memory = backend_name, tokenizer, pin_memory
         self.vocab_size, self.eos_token_ids = vocab_size, eos_token_ids
         self.backend: StructuredOutputBackend | None = None
         self.compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -116,7 +123,8 @@ class StructuredOutputManager:
         return GrammarOutput(ids, bitmask)
 
     def _bitmask(self, matchers: list[Grammar]) -> torch.Tensor:
-        bitmask = torch.full((len(matchers), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        shape = (len(matchers), bitmask_words(self.vocab_size))
+        bitmask = torch.full(shape, -1, dtype=torch.int32, pin_memory=self.pin_memory)
         for row, m in enumerate(matchers):
             m.fill_bitmask(bitmask, row)
         return bitmask

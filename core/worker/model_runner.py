@@ -359,8 +359,7 @@ class ModelRunner:
         self._pending = None
         if grammar_output is not None:
             row = {r.req_id: i for i, r in enumerate(reqs)}
-            rows = torch.tensor([row[i] for i in grammar_output.req_ids], device=logits.device)
-            apply_token_bitmask(logits, grammar_output.bitmask, rows)
+            apply_token_bitmask(logits, grammar_output.bitmask, [row[i] for i in grammar_output.req_ids])
         sampled = self.sampler.forward(
             logits,
             [r.params for r in reqs],
