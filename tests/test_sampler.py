@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections import Counter
 
 import pytest
 import torch
 
 from turnout.sampling_params import SamplingParams as SP
+from turnout.structured_outputs import apply_token_bitmask, bitmask_words
 from turnout.worker.sampler import Sampler, SamplerOutput
 
 sampler = Sampler()
@@ -395,3 +397,32 @@ def test_cuda_frequencies_and_seeds() -> None:
         a = run(x, sp, [gen(1, dev), None, None, gen(2, dev)]).token_ids
         b = run(x[:1], sp[:1], [gen(1, dev)]).token_ids + run(x[3:], sp[3:], [gen(2, dev)]).token_ids
         assert [a[0], a[3]] == b and a[1] == x[1].argmax().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_masking_a_step_s_rows_never_waits_for_the_gpu(pinned: bool) -> None:
+    """The bitmask is applied while the forward still runs: the host returns at once, with ~0.2 s of GPU
+    work queued before it, and the masked logits are the reference's."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 1000, [1, 5, 6]
+    logits = torch.randn(8, vocab, generator=gen)
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (len(rows), bitmask_words(vocab)), dtype=torch.int32, generator=gen
+    )
+    want = logits.double().clone()
+    for i, r in enumerate(rows):  # bit t of word t // 32, one token at a time
+        for t in range(vocab):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                want[r, t] = float("-inf")
+    on_gpu = logits.cuda()
+    apply_token_bitmask(on_gpu.clone(), bitmask, rows)  # the first call's set-up, untimed
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # ~0.2 s at the H200's clock
+    t = time.perf_counter()
+    apply_token_bitmask(on_gpu, bitmask.pin_memory() if pinned else bitmask, rows)
+    host_s = time.perf_counter() - t
+    torch.cuda.synchronize()
+    assert host_s < 0.05, f"the host waited {host_s:.3f} s for the GPU"
+    assert torch.equal(on_gpu.cpu().double(), want)
