@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import make_tiny_model  # noqa: E402
+
+
+def _import_triton_for_the_interpreter() -> None:
+    """Off CUDA, import triton under TRITON_INTERPRET=1 before any test can: triton builds its own library's
+    jit functions (tl.sum, ...) for the interpreter or not on its first import, once, and a kernel built
+    for the interpreter later fails in them otherwise. The variable is then left to the tests that set it."""
+    prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except ImportError:  # the test extra installs triton; tests that need it skip without
+        pass
+    finally:
+        if prev is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = prev
+
+
+if not torch.cuda.is_available():
+    _import_triton_for_the_interpreter()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
