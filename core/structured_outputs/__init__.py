@@ -138,7 +138,7 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
     """logits[rows[i], t] = -inf wherever bit t of bitmask[i] is 0; in place, on logits' device. On a GPU
     the host never waits: bitmask and rows reach it from pinned memory (a pageable copy would first wait
     for the forward queued before it, and leave the GPU idle while the next step is scheduled)."""
@@ -147,7 +147,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     pin = logits.is_cuda
     if pin and not bitmask.is_pinned():
         bitmask = bitmask.pin_memory()
-    idx = torch.tensor(rows, dtype=torch.long, pin_memory=pin).to(logits.device, non_blocking=True)
+    if not isinstance(rows, torch.Tensor):
+        rows = torch.tensor(rows, dtype=torch.long, pin_memory=pin)
+    idx = rows.to(logits.device, non_blocking=True)
     words = bitmask.to(logits.device, non_blocking=True)
     bits = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
