@@ -313,6 +313,16 @@ def _bench(argv: list[str]):
     return Bench(args, [p for p in args.peers.split(",") if p])
 
 
+@pytest.mark.parametrize("workload", ["throughput", "latency", "prefix"])
+def test_a_bench_reads_the_tune_records_of_its_own_workload(tmp_path, workload):
+    """`turnout bench latency` selects from latency records, as `turnout tune --workload latency` made them;
+    a --tune-workload given still wins."""
+    model = str(make_tiny_model(tmp_path / "m", "llama"))
+    assert _bench([workload, "--model", model]).cfg.tune_workload == workload
+    given = _bench([workload, "--model", model, "--tune-workload", "prefix"]).cfg
+    assert given.tune_workload == "prefix" and given.source("tune_workload") == "flag"
+
+
 @pytest.mark.slow
 def test_throughput_ratio_vs_vllm_from_its_result_line(fake_vllm, tmp_path, capsys):
     peers_dir, site, _ = fake_vllm

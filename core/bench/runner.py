@@ -13,6 +13,7 @@ from typing import Any
 
 from turnout.bench import peers, records, roofline, workloads
 from turnout.errors import TurnoutError
+from turnout.tuning.key import PROFILES
 
 RUNS = ("first", "repeat")
 WORKLOAD_KEYS = {
@@ -86,6 +87,8 @@ class Bench:
             if args.workload == "latency":
                 need = max([4096, 33 + args.tpot_tokens, *(n + 1 for n in self.ttft_lens)])
                 update["max_model_len"] = min(need, info.max_position_embeddings)
+        if args.workload in PROFILES and cfg.source("tune_workload") == "default":
+            update["tune_workload"] = args.workload  # the records `turnout tune` made for this workload
         self.cfg = cfg.model_copy(update=update)
         if "nano-vllm" in self.peers and info.architecture != "Qwen3ForCausalLM":
             raise TurnoutError(f"nano-vllm runs Qwen3 checkpoints only, not {info.architecture}")
