@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import types
 
 import pytest
@@ -207,3 +208,25 @@ def test_the_same_record_always_gives_the_same_decision():
     first = decide(_record(base, b, a), {})
     assert first == decide(_record(base, b, a), {}) == decide(_record(base, a, b), {})
     assert first.winner.label == "flash_attn"
+
+
+def test_the_latency_profile_counts_the_wait_for_the_first_token():
+    """One request alone, scored from its arrival to its last token: a candidate that prefills slower loses
+    latency even where it decodes as fast."""
+
+    class Timed:  # an engine whose one request waits ttft_s for its first token, then tpot_s a token
+        def __init__(self, ttft_s: float, tpot_s: float) -> None:
+            self.ttft_s, self.tpot_s = ttft_s, tpot_s
+
+        def generate(self, prompts, params, use_tqdm=False):
+            assert len(prompts) == len(params) == 1
+            n = params[0].max_tokens
+            time.sleep(self.ttft_s + (n - 1) * self.tpot_s)
+            return [types.SimpleNamespace(error=None, token_ids=[0] * n)]
+
+    load = Load("latency", 1, (8, 8), 10, vocab_size=512)
+    (req,) = load.requests(1)
+    assert len(req.prompt) == 8 and req.max_tokens == 10
+    fast, slow = (load.run(Timed(ttft, 0.01), [req]) for ttft in (0.02, 0.2))
+    assert fast == pytest.approx(10 / (0.02 + 9 * 0.01), rel=0.2)
+    assert slow == pytest.approx(10 / (0.2 + 9 * 0.01), rel=0.2) and slow < 0.6 * fast

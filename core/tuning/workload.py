@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ SIZES: dict[tuple[str, bool], tuple[int, tuple[int, int], int, int]] = {
     ("throughput", False): (8, (16, 64), 16, 0),
     ("throughput", True): (64, (100, 1024), 128, 0),
     ("latency", False): (1, (32, 32), 16, 0),
-    ("latency", True): (1, (256, 256), 128, 0),
+    ("latency", True): (1, (1024, 1024), 128, 0),
     ("prefix", False): (8, (16, 16), 16, 128),
     ("prefix", True): (64, (32, 32), 32, 1024),
 }
@@ -31,8 +30,9 @@ SIZES: dict[tuple[str, bool], tuple[int, tuple[int, int], int, int]] = {
 
 @dataclass(frozen=True)
 class Load:
-    """One workload: what each round sends, and the figure it is scored by (output tokens a second;
-    for latency, 1000 / TPOT of one request)."""
+    """One workload: what each round sends, and the figure it is scored by: output tokens a second, from
+    the first request's arrival to the last token (for latency one request alone, so its time to first
+    token counts beside its decode steps)."""
 
     profile: str  # throughput, latency, prefix, or a .jsonl path
     num_prompts: int
@@ -53,7 +53,7 @@ class Load:
         size = f"{lo}" if lo == hi else f"{lo}-{hi}"
         shared = f" after a shared {self.prefix_len}-token prefix" if self.prefix_len else ""
         if self.profile == "latency":
-            return f"1000/TPOT of one request of {size} tokens, {self.output_len} out"
+            return f"output tok/s of one request of {size} tokens, {self.output_len} out, TTFT included"
         return f"output tok/s of {self.num_prompts} requests of {size} tokens{shared}, {self.output_len} out"
 
     def requests(self, seed: int) -> list[Req]:
@@ -64,20 +64,14 @@ class Load:
             salt = rng.randrange(self.vocab_size)
             return [Req([salt, *r.prompt], r.max_tokens) for r in self.file_reqs]
         shared = ids(self.prefix_len)
-        if self.profile == "latency":  # the long and the short request, each on a prompt of its own
-            return [Req(ids(self.input_len[1]), out) for out in (self.output_len + 1, 1)]
         return [
             Req(shared + ids(rng.randint(*self.input_len)), self.output_len) for _ in range(self.num_prompts)
         ]
 
     def run(self, llm: Any, reqs: list[Req]) -> float:
         """The figure of one run of reqs on llm."""
-        if self.profile == "latency":
-            (long_s, _), (short_s, _) = workloads.run(llm, reqs[:1]), workloads.run(llm, reqs[1:])
-            return self.output_len / max(long_s - short_s, 1e-9)  # = 1000 / TPOT in ms
-        t = time.perf_counter()
-        _, tokens = workloads.run(llm, reqs)
-        return tokens / (time.perf_counter() - t)
+        seconds, tokens = workloads.run(llm, reqs)
+        return tokens / seconds
 
     def num_blocks(self, block_size: int) -> int:
         """KV blocks that hold one round's requests all at once (plus one spare each)."""
