@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,12 +20,6 @@ from turnout.models import ModelArchitecture
 from tiny_models import _tokenizer
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
-if not torch.cuda.is_available() and "triton" not in sys.modules and importlib.util.find_spec("triton"):
-    os.environ["TRITON_INTERPRET"] = "1"  # triton reads it once, on its first import (HF imports it too)
-    try:
-        import triton  # noqa: F401
-    finally:
-        del os.environ["TRITON_INTERPRET"]
 WINDOW = 8
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
