@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
-from turnout_cpu.backend import CPUAttentionBackend
+from turnout_cpu.backend import BALANCE_MIN_LEN, CPUAttentionBackend
 
 from turnout.attention import AttentionMetadata, AttentionSpec
 
@@ -55,6 +56,19 @@ def test_a_prefix_hit_changes_no_bit(dtype: torch.dtype) -> None:
     whole = _chunk(be, cache, q, k, v, 0)
     for hit in (16, 512, 600, 1088):  # one block; flash's 512-key tile; past it; all blocks but the last
         assert torch.equal(_chunk(be, cache, q[hit:], k[hit:], v[hit:], hit), whole[hit:]), hit
+
+
+def test_a_long_prompt_has_the_bits_of_one_pass() -> None:
+    """From BALANCE_MIN_LEN tokens a fresh prompt's heads split over the kernel's threads (an odd head in
+    row slices): the bits of one is_causal pass, and a prefix hit still changes none."""
+    tokens = BALANCE_MIN_LEN + 100
+    q, k, v = _qkv(tokens, torch.bfloat16)
+    be, cache = _backend(torch.bfloat16), _cache(tokens, torch.bfloat16)
+    whole = _chunk(be, cache, q, k, v, 0)
+    heads = [t.transpose(0, 1)[None] for t in (q, k, v)]
+    one = F.scaled_dot_product_attention(*heads, is_causal=True, scale=HEAD_SIZE**-0.5, enable_gqa=True)
+    assert torch.equal(whole, one[0].transpose(0, 1))
+    assert torch.equal(_chunk(be, cache, q[600:], k[600:], v[600:], 600), whole[600:])
 
 
 def test_prefill_runs_the_flash_kernel() -> None:

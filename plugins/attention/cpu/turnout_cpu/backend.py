@@ -6,8 +6,9 @@ time, as [1, H, q_len, D] so that SDPA takes its flash kernel (3-D inputs get th
 2k tokens). A fresh prompt attends over its own keys with is_causal; a chunk after cached context (a prefix
 hit, an earlier chunk) over the cache with a causal mask offset by that context, in slices of rows whose
 keys end on the kernel's key tiles. That gives the bits of a fresh prompt ending where the chunk ends, so a
-prefix hit changes no output. All indices are built once per step in build_metadata, from the metadata and
-the block size of the spec.
+prefix hit changes no output. The same slicing balances a fresh prompt's heads over the kernel's threads
+(see _causal). All indices and masks are built once per step in build_metadata, from the metadata and the
+spec.
 
 A layer with a sliding window or a logit soft-cap runs explicit matmuls instead (SDPA cannot cap scores):
 decode rows batched as above, with the window narrowing the length mask; prefill rows in slices of
@@ -33,6 +34,7 @@ from turnout.attention import (
 )
 
 KEY_TILE = 512  # keys a tile of torch's CPU flash kernel (kv_split_size in aten's FlashAttentionKernel.cpp)
+BALANCE_MIN_LEN = 4096  # fresh prompts from here get _causal's balanced heads (measured: slower at 2k)
 ROW_SLICE = 512  # queries per explicit-matmul slice: [H, 512, keys] float32 scores at a time
 
 
@@ -43,6 +45,7 @@ class _Prefill:
     blocks: torch.Tensor  # [ceil(seq_len / block_size)] the block ids of the request's keys
     seq_len: int
     mask: torch.Tensor | None  # [q_len, seq_len] 0 or -inf, None when no context is cached (is_causal)
+    tail_mask: torch.Tensor | None = None  # fresh prompts: [KEY_TILE, q_len] 0 or -inf, see _causal
 
 
 @dataclass
@@ -84,12 +87,16 @@ class CPUAttentionBackend(AttentionBackend):
                 decode_rows.append(row)
                 continue
             ctx = seq_len - (qe - qs)
-            mask = None
-            if ctx:  # additive, in the activations' dtype: SDPA would convert a bool mask in every layer
-                later = torch.arange(seq_len)[None, :] > torch.arange(ctx, seq_len)[:, None]
-                mask = torch.zeros(later.shape, dtype=self.spec.dtype).masked_fill_(later, float("-inf"))
+            mask = _causal_mask(ctx, seq_len, self.spec.dtype) if ctx else None
+            tail = None
+            if (
+                not ctx
+                and qe - qs > KEY_TILE
+                and _split_heads(self.spec.num_heads, qe - qs) < self.spec.num_heads
+            ):
+                tail = _causal_mask(seq_len - KEY_TILE, seq_len, self.spec.dtype)
             blocks = meta.block_table[row, : -(-seq_len // self.spec.block_size)].long()
-            prefills.append(_Prefill(qs, qe, blocks, seq_len, mask))
+            prefills.append(_Prefill(qs, qe, blocks, seq_len, mask, tail))
         rows = torch.tensor(decode_rows, dtype=torch.long)
         blocks, lens = meta.block_table[rows].long(), meta.seq_lens[rows].long()
         return CPUMetadata(
@@ -224,6 +231,68 @@ def _decode_slots(blocks: torch.Tensor, lens: torch.Tensor, block_size: int) -> 
     return {"decode_slots": slots.flatten(), "decode_mask": valid[:, None, None, :]}
 
 
+def _causal_mask(first: int, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[seq_len - first, seq_len] 0 or -inf: query positions [first, seq_len) over keys [0, seq_len).
+    Additive, in the activations' dtype: SDPA would convert a bool mask in every layer."""
+    later = torch.arange(seq_len)[None, :] > torch.arange(first, seq_len)[:, None]
+    return torch.zeros(later.shape, dtype=dtype).masked_fill_(later, float("-inf"))
+
+
+def _split_heads(num_heads: int, q_len: int) -> int:
+    """How many of a fresh prompt's heads _causal runs in is_causal calls: a multiple of the threads."""
+    threads = torch.get_num_threads()
+    if q_len < BALANCE_MIN_LEN or num_heads < threads:
+        return num_heads
+    return num_heads - num_heads % threads
+
+
+def _head_runs(lo: int, hi: int, group: int) -> list[tuple[int, int]]:
+    """Query heads [lo, hi) as runs that each take a slice of the KV heads (no copy for enable_gqa): whole
+    groups, and the heads of one group at either end."""
+    cuts = sorted({lo, hi, *(g for g in (-(-lo // group) * group, hi // group * group) if lo < g < hi)})
+    return list(zip(cuts, cuts[1:]))
+
+
+def _causal(sdpa, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, p: _Prefill) -> torch.Tensor:
+    """A fresh prompt's attention: q [1, H, n, D] over its keys, vals [1, Hkv, n, D] -> [1, H, n, D].
+
+    The flash kernel hands each thread an equal run of (head, query block) items, and a causal block costs
+    as many key tiles as it reaches; a run that ends inside a head leaves that head's costly blocks to one
+    thread. So from BALANCE_MIN_LEN queries, a multiple of the threads' count of heads go in is_causal
+    calls, and the other heads in row slices ending on key tiles against tail_mask, whose blocks cost
+    alike: the bits of one pass."""
+    h, group, n = q.shape[1], q.shape[1] // keys.shape[1], q.shape[2]
+    even = _split_heads(h, n) if p.tail_mask is not None else h
+    if even == h:
+        return sdpa(q, keys, vals, is_causal=True)
+    out = torch.empty_like(q)
+    for lo, hi in _head_runs(0, even, group) + _head_runs(even, h, group):
+        kv = slice(lo // group, (hi - 1) // group + 1)
+        qq, kk, vv = q[:, lo:hi], keys[:, kv], vals[:, kv]
+        if hi <= even:
+            out[:, lo:hi] = sdpa(qq, kk, vv, is_causal=True)
+            continue
+        out[:, lo:hi] = _row_slices(sdpa, qq, kk, vv, p.tail_mask)
+    return out
+
+
+def _row_slices(
+    sdpa, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, tail_mask: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention of q [1, h, n, D] in row slices that end on key tiles, each over keys [0, end)
+    against its rows of tail_mask [rows, n] (right-aligned: its last row is position n - 1)."""
+    n, rows = q.shape[2], tail_mask.shape[0]
+    out = torch.empty_like(q)
+    out[:, :, :KEY_TILE] = sdpa(
+        q[:, :, :KEY_TILE], keys[:, :, :KEY_TILE], vals[:, :, :KEY_TILE], is_causal=True
+    )
+    for start in range(KEY_TILE, n, KEY_TILE):
+        end = min(start + KEY_TILE, n)
+        mask = tail_mask[rows - (end - start) :, n - end :]  # rows [start, end) over keys [0, end)
+        out[:, :, start:end] = sdpa(q[:, :, start:end], keys[:, :, :end], vals[:, :, :end], attn_mask=mask)
+    return out
+
+
 def _prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -238,7 +307,7 @@ def _prefill(
     qq = q[p.q_start : p.q_end].transpose(0, 1)[None]  # [1, H, q_len, D]
     if p.mask is None:  # a fresh prompt: its keys are this chunk's
         keys, vals = (t[p.q_start : p.q_end].transpose(0, 1)[None] for t in (k, v))
-        out[p.q_start : p.q_end] = sdpa(qq, keys, vals, is_causal=True)[0].transpose(0, 1)
+        out[p.q_start : p.q_end] = _causal(sdpa, qq, keys, vals, p)[0].transpose(0, 1)
         return
     # index_select, not kv_cache[0, blocks]: advanced indexing is orders of magnitude slower on CPU
     hkv, d = kv_cache.shape[-2:]
