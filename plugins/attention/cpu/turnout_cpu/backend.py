@@ -44,8 +44,9 @@ class _Prefill:
     q_end: int
     blocks: torch.Tensor  # [ceil(seq_len / block_size)] the block ids of the request's keys
     seq_len: int
-    mask: torch.Tensor | None  # [q_len, seq_len] 0 or -inf, None when no context is cached (is_causal)
-    tail_mask: torch.Tensor | None = None  # fresh prompts: [KEY_TILE, q_len] 0 or -inf, see _causal
+    # the causal mask of the last min(KEY_TILE, seq_len) positions over every key, 0 or -inf, for the row
+    # slices (_tiled); None where the chunk runs in one is_causal pass
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -86,17 +87,10 @@ class CPUAttentionBackend(AttentionBackend):
             if qe - qs == 1:
                 decode_rows.append(row)
                 continue
-            ctx = seq_len - (qe - qs)
-            mask = _causal_mask(ctx, seq_len, self.spec.dtype) if ctx else None
-            tail = None
-            if (
-                not ctx
-                and qe - qs > KEY_TILE
-                and _split_heads(self.spec.num_heads, qe - qs) < self.spec.num_heads
-            ):
-                tail = _causal_mask(seq_len - KEY_TILE, seq_len, self.spec.dtype)
+            sliced = seq_len > qe - qs or _split_heads(self.spec.num_heads, qe - qs) < self.spec.num_heads
+            mask = _causal_mask(max(0, seq_len - KEY_TILE), seq_len, self.spec.dtype) if sliced else None
             blocks = meta.block_table[row, : -(-seq_len // self.spec.block_size)].long()
-            prefills.append(_Prefill(qs, qe, blocks, seq_len, mask, tail))
+            prefills.append(_Prefill(qs, qe, blocks, seq_len, mask))
         rows = torch.tensor(decode_rows, dtype=torch.long)
         blocks, lens = meta.block_table[rows].long(), meta.seq_lens[rows].long()
         return CPUMetadata(
@@ -253,18 +247,20 @@ def _head_runs(lo: int, hi: int, group: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def _causal(sdpa, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, p: _Prefill) -> torch.Tensor:
+def _causal(
+    sdpa, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     """A fresh prompt's attention: q [1, H, n, D] over its keys, vals [1, Hkv, n, D] -> [1, H, n, D].
 
     The flash kernel hands each thread an equal run of (head, query block) items, and a causal block costs
     as many key tiles as it reaches; a run that ends inside a head leaves that head's costly blocks to one
-    thread. So from BALANCE_MIN_LEN queries, a multiple of the threads' count of heads go in is_causal
-    calls, and the other heads in row slices ending on key tiles against tail_mask, whose blocks cost
-    alike: the bits of one pass."""
-    h, group, n = q.shape[1], q.shape[1] // keys.shape[1], q.shape[2]
-    even = _split_heads(h, n) if p.tail_mask is not None else h
-    if even == h:
+    thread. So from BALANCE_MIN_LEN queries (mask set), a multiple of the threads' count of heads go in
+    is_causal calls, and the other heads in _tiled's row slices, whose blocks cost alike: the bits of one
+    pass."""
+    if mask is None:
         return sdpa(q, keys, vals, is_causal=True)
+    h, group = q.shape[1], q.shape[1] // keys.shape[1]
+    even = _split_heads(h, q.shape[2])
     out = torch.empty_like(q)
     for lo, hi in _head_runs(0, even, group) + _head_runs(even, h, group):
         kv = slice(lo // group, (hi - 1) // group + 1)
@@ -272,24 +268,25 @@ def _causal(sdpa, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, p: _P
         if hi <= even:
             out[:, lo:hi] = sdpa(qq, kk, vv, is_causal=True)
             continue
-        out[:, lo:hi] = _row_slices(sdpa, qq, kk, vv, p.tail_mask)
+        out[:, lo:hi] = _tiled(sdpa, qq, kk, vv, mask)
     return out
 
 
-def _row_slices(
-    sdpa, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, tail_mask: torch.Tensor
-) -> torch.Tensor:
-    """Causal attention of q [1, h, n, D] in row slices that end on key tiles, each over keys [0, end)
-    against its rows of tail_mask [rows, n] (right-aligned: its last row is position n - 1)."""
-    n, rows = q.shape[2], tail_mask.shape[0]
+def _tiled(sdpa, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q [1, h, n, D], the last n of keys' L positions, in slices of rows whose keys end
+    on an edge of the kernel's key tiles: as with is_causal, no tile that is all masked for a slice is
+    computed, and the bits stay those of one pass (such a tile adds nothing). mask: _Prefill.mask, the
+    last rows of the causal mask over L keys; a slice's rows [end - m, end) over keys [0, end) are its last
+    m rows and last `end` columns (the mask depends on key - position alone)."""
+    n, seq_len, rows = q.shape[2], keys.shape[2], mask.shape[0]
+    ctx, start = seq_len - n, 0
     out = torch.empty_like(q)
-    out[:, :, :KEY_TILE] = sdpa(
-        q[:, :, :KEY_TILE], keys[:, :, :KEY_TILE], vals[:, :, :KEY_TILE], is_causal=True
-    )
-    for start in range(KEY_TILE, n, KEY_TILE):
-        end = min(start + KEY_TILE, n)
-        mask = tail_mask[rows - (end - start) :, n - end :]  # rows [start, end) over keys [0, end)
-        out[:, :, start:end] = sdpa(q[:, :, start:end], keys[:, :, :end], vals[:, :, :end], attn_mask=mask)
+    for end in [*range(ctx // KEY_TILE * KEY_TILE + KEY_TILE, seq_len, KEY_TILE), seq_len]:
+        m = end - ctx - start
+        tile = mask[rows - m :, seq_len - end :]
+        out[:, :, start : start + m] = sdpa(q[:, :, start : start + m], keys[:, :, :end], vals[:, :, :end],
+                                            attn_mask=tile)  # fmt: skip
+        start += m
     return out
 
 
@@ -305,19 +302,12 @@ def _prefill(
     """One request's chunk of queries into out[q_start:q_end]."""
     sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale, enable_gqa=True)
     qq = q[p.q_start : p.q_end].transpose(0, 1)[None]  # [1, H, q_len, D]
-    if p.mask is None:  # a fresh prompt: its keys are this chunk's
+    if p.seq_len == p.q_end - p.q_start:  # a fresh prompt: its keys are this chunk's
         keys, vals = (t[p.q_start : p.q_end].transpose(0, 1)[None] for t in (k, v))
-        out[p.q_start : p.q_end] = _causal(sdpa, qq, keys, vals, p)[0].transpose(0, 1)
+        out[p.q_start : p.q_end] = _causal(sdpa, qq, keys, vals, p.mask)[0].transpose(0, 1)
         return
     # index_select, not kv_cache[0, blocks]: advanced indexing is orders of magnitude slower on CPU
     hkv, d = kv_cache.shape[-2:]
     keys, vals = (kv_cache[i].index_select(0, p.blocks).view(-1, hkv, d)[: p.seq_len] for i in (0, 1))
     keys, vals = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]
-    # Rows in slices whose keys end on an edge of the kernel's key tiles: as with is_causal, no tile that
-    # is all masked for a slice is computed, and the bits stay those of one pass (such a tile adds nothing)
-    ctx, start = p.seq_len - qq.shape[2], 0
-    for end in [*range(ctx // KEY_TILE * KEY_TILE + KEY_TILE, p.seq_len, KEY_TILE), p.seq_len]:
-        rows = slice(start, end - ctx)
-        o = sdpa(qq[:, :, rows], keys[:, :, :end], vals[:, :, :end], attn_mask=p.mask[rows, :end])
-        out[p.q_start + start : p.q_start + end - ctx] = o[0].transpose(0, 1)
-        start = end - ctx
+    out[p.q_start : p.q_end] = _tiled(sdpa, qq, keys, vals, p.mask)[0].transpose(0, 1)
