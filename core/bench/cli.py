@@ -61,9 +61,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     bench = subparsers.add_parser("bench", help="benchmark a workload against peers, with its roofline")
     workloads_ = bench.add_subparsers(dest="workload", required=True)
     t = workloads_.add_parser("throughput", parents=[common], help="nano-vllm's bench: 256 random requests")
-    t.add_argument("--num-prompts", type=int, default=256, help="the first N of nano-vllm's 256 requests")
-    t.add_argument("--max-input-len", type=int, default=1024, help="prompt lengths in [min(100, N), N]")
-    t.add_argument("--max-output-len", type=int, default=1024, help="output lengths in [min(100, N), N]")
+    _nano_vllm_requests(t)
     t.add_argument("--input", help='JSONL of {"prompt": text or token ids, "max_tokens": N} instead')
     t.add_argument("--max-tokens", type=int, default=256, help="for --input lines without max_tokens")
     t.add_argument("--peer-subset", type=int, default=64, help="requests the HF peers (and turnout) run")
@@ -85,9 +83,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     so = workloads_.add_parser(
         "structured", parents=[common], help="nano-vllm's bench with a JSON schema on some requests vs none"
     )
-    so.add_argument("--num-prompts", type=int, default=256, help="the first N of nano-vllm's 256 requests")
-    so.add_argument("--max-input-len", type=int, default=1024, help="prompt lengths in [min(100, N), N]")
-    so.add_argument("--max-output-len", type=int, default=1024, help="output lengths in [min(100, N), N]")
+    _nano_vllm_requests(so)
     so.add_argument("--json-schema", metavar="FILE", help="a JSON Schema (default: an id, tags and a text)")
     so.add_argument(
         "--structured-output-ratio",
@@ -139,6 +135,13 @@ def _peers(args: argparse.Namespace) -> list[str]:
         if w == "latency" and args.tpot_tokens != 256:
             raise TurnoutError(f"{p}'s TPOT is over 256 tokens; drop --tpot-tokens or the peer")
     return peers
+
+
+def _nano_vllm_requests(p: argparse.ArgumentParser) -> None:
+    """The options of nano-vllm's bench requests (workloads.throughput), for the workloads that send them."""
+    p.add_argument("--num-prompts", type=int, default=256, help="the first N of nano-vllm's 256 requests")
+    p.add_argument("--max-input-len", type=int, default=1024, help="prompt lengths in [min(100, N), N]")
+    p.add_argument("--max-output-len", type=int, default=1024, help="output lengths in [min(100, N), N]")
 
 
 def _ratios(text: str) -> list[float]:

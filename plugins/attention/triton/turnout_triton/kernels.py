@@ -47,8 +47,9 @@ MAX_SPLITS = 16
 # Keys per decode split, at least: a request's split boundaries depend on its own seq_len alone, so every
 # split count that covers them gives bit-identical output, and eager steps and CUDA graphs (captured with
 # the split count of max_model_len) agree token for token. The interpreter uses small splits so that CPU
-# tests exercise them. TURNOUT_TRITON_SPLIT_KEYS sets it for a measured trade: at batch 1 and 512 keys, 512
-# leaves 48 of the 8B shape's 64 decode programs idle; smaller splits add partial writes at large batches.
+# tests exercise them. TURNOUT_TRITON_SPLIT_KEYS sets it for a measured trade: smaller splits keep more
+# programs busy at batch 1 and add partial writes at large batches; at the 8B shape, batch 1, 64 and 128
+# gave 512's TPOT (benchmarks/results/latency/*-qwen3-8b-split-keys-*.json).
 SPLIT_KEYS = 64 if INTERPRET else envs.SPLIT_KEYS.value
 DECODE_PROGRAMS = 1024  # decode programs to aim for (decode_programs): ~8 per SM of an H200
 
