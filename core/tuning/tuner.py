@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from turnout.attention.per_phase import split_name
 from turnout.config import EngineConfig
 from turnout.errors import ConfigError, SelectionError, TurnoutError
+from turnout.loader.weights import kept_bytes, reuse_weights
 from turnout.models.info import ModelInfo
 from turnout.platform import current_platform
 from turnout.plugins import get_plugin_manager
@@ -214,7 +215,13 @@ class Search:
         """The candidate's engine after one warm-up run; None (and why, in skipped) if it cannot run."""
         from turnout.llm import LLM
 
-        cfg, t, llm, free = self.config_for(settings), time.perf_counter(), None, self.free_bytes()
+        cfg, t, llm, free, kept = (
+            self.config_for(settings),
+            time.perf_counter(),
+            None,
+            self.free_bytes(),
+            kept_bytes(),
+        )
         try:
             select_all(cfg, self.info, self.pm, self.platform)  # why not, before any weights load
             llm = LLM(config=cfg)
@@ -228,8 +235,8 @@ class Search:
             return self.skip(settings, f"failed: {type(e).__name__}: {e}".splitlines()[0])
         run_s = time.perf_counter() - t_run
         self.costs.append(time.perf_counter() - t + self.rounds * run_s)
-        if free is not None:
-            self.engine_bytes.append(free - self.free_bytes())
+        if free is not None:  # the weights are shared (reuse_weights): no one engine's memory
+            self.engine_bytes.append(free - self.free_bytes() - (kept_bytes() - kept))
         return Running(settings, self.label(settings), llm, run_s, [])
 
     def measure(self, engines: list[Running]) -> None:
@@ -262,8 +269,9 @@ class Search:
         return self.budget - (time.perf_counter() - self.t0)
 
     def estimate(self) -> float | None:
-        """Seconds one more candidate takes, from those built so far."""
-        return statistics.mean(self.costs) if self.costs else None
+        """Seconds one more candidate takes, from those built so far after the first (which alone read
+        the weights: the others share them)."""
+        return statistics.mean(self.costs[1:] or self.costs) if self.costs else None
 
     def unfit(self, engines: list[Running]) -> str:
         """Why another candidate does not fit beside engines ("" where it does): the rounds of the engines
@@ -328,12 +336,13 @@ def tune(
     load = load or _load(workload, config, model_dir, info, platform)
     search, fixed = Search(base, info, load, rounds, budget, progress), user_settings(config)
     try:
-        current = search.default
-        for axis in axes:
-            if axis in fixed:
-                search.skipped.append(f"{axis}: set by the user ({fixed[axis]}), not searched")
-                continue
-            current = search.axis(axis, search.options(axis, current, fixed))
+        with reuse_weights():  # the candidate engines in this process share one copy of the weights
+            current = search.default
+            for axis in axes:
+                if axis in fixed:
+                    search.skipped.append(f"{axis}: set by the user ({fixed[axis]}), not searched")
+                    continue
+                current = search.axis(axis, search.options(axis, current, fixed))
     finally:
         search.close()
     key = tuning_key(config, info, platform, search.pm, workload)

@@ -37,7 +37,7 @@ from turnout.graphs.runner import GraphRunner
 from turnout.layers import moe
 from turnout.layers.attention import ForwardContext, bind_attention_layers, forward_context
 from turnout.layers.linear import pack_linears_for_cpu
-from turnout.loader.weights import iter_safetensors
+from turnout.loader.weights import load_checkpoint
 from turnout.models.interface import CausalLM
 from turnout.sampling_params import SamplingParams
 from turnout.selection import Selection
@@ -158,7 +158,10 @@ class ModelRunner:
             )
         if self.selection.moe is not None:
             moe.bind_kernel(model, self.selection.moe.obj)
-        loaded = model.load_weights(iter_safetensors(self.info.path))
+        ps, kernel = get_parallel_state(), self.selection.moe and self.selection.moe.chosen.name
+        rank = (ps.tp_rank, ps.tp_size, ps.pp_rank, ps.pp_size, ps.ep_rank, ps.ep_size)
+        key = (cls, str(self.info.path), self.dtype, str(self.device), rank, kernel)
+        loaded = load_checkpoint(model, self.info.path, key)
         missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
         if missing:
             raise WeightLoadError(
