@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -391,6 +392,26 @@ def tune_section() -> list[str]:
     return out or missing("tune-triton")
 
 
+def turnout_tune_section() -> list[str]:
+    """Each `turnout tune` record, newest first: its time against its budget, every measured candidate's
+    runs and median against the static default, and how many it skipped."""
+    out = []
+    for path, doc in files("tune"):
+        rec, cands = doc.get("record", {}), doc["results"]
+        med = {c["label"]: statistics.median(c["runs"]) for c in cands}
+        base = med.get(cands[0]["label"]) if cands else None
+        head = f"{doc.get('model')}, {doc['config']['workload']} profile: tuned in {num(rec.get('tune_s'))} s"
+        head += f" (budget {doc['config'].get('budget_s')} s), {len(cands)} measured"
+        head += f", {len(rec['skipped'])} skipped." if "skipped" in rec else "."
+        out += ["", caption(path, doc), "", head, ""]
+        out += table(
+            ["candidate", "runs (tok/s)", "median", "vs default"],
+            ([c["label"], ", ".join(num(float(x)) for x in c["runs"]), med[c["label"]],
+              f"{100 * (med[c['label']] / base - 1):+.1f}%" if base else "-"] for c in cands),
+        )  # fmt: skip
+    return out or missing("tune")
+
+
 def cpu_section() -> list[str]:
     docs = files("cpu-vs-hf")
     if not docs:
@@ -451,6 +472,7 @@ def render() -> str:
         ("attention", "Attention kernels", attention_section),
         ("gemv", "The decode GEMV", gemv_section),
         ("profile", "A decode step, kernel by kernel", lambda: per_file("profile", PROFILE, _profile_rows)),
+        ("tune", "Measured selection: turnout tune", turnout_tune_section),
         ("tune-triton", "Triton kernel tiles", tune_section),
         ("conformance", "Conformance", lambda: per_file("conformance", CONFORMANCE)),
         ("e2e", "End to end against HF transformers", lambda: per_file("e2e", E2E)),

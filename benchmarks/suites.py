@@ -136,11 +136,12 @@ SUITES = {
     ),
     "tune": Suite(
         "`turnout tune` on nano-vllm's bench shapes: every valid candidate (attention per phase, graph mode, "
-        "token budget, block size, async) on a short fixed throughput workload, each twice and interleaved; "
-        "the record's figures and the winner past a 3% margin and the noise",
+        "token budget, block size, async) on a short fixed workload, each twice and interleaved; the "
+        "record's figures and the winner past a 3% margin and the noise",
         [
-            "turnout tune --random-model qwen3-0.6b --workload throughput --budget 120",
-            "turnout tune --random-model qwen3-8b --workload throughput --budget 150",
+            f"turnout tune --random-model {shape} --workload {w} --budget 120"
+            for shape in ("qwen3-0.6b", "qwen3-8b")
+            for w in ("throughput", "latency")
         ],
     ),
     "profile-step": Suite(
