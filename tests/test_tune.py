@@ -230,3 +230,15 @@ def test_the_latency_profile_counts_the_wait_for_the_first_token():
     fast, slow = (load.run(Timed(ttft, 0.01), [req]) for ttft in (0.02, 0.2))
     assert fast == pytest.approx(10 / (0.02 + 9 * 0.01), rel=0.2)
     assert slow == pytest.approx(10 / (0.2 + 9 * 0.01), rel=0.2) and slow < 0.6 * fast
+
+
+def test_the_budget_expects_each_candidate_to_cost_as_much_as_the_slowest_before_it(tiny_llama):
+    from turnout.tuning.tuner import Search
+
+    config = EngineConfig(model=str(tiny_llama), dtype="float32", tuned="off")
+    search = Search(config, ModelInfo.from_dir(tiny_llama), SMALL, 2, 10.0, False, time.perf_counter() - 6)
+    search.costs = [5.0, 1.0, 2.0]  # the first read the weights; 2 s fit the 4 s left
+    assert search.unfit([]) == ""
+    search.costs = [5.0, 1.0, 4.5]  # a mean of 2.75 s would fit; the slowest, 4.5 s, does not
+    assert search.unfit([]).startswith("over budget")
+    search.close()

@@ -11,7 +11,6 @@ import gc
 import itertools
 import logging
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -84,14 +83,22 @@ class Search:
     """The candidates of each axis, the engines that measure them, the budget and what was skipped."""
 
     def __init__(
-        self, base: EngineConfig, info: ModelInfo, load: Load, rounds: int, budget: float, progress: bool
+        self,
+        base: EngineConfig,
+        info: ModelInfo,
+        load: Load,
+        rounds: int,
+        budget: float,
+        progress: bool,
+        t0: float | None = None,
     ) -> None:
+        """budget: seconds from t0 (perf_counter; default now) for everything tuning does."""
+        self.t0 = time.perf_counter() if t0 is None else t0
         self.base, self.info, self.load, self.rounds, self.budget = base, info, load, rounds, budget
         self.pm, self.platform = get_plugin_manager(), current_platform()
         self.sel = select_all(base, info, self.pm, self.platform)
         self.default = static_default(self.sel, base)
         self.backends = self._valid_backends()
-        self.t0 = time.perf_counter()
         self.measured: dict[str, Measured] = {}  # by label, in the order first measured
         self.skipped: list[str] = []
         self.costs: list[float] = []  # seconds per candidate: build, warm-up and its rounds
@@ -269,9 +276,10 @@ class Search:
         return self.budget - (time.perf_counter() - self.t0)
 
     def estimate(self) -> float | None:
-        """Seconds one more candidate takes, from those built so far after the first (which alone read
-        the weights: the others share them)."""
-        return statistics.mean(self.costs[1:] or self.costs) if self.costs else None
+        """Seconds one more candidate may take: as long as the slowest built so far after the first (which
+        alone read the weights: the others share them). Builds differ (a backend's first kernels compile),
+        and a mean would let the budget overrun by the difference."""
+        return max(self.costs[1:] or self.costs) if self.costs else None
 
     def unfit(self, engines: list[Running]) -> str:
         """Why another candidate does not fit beside engines ("" where it does): the rounds of the engines
@@ -334,7 +342,7 @@ def tune(
     base = config.model_copy(update={"tuned": "off", "tune": "off"})
     platform = current_platform()
     load = load or _load(workload, config, model_dir, info, platform)
-    search, fixed = Search(base, info, load, rounds, budget, progress), user_settings(config)
+    search, fixed = Search(base, info, load, rounds, budget, progress, t0), user_settings(config)
     try:
         with reuse_weights():  # the candidate engines in this process share one copy of the weights
             current = search.default
