@@ -222,13 +222,8 @@ class Search:
         """The candidate's engine after one warm-up run; None (and why, in skipped) if it cannot run."""
         from turnout.llm import LLM
 
-        cfg, t, llm, free, kept = (
-            self.config_for(settings),
-            time.perf_counter(),
-            None,
-            self.free_bytes(),
-            kept_bytes(),
-        )
+        cfg, llm = self.config_for(settings), None
+        t, free, kept = time.perf_counter(), self.free_bytes(), kept_bytes()
         try:
             select_all(cfg, self.info, self.pm, self.platform)  # why not, before any weights load
             llm = LLM(config=cfg)
