@@ -101,6 +101,7 @@ BENCH_COLUMNS = {
         "output_tokens_per_s": "output tok/s",
         "ratio_vs_vllm": "x vLLM",
         "ratio_vs_nano_vllm": "x nano-vllm",
+        "ratio_vs_static": "x static",
         "ratio_vs_peer": "x HF generate_batch",
         "ratio_vs_hf_generate": "x HF generate",
         "fraction_of_floor": "of floor",
@@ -114,6 +115,8 @@ BENCH_COLUMNS = {
         "ttft_ms": "TTFT (ms) by prompt",
         "tpot_ratio_vs_vllm": "TPOT / vLLM's",
         "ttft_ratio_vs_vllm": "TTFT / vLLM's by prompt",
+        "tpot_ratio_vs_static": "TPOT / static's",
+        "ttft_ratio_vs_static": "TTFT / static's by prompt",
         "tpot_floor_ms": "TPOT floor (ms)",
         "startup_s": "start-up (s)",
     },
@@ -166,8 +169,9 @@ def bench_section(suite: str) -> list[str]:
         rows = [{**r, "ttft_ms": _ttft(r.get("ttft_ms")), "requests": r.get("subset") or r.get("num_prompts")}
                 for r in recs]  # fmt: skip
         for r in rows:
-            if "ttft_ratio_vs_vllm" in r:
-                r["ttft_ratio_vs_vllm"] = _ratios(r["ttft_ratio_vs_vllm"])
+            for k in ("ttft_ratio_vs_vllm", "ttft_ratio_vs_static"):
+                if k in r:
+                    r[k] = _ratios(r[k])
         out += table(*columns(rows, BENCH_COLUMNS[ours["workload"]]))
     return out or missing(suite)
 

@@ -500,3 +500,44 @@ def test_structured_outputs_validate_and_the_unconstrained_run_matches_their_len
         else:
             assert len(o.token_ids) == 64
     assert [len(o.token_ids) for o in plain] == [len(o.token_ids) for o in outs]
+
+
+def test_turnout_static_runs_the_static_default_beside_the_measured_selection(tmp_path, monkeypatch):
+    """--peers turnout-static: the same workload on turnout with tuned = off, in a process of its own;
+    turnout's records carry their ratio to it. A tuning record here picks block size 32 over the static 16."""
+    from turnout.config import EngineConfig
+    from turnout.models.info import ModelInfo
+    from turnout.platform import current_platform
+    from turnout.plugins import get_plugin_manager
+    from turnout.tuning import Measured, TuningRecord, save, tuning_key
+
+    monkeypatch.setenv("TURNOUT_CACHE_DIR", str(tmp_path / "cache"))  # the peer's process inherits it
+    model = str(make_tiny_model(tmp_path / "m", "llama", vocab_size=10240))  # nano-vllm's prompt ids fit
+    default = {"attention_backend": "cpu", "cudagraph_mode": "FULL_AND_PIECEWISE",
+               "max_num_batched_tokens": 4096, "block_size": 16, "async_scheduling": False}  # fmt: skip
+    cands = [Measured("cpu", default, [1000.0, 1010.0]),
+             Measured("cpu block=32", {**default, "block_size": 32}, [3000.0, 3010.0])]  # fmt: skip
+    info, pm = ModelInfo.from_dir(model), get_plugin_manager()
+    for w in ("throughput", "latency"):
+        key = tuning_key(EngineConfig(model=model), info, current_platform(), pm, w)
+        save(TuningRecord(key, w, "tok/s", True, default, cands, 0.03, 1.0, [], "2026-12-01"))
+    sizes = ["--num-prompts", "4", "--max-input-len", "32", "--max-output-len", "4"]
+    for workload, opts in (("throughput", sizes), ("latency", ["--tpot-tokens", "4", "--ttft-lens", "64"])):
+        out = tmp_path / f"{workload}.json"
+        argv = ["bench", workload, "--model", model, "--max-model-len", "256", *opts]
+        argv += ["--peers", "turnout-static", "--out", str(out)]
+        assert main(argv) == 0
+        recs = {(r["engine"], r["run"]): r for r in json.loads(out.read_text())}
+        assert sorted(recs) == [(e, r) for e in ("turnout", "turnout-static") for r in ("first", "repeat")]
+        for run in ("first", "repeat"):
+            ours, static = recs["turnout", run], recs["turnout-static", run]
+            records.check(ours), records.check(static)
+            assert ours["config"]["block_size"] == 32 and static["config"]["block_size"] == 16
+            assert static["config"]["engine"]["tuned"] == "off"
+            if workload == "throughput":
+                assert static["output_tokens"] == ours["output_tokens"] == 16
+                want = ours["output_tokens_per_s"] / static["output_tokens_per_s"]
+                assert ours["ratio_vs_static"] == pytest.approx(want)
+            else:
+                assert ours["tpot_ratio_vs_static"] == pytest.approx(ours["tpot_ms"] / static["tpot_ms"])
+                assert ours["ttft_ratio_vs_static"].keys() == static["ttft_ms"].keys() == {"64"}

@@ -21,7 +21,8 @@ from turnout.errors import TurnoutError
 
 HF_ENGINES = ("hf-generate-batch", "hf-generate")
 BENCH_PY_PEERS = {"nano-vllm": "nanobench.py", "vllm": "vllmbench.py"}  # peer: its runner in the peers dir
-PEERS = (*BENCH_PY_PEERS, *HF_ENGINES)
+STATIC = "turnout-static"  # turnout with tuned = off: the static default beside the measured selection
+PEERS = (*BENCH_PY_PEERS, *HF_ENGINES, STATIC)
 VLLM_SITE = "/tmp/vllm-site"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,8 +90,8 @@ def vllm(model_dir: str, peers_dir: Path, site: str | Path, tpot: bool, timeout:
 def child(
     engine: str, model_dir: str, dtype: str, plan: dict[str, Any], timeout: float, env: dict | None = None
 ) -> dict[str, Any]:
-    """An HF peer, turnout with plan["config"] over plan["runs"] or plan["latency"], or vLLM's TTFT (with
-    env=vllm_env(site))."""
+    """An HF peer, turnout (or turnout-static) with plan["config"] over plan["runs"] or plan["latency"], or
+    vLLM's TTFT (with env=vllm_env(site))."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(plan, f)
     try:
@@ -172,19 +173,23 @@ def _timed(fn: Any, *args: Any) -> tuple[float, int]:
     return time.perf_counter() - t, tokens
 
 
-def _turnout(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """turnout in a process of its own (the prefix workload's engine without caching)."""
+def _turnout(engine: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """turnout with plan["config"] in a process of its own (the prefix workload's engine without caching,
+    turnout-static), over plan["runs"] or plan["latency"]; its selection as the bench records it."""
     from turnout import LLM
     from turnout.bench import workloads
     from turnout.config import EngineConfig
 
     t0 = time.perf_counter()
-    llm = LLM(config=EngineConfig(**config))
-    res: dict[str, Any] = {"engine": "turnout", "startup_s": round(time.perf_counter() - t0, 2)}
+    llm = LLM(config=EngineConfig(**plan["config"]))
+    res: dict[str, Any] = {"engine": engine, "startup_s": round(time.perf_counter() - t0, 2)}
+    res["selection"] = workloads.selection(llm)
     workloads.warm_up(llm)
-    for run, reqs in runs.items():
+    for run, reqs in plan.get("runs", {}).items():
         seconds, tokens = workloads.run(llm, [workloads.Req(**r) for r in reqs])
         res[run] = {"seconds": seconds, "output_tokens": tokens}
+    if lat := plan.get("latency"):
+        res |= workloads.latency(llm, lat["tpot_tokens"], lat["runs"])
     llm.shutdown()
     return res
 
@@ -213,8 +218,8 @@ def _vllm_ttft(model_dir: str, plan: dict[str, Any]) -> dict[str, Any]:
 
 def main(engine: str, model_dir: str, dtype: str, plan_file: str) -> dict[str, Any]:
     plan = json.loads(Path(plan_file).read_text())
-    if engine == "turnout":
-        return _turnout(plan["config"], plan["runs"])
+    if engine in ("turnout", STATIC):
+        return _turnout(engine, plan)
     if engine == "vllm":
         return _vllm_ttft(model_dir, plan)
     import torch

@@ -1,10 +1,12 @@
 """Result records: one dict per (workload, engine, run), each carrying its provenance; a file holds a list.
 
 Every record has workload, engine, model, device, commit, date, command and config, then its metrics:
-throughput  run, output_tokens_per_s (+ ratio_vs_vllm, ratio_vs_nano_vllm: turnout's over the peer's in the
-            same run; on a subset: subset, ratio_vs_peer, ratio_vs_hf_generate)
+throughput  run, output_tokens_per_s (+ ratio_vs_vllm, ratio_vs_nano_vllm, ratio_vs_static: turnout's over
+            the peer's in the same run, turnout-static being turnout with tuned = off; on a subset: subset,
+            ratio_vs_peer, ratio_vs_hf_generate)
 latency     run, tpot_ms, ttft_ms ({prompt length: ms}) (+ tpot_ratio_vs_vllm, ttft_ratio_vs_vllm: turnout's
-            over vLLM's, {prompt length: ratio}; ttft_skipped: lengths over max_model_len)
+            over vLLM's, {prompt length: ratio}, and the same _vs_static; ttft_skipped: lengths over
+            max_model_len)
 prefix      run, speedup_vs_no_cache
 structured  run ("first" only: prefix caching is off, so no run reuses another's blocks),
             structured_output_ratio (the share of requests held to the JSON schema), num_constrained,
@@ -43,7 +45,7 @@ BY_WORKLOAD = {
         "mean_output_len",
     ),
 }
-ENGINES = ("turnout", "vllm", "nano-vllm", "hf-generate-batch", "hf-generate")
+ENGINES = ("turnout", "vllm", "nano-vllm", "hf-generate-batch", "hf-generate", "turnout-static")
 
 
 def device_name() -> str:

@@ -132,7 +132,13 @@ class Bench:
                 cfg |= {"ttft": "turnout.bench.peers vllm", "max_model_len": self.cfg.max_model_len,
                         "ttft_startup_s": res.get("ttft_startup_s")}  # fmt: skip
             return cfg
+        if engine == peers.STATIC:
+            return {**res["selection"], "engine": self.static_config()}
         return {"dtype": self.dtype}
+
+    def static_config(self) -> dict[str, Any]:
+        """turnout-static's engine config: this run's, with tuning records ignored."""
+        return {**self.cfg.model_dump(), "tuned": "off", "tune": "off"}
 
     def peer_records(self, results: dict[str, dict], **extra: Any) -> list[dict[str, Any]]:
         out = []
@@ -149,14 +155,7 @@ class Bench:
         t0 = time.perf_counter()
         llm = LLM(config=self.cfg.model_copy(update=overrides))
         self.startup_s = round(time.perf_counter() - t0, 2)
-        sel = llm.selection
-        self.selection = {
-            "attention": sel.attention.chosen.name,
-            "graph_mode": sel.effective_graph.name,
-            "executor": sel.executor.chosen.name,
-            "dtype": str(sel.dtype).removeprefix("torch."),
-            "async_scheduling": sel.async_scheduling,
-        }
+        self.selection = workloads.selection(llm)
         workloads.warm_up(llm)
         return llm
 
@@ -171,7 +170,9 @@ class Bench:
         else:
             reqs = workloads.throughput(a.num_prompts, a.max_input_len, a.max_output_len)
         sub = workloads.subset(reqs, a.peer_subset, a.peer_output_len)
-        res = self.run_peers({"runs": dict.fromkeys(RUNS, workloads.as_json(sub))})
+        res = self.run_peers(
+            {"runs": dict.fromkeys(RUNS, workloads.as_json(sub)), "all": workloads.as_json(reqs)}
+        )
         floor = self.floor(workloads.shapes(reqs), sum(r.max_tokens for r in reqs))
         llm, recs = self.start(), []
         for run in RUNS:
@@ -182,6 +183,7 @@ class Bench:
             recs.append(self.record("turnout", run, num_prompts=len(reqs), startup_s=self.startup_s, **m,
                                     ratio_vs_vllm=ratio(ours, metric(res, "vllm", run)),
                                     ratio_vs_nano_vllm=ratio(ours, metric(res, "nano-vllm", run)),
+                                    ratio_vs_static=ratio(ours, metric(res, peers.STATIC, run)),
                                     **vs_floor(m, floor)))  # fmt: skip
         for run in RUNS if any(p in res for p in peers.HF_ENGINES) else ():
             m = rate(*workloads.run(llm, sub))
@@ -190,7 +192,8 @@ class Bench:
                                     ratio_vs_peer=ratio(m["output_tokens_per_s"], hfb),
                                     ratio_vs_hf_generate=ratio(m["output_tokens_per_s"], hfg)))  # fmt: skip
         llm.shutdown()
-        full = {e: res.pop(e) for e in peers.BENCH_PY_PEERS if e in res}  # nano-vllm's whole workload
+        whole = (*peers.BENCH_PY_PEERS, peers.STATIC)  # the peers that ran the whole workload
+        full = {e: res.pop(e) for e in whole if e in res}
         return recs + self.peer_records(full, num_prompts=len(reqs)) + self.peer_records(
             res, subset=len(sub)
         ), floor
@@ -212,14 +215,15 @@ class Bench:
             )
             floors["ttft_floor_ms"] = {str(n): self._floor_s([(n, 0, 1)]) * 1e3 for n in self.ttft_lens}
         skipped = [n for n in a.ttft_lens if n not in self.ttft_lens] or None
-        llm, recs = self.start(), []
-        for run, p in plan.items():
-            tpot = workloads.tpot_ms(llm, a.tpot_tokens, p["tpot_prompt"])
-            ttft = {str(len(q)): workloads.ttft_ms(llm, q) for q in p["ttft_prompts"]}
-            recs.append(self.record("turnout", run, tpot_ms=tpot, ttft_ms=ttft, ttft_skipped=skipped,
-                                    tpot_ratio_vs_vllm=ratio(tpot, metric(res, "vllm", run, "tpot_ms")),
-                                    ttft_ratio_vs_vllm=ratios(ttft, metric(res, "vllm", run, "ttft_ms")),
-                                    startup_s=self.startup_s, **floors))  # fmt: skip
+        llm = self.start()
+        measured, recs = workloads.latency(llm, a.tpot_tokens, plan), []
+        for run, m in measured.items():
+            vs = {}
+            for engine, name in (("vllm", "vllm"), (peers.STATIC, "static")):
+                vs[f"tpot_ratio_vs_{name}"] = ratio(m["tpot_ms"], metric(res, engine, run, "tpot_ms"))
+                vs[f"ttft_ratio_vs_{name}"] = ratios(m["ttft_ms"], metric(res, engine, run, "ttft_ms"))
+            recs.append(self.record("turnout", run, **m, ttft_skipped=skipped, **vs, startup_s=self.startup_s,
+                                    **floors))  # fmt: skip
         llm.shutdown()
         return recs + self.peer_records(res), floors.get("tpot_floor_ms")
 
@@ -291,6 +295,13 @@ class Bench:
 
     def run_peer(self, engine: str, plan: dict[str, Any], used: int | None = None) -> dict[str, Any]:
         """One peer's result; used: the GPU's memory in use before it started."""
+        if engine == peers.STATIC:  # the whole workload (HF peers run plan["runs"], a subset)
+            static: dict[str, Any] = {"config": self.static_config()}
+            if "all" in plan:
+                static["runs"] = dict.fromkeys(RUNS, plan["all"])
+            if "latency" in plan:
+                static["latency"] = plan["latency"]
+            plan = static
         if engine not in peers.BENCH_PY_PEERS:
             res = self.child(engine, plan)
             for run in RUNS if "runs" in plan else ():

@@ -181,6 +181,31 @@ def warm_up(llm: Any) -> None:
     llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=64), use_tqdm=False)
 
 
+def selection(llm: Any) -> dict[str, Any]:
+    """What selection chose for llm, as the bench records it: the components and the fitted settings a
+    tuning record can change."""
+    sel = llm.selection
+    fitted = sel.apply(llm.config)
+    return {
+        "attention": sel.attention.chosen.name,
+        "graph_mode": sel.effective_graph.name,
+        "executor": sel.executor.chosen.name,
+        "dtype": str(sel.dtype).removeprefix("torch."),
+        "async_scheduling": sel.async_scheduling,
+        "block_size": fitted.block_size,
+        "max_num_batched_tokens": fitted.max_num_batched_tokens,
+    }
+
+
+def latency(llm: Any, tpot_tokens: int, plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per run of plan ({run: {"tpot_prompt", "ttft_prompts"}}): tpot_ms, and ttft_ms by prompt length."""
+    return {
+        run: {"tpot_ms": tpot_ms(llm, tpot_tokens, p["tpot_prompt"]),
+              "ttft_ms": {str(len(q)): ttft_ms(llm, q) for q in p["ttft_prompts"]}}
+        for run, p in plan.items()
+    }  # fmt: skip
+
+
 def tpot_ms(llm: Any, tokens: int, prompt: list[int]) -> float:
     """Batch-1 decode time per token: (time for 1 + tokens outputs - time for 1 output) / tokens, over one
     prompt (nanobench.py's MODE=tpot uses 32 tokens)."""
