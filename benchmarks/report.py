@@ -153,11 +153,14 @@ def settings(cfg: dict[str, Any]) -> str:
 
 
 def bench_section(suite: str) -> list[str]:
-    """The newest file of each (model, settings) the suite has recorded."""
+    """The newest file of each (model, settings, engines side by side, tuned on or off) the suite has
+    recorded."""
     seen, out = set(), []
     for path, recs in files(suite):
         ours = next((r for r in recs if r["engine"] == "turnout"), recs[0])
-        key = (ours["model"], settings(ours["config"]))
+        engines = tuple(sorted({r["engine"] for r in recs}))
+        tuned = ours["config"].get("engine", {}).get("tuned")
+        key = (ours["model"], settings(ours["config"]), engines, tuned)
         if key in seen or not isinstance(recs, list):
             continue
         seen.add(key)
