@@ -13,6 +13,8 @@ import torch
 from turnout import LLM, SamplingParams
 from turnout.loader.default_model import default_gguf_path
 
+from hf_gguf import hf_llama_from_gguf
+
 CHATS = [
     "What is the capital of France?",
     "Write a haiku about trains.",
@@ -31,11 +33,11 @@ def llm():
 
 @pytest.mark.slow
 def test_default_model_matches_hf_gguf(llm):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     gguf = default_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    hf = hf_llama_from_gguf(gguf)
     with torch.no_grad():  # the conversion stores config.json's bfloat16: the same weights, run in float32
         for p in hf.parameters():
             p.copy_(p.to(torch.bfloat16))

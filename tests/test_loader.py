@@ -16,6 +16,8 @@ from turnout.loader.default_model import default_gguf_path, default_model_path, 
 from turnout.loader.gguf import CONVERT_MARKER, convert_gguf, source_digest
 from turnout.loader.weights import iter_safetensors
 
+from hf_gguf import hf_gguf_weights
+
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 TEXTS = [
     "Hello world",
@@ -256,34 +258,9 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return path
 
 
-def _hf_reference_fast(gguf_path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """transformers' GGUF config and llama un-permutation plus gguf-py's HF<->GGUF name map. The full
-    load_gguf_checkpoint path (see _hf_reference) spends ~9 s building its name map for 30 layers."""
-    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
-
-    config = load_gguf_checkpoint(str(gguf_path))["config"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
-    processor, tensors = LlamaTensorProcessor(config=config), {}
-    for t in gguf.GGUFReader(gguf_path).tensors:
-        tensors[t.name] = torch.from_numpy(
-            np.array(processor.process(gguf.quants.dequantize(t.data, t.tensor_type), t.name).weights)
-        )
-    return config, {
-        hf: tensors.pop(names.get_name(hf, try_suffixes=(".weight",))) for hf in _hf_names(config)
-    }
-
-
-def _hf_names(config: dict) -> list[str]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**config))
-    return [k for k in model.state_dict() if k != "lm_head.weight" or not config["tie_word_embeddings"]]
-
-
 @pytest.mark.slow
 def test_default_model_matches_transformers(converted: Path) -> None:
-    ref_config, reference = _hf_reference_fast(default_gguf_path())
+    ref_config, reference = hf_gguf_weights(default_gguf_path())
     _assert_close(dict(iter_safetensors(converted)), reference)
     config = json.loads((converted / "config.json").read_text())
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
