@@ -42,7 +42,9 @@ class CausalLM(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Consume the checkpoint's (name, tensor) pairs; return the names of the parameters loaded (as in
-        named_parameters()). A parameter left out is an error naming it."""
+        named_parameters()). A parameter left out is an error naming it. Fill parameters only: within
+        turnout.loader.weights.reuse_weights a later model of the same checkpoint takes the first one's
+        parameter tensors by name instead of this call."""
         ...
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
