@@ -345,7 +345,8 @@ def test_engines_within_reuse_weights_share_one_read_of_the_checkpoint(tiny_llam
         a, b = params(first), params(second)
         assert a.keys() == b.keys() and all(a[n].data_ptr() == b[n].data_ptr() for n in a)
         assert held == sum(p.numel() * p.element_size() for p in a.values()) and kept_bytes() == held
-        first.shutdown(), second.shutdown()
+        first.shutdown()
+        second.shutdown()
     assert kept_bytes() == 0
     with pytest.raises(WeightLoadError, match="corrupt weight file"):  # outside it, every engine reads
         LLM(model=str(model), dtype="float32", attention_backend="cpu")

@@ -144,13 +144,12 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     for the forward queued before it, and leave the GPU idle while the next step is scheduled)."""
     import torch
 
-    pin = logits.is_cuda
-    if pin and not bitmask.is_pinned():
-        bitmask = bitmask.pin_memory()
-    if not isinstance(rows, torch.Tensor):
-        rows = torch.tensor(rows, dtype=torch.long, pin_memory=pin)
-    idx = rows.to(logits.device, non_blocking=True)
-    words = bitmask.to(logits.device, non_blocking=True)
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        if logits.is_cuda and t.device.type == "cpu" and not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(logits.device, non_blocking=True)
+
+    idx, words = to_device(torch.as_tensor(rows, dtype=torch.long)), to_device(bitmask)
     bits = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
     logits[idx] = logits[idx].masked_fill(~allowed, -float("inf"))

@@ -47,6 +47,7 @@ class _Prefill:
     # the causal mask of the last min(KEY_TILE, seq_len) positions over every key, 0 or -inf, for the row
     # slices (_tiled); None where the chunk runs in one is_causal pass
     mask: torch.Tensor | None
+    causal_heads: int  # a fresh prompt's heads that run in is_causal calls (_split_heads); the rest, _tiled
 
 
 @dataclass
@@ -87,10 +88,11 @@ class CPUAttentionBackend(AttentionBackend):
             if qe - qs == 1:
                 decode_rows.append(row)
                 continue
-            sliced = seq_len > qe - qs or _split_heads(self.spec.num_heads, qe - qs) < self.spec.num_heads
+            heads = _split_heads(self.spec.num_heads, qe - qs)
+            sliced = seq_len > qe - qs or heads < self.spec.num_heads
             mask = _causal_mask(max(0, seq_len - KEY_TILE), seq_len, self.spec.dtype) if sliced else None
             blocks = meta.block_table[row, : -(-seq_len // self.spec.block_size)].long()
-            prefills.append(_Prefill(qs, qe, blocks, seq_len, mask))
+            prefills.append(_Prefill(qs, qe, blocks, seq_len, mask, heads))
         rows = torch.tensor(decode_rows, dtype=torch.long)
         blocks, lens = meta.block_table[rows].long(), meta.seq_lens[rows].long()
         return CPUMetadata(
@@ -248,27 +250,23 @@ def _head_runs(lo: int, hi: int, group: int) -> list[tuple[int, int]]:
 
 
 def _causal(
-    sdpa, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None
+    sdpa, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None, even: int
 ) -> torch.Tensor:
     """A fresh prompt's attention: q [1, H, n, D] over its keys, vals [1, Hkv, n, D] -> [1, H, n, D].
 
     The flash kernel hands each thread an equal run of (head, query block) items, and a causal block costs
     as many key tiles as it reaches; a run that ends inside a head leaves that head's costly blocks to one
-    thread. So from BALANCE_MIN_LEN queries (mask set), a multiple of the threads' count of heads go in
-    is_causal calls, and the other heads in _tiled's row slices, whose blocks cost alike: the bits of one
-    pass."""
-    if mask is None:
-        return sdpa(q, keys, vals, is_causal=True)
+    thread. So from BALANCE_MIN_LEN queries, `even` heads (a multiple of the threads' count, _split_heads)
+    go in is_causal calls, and the other heads in _tiled's row slices over mask, whose blocks cost alike:
+    the bits of one pass."""
     h, group = q.shape[1], q.shape[1] // keys.shape[1]
-    even = _split_heads(h, q.shape[2])
+    if even == h:
+        return sdpa(q, keys, vals, is_causal=True)
     out = torch.empty_like(q)
     for lo, hi in _head_runs(0, even, group) + _head_runs(even, h, group):
         kv = slice(lo // group, (hi - 1) // group + 1)
         qq, kk, vv = q[:, lo:hi], keys[:, kv], vals[:, kv]
-        if hi <= even:
-            out[:, lo:hi] = sdpa(qq, kk, vv, is_causal=True)
-            continue
-        out[:, lo:hi] = _tiled(sdpa, qq, kk, vv, mask)
+        out[:, lo:hi] = sdpa(qq, kk, vv, is_causal=True) if hi <= even else _tiled(sdpa, qq, kk, vv, mask)
     return out
 
 
@@ -304,7 +302,7 @@ def _prefill(
     qq = q[p.q_start : p.q_end].transpose(0, 1)[None]  # [1, H, q_len, D]
     if p.seq_len == p.q_end - p.q_start:  # a fresh prompt: its keys are this chunk's
         keys, vals = (t[p.q_start : p.q_end].transpose(0, 1)[None] for t in (k, v))
-        out[p.q_start : p.q_end] = _causal(sdpa, qq, keys, vals, p.mask)[0].transpose(0, 1)
+        out[p.q_start : p.q_end] = _causal(sdpa, qq, keys, vals, p.mask, p.causal_heads)[0].transpose(0, 1)
         return
     # index_select, not kv_cache[0, blocks]: advanced indexing is orders of magnitude slower on CPU
     hkv, d = kv_cache.shape[-2:]
