@@ -283,6 +283,8 @@ def decode_main(args: argparse.Namespace, cuda: bool) -> None:
     else:
         heads, bs, batches, ctxs = (*args.heads, 128), 16, [64, 256], [512, 1024, 2048]
         grid_ = dict(block_n=[32, 64, 128], warps=[2, 4, 8], stages=[2, 3, 4])
+    if args.maxnreg:  # a fourth field: the register cap (0: the compiler's choice)
+        grid_["maxnreg"] = args.maxnreg
     sets = [
         ",".join(map(str, t)) for t in itertools.product(*(getattr(args, k) or v for k, v in grid_.items()))
     ]
@@ -290,11 +292,11 @@ def decode_main(args: argparse.Namespace, cuda: bool) -> None:
              for i, (b, c) in enumerate(itertools.product(batches, ctxs))}  # fmt: skip
     qpk_p2 = _qpk_p2(heads)
     cfg = kn._decode_config(max(16, heads[2]), qpk_p2, False)
-    default = f"{cfg['block_n']},{cfg['warps']},{cfg['stages']}"
+    default = ",".join(str(cfg[k]) for k in ("block_n", "warps", "stages", "maxnreg") if k in cfg)
     commit = provenance().get("commit")
     rows, failed = [], {}
     print(f"{len(sets)} tile sets and the default ({default}) x {len(cases)} cases on {dev}, heads {heads}")
-    for tiles in ["", *(t for t in sets if t != default)]:
+    for tiles in ["", *(t for t in sets if t.removesuffix(",0") != default)]:
         kn._DECODE_OVERRIDE = tiles  # read by _decode_config at each launch
         try:
             row = {"tiles": tiles or default, "kernel_commit": commit}
@@ -326,6 +328,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes and grid; runs under TRITON_INTERPRET=1")
     p.add_argument("--decode", action="store_true", help="sweep the decode kernel's tiles instead")
+    p.add_argument("--maxnreg", type=_ints, default=None, help="--decode: register caps (0: none)")
     p.add_argument("--heads", type=_ints, default=[16, 8], help="--decode: query,KV heads (default 16,8)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--block-m", type=_ints, default=None, help="comma list (default 64,128)")

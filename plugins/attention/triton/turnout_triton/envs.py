@@ -3,7 +3,7 @@
 from turnout import EnvVar
 
 PREFILL = EnvVar("TURNOUT_TRITON_PREFILL", str, "", "prefill tiles: block_m,block_n,warps,stages[,trans_k]")
-DECODE = EnvVar("TURNOUT_TRITON_DECODE", str, "", "decode tiles: block_n,warps,stages")
+DECODE = EnvVar("TURNOUT_TRITON_DECODE", str, "", "decode tiles: block_n,warps,stages[,maxnreg]")
 
 
 def split_keys(text: str) -> int:

@@ -476,7 +476,8 @@ def paged_attention(
         out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), block_table.stride(0),
         QPK=qpk, ROWS=dec["rows"], HEAD=hs, HEAD_P2=hp2, BLOCK_N=dec["block_n"], BLOCK_SIZE=bs,
         NUM_SPLITS=s, PREC=prec, SPLIT_KEYS=SPLIT_KEYS, MAX_SPLITS=MAX_SPLITS, num_warps=dec["warps"],
-        num_stages=dec["stages"], **_features(sliding_window, logits_soft_cap), **pdl_launch(),
+        num_stages=dec["stages"], **_maxnreg(dec), **_features(sliding_window, logits_soft_cap),
+        **pdl_launch(),
     )  # fmt: skip
     if max_query_len > 1:
         _launch_prefill(q, kv_cache, out, query_start_loc, seq_lens, block_table, scale, None,
@@ -616,14 +617,20 @@ def _parse_config(text: str) -> dict:
 
 def _parse_decode_config(text: str, qpk_p2: int) -> dict:
     try:
-        block_n, warps, stages = (int(x) for x in text.split(","))
+        block_n, warps, stages, *more = (int(x) for x in text.split(","))
+        (maxnreg,) = more or [0]
     except ValueError:
-        raise ValueError(f"TURNOUT_TRITON_DECODE={text!r}: want block_n,warps,stages") from None
+        raise ValueError(f"TURNOUT_TRITON_DECODE={text!r}: want block_n,warps,stages[,maxnreg]") from None
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"TURNOUT_TRITON_DECODE={text!r}: block_n must be a power of two >= 16")
     if SPLIT_KEYS % block_n:
         raise ValueError(f"TURNOUT_TRITON_DECODE={text!r}: block_n must divide the split's {SPLIT_KEYS} keys")
-    return dict(rows=max(16, qpk_p2), block_n=block_n, warps=warps, stages=stages)
+    return dict(rows=max(16, qpk_p2), block_n=block_n, warps=warps, stages=stages, maxnreg=maxnreg)
+
+
+def _maxnreg(cfg: dict) -> dict:
+    """The launch's register cap a thread (ptxas .maxnreg), where the config sets one (0: the compiler's)."""
+    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
 
 
 def _fit_config(cfg: dict, qpk_p2: int) -> dict:
