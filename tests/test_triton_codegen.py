@@ -36,8 +36,13 @@ def compile_(fn, consts, **opts):
 
 for window, cap in [(int(w), float(c) * LOG2E) for w, c in (v.split(":") for v in sys.argv[1:])]:
     feats = dict(WINDOW=window, SOFT_CAP=cap, PDL=True, PREC="tf32", HEAD=128, HEAD_P2=128, BLOCK_SIZE=16)
-    compile_(kernels._decode_kernel, dict(QPK=2, ROWS=16, BLOCK_N=32, NUM_SPLITS=4, SPLIT_KEYS=512,
-             MAX_SPLITS=16, **feats), num_warps=2, num_stages=4)
+    for qpk in (2, 4):  # the tiles an H200 gets at 16 / 8 and 32 / 8 heads, the register cap included
+        cfg = kernels._decode_config(128, qpk, False, sm90=True)
+        cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+        tiles = dict(QPK=qpk, ROWS=cfg["rows"], BLOCK_N=cfg["block_n"], NUM_SPLITS=4, SPLIT_KEYS=512,
+                     MAX_SPLITS=16)
+        compile_(kernels._decode_kernel, dict(**tiles, **feats), num_warps=cfg["warps"],
+                 num_stages=cfg["stages"], **cap)
     compile_(kernels._prefill_kernel, dict(QPK=2, QPK_P2=2, BLOCK_Q=64, BLOCK_N=128, K_T=False, **feats),
              num_warps=8, num_stages=3)
 print("compiled")
@@ -46,8 +51,8 @@ print("compiled")
 
 @pytest.mark.slow
 def test_the_per_layer_feature_variants_compile_for_sm90() -> None:
-    """A sliding window, a soft-cap, and both (window:cap; 0 is none), on the bf16 paths' tiles. (triton is
-    not imported here: this process may need it under the interpreter.)"""
+    """A sliding window, a soft-cap, and both (window:cap; 0 is none), on the bf16 paths' H200 tiles. (triton
+    is not imported here: this process may need it under the interpreter.)"""
     if importlib.util.find_spec("triton") is None or not importlib.util.find_spec("triton.backends.nvidia"):
         pytest.skip("needs triton with its NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

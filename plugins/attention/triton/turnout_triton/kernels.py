@@ -568,16 +568,23 @@ def decode_programs(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
 # Tile choices, tuned on an H200 (bf16, head 128; see benchmarks/bench_attention.py): decode 32-key tiles
 # on 2 warps with 4 stages were the fastest of 8 tile sets at batch 64 and 256, context 512-2048 (16 query
 # / 8 KV heads), ~3.7 TB/s at 256 x 512; with 4 or more query heads a KV head (32 / 8, tune_triton.py
-# --decode --heads 32,8), the same tiles on 4 warps were 23% faster than on 2. Prefill 128 x 128 tiles on
-# 8 warps reached 360 TFLOP/s at 16k before the mask-free hot loop; benchmarks/tune_triton.py sweeps them.
-def _decode_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
+# --decode --heads 32,8), the same tiles on 4 warps were 23% faster than on 2. Capped at 128 registers a
+# thread (ncu: 150 uncapped, three programs an SM), four programs fit an SM, and at 32 / 8 heads batch 256
+# at 1024 and 2048 keys took 6-7% less time (84.5 -> 90.2% and 87.6 -> 94.0% of 4.3 TB/s); 16 / 8 heads
+# gained nothing (benchmarks/results/attention/*-decode-maxnreg-*). Prefill 128 x 128 tiles on 8 warps
+# reached 360 TFLOP/s at 16k before the mask-free hot loop; benchmarks/tune_triton.py sweeps them.
+def _decode_config(head_p2: int, qpk_p2: int, fp32: bool, sm90: bool | None = None) -> dict:
+    """The decode tiles for this device (sm90: Hopper or newer; None: the current GPU's)."""
     if _DECODE_OVERRIDE:
         return _parse_decode_config(_DECODE_OVERRIDE, qpk_p2)
     if INTERPRET:
         return dict(rows=qpk_p2, block_n=32, warps=1, stages=1)
     rows = max(16, qpk_p2)  # tl.dot needs M >= 16
     if head_p2 <= 128 and not fp32:
-        return dict(rows=rows, block_n=32, warps=2 if qpk_p2 <= 2 else 4, stages=4)
+        if qpk_p2 <= 2:
+            return dict(rows=rows, block_n=32, warps=2, stages=4)
+        sm90 = _sm90_or_newer() if sm90 is None else sm90
+        return dict(rows=rows, block_n=32, warps=4, stages=4, maxnreg=128 if sm90 else 0)
     return dict(rows=rows, block_n=32, warps=4, stages=2)
 
 
