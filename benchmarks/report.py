@@ -311,36 +311,36 @@ def _moe_rows(doc: Doc) -> list[dict]:
 
 
 def attention_section() -> list[str]:
-    """Case by backend, each backend from the newest file that has it."""
-    newest: dict[str, tuple[Path, Doc]] = {}
+    """Case by backend at the section's shape (32 query / 8 KV heads, block 16): each cell from the newest
+    file that has that backend and case."""
+    newest: dict[tuple, tuple[Path, Doc, dict]] = {}  # (backend, kind, batch, context) -> its newest row
     for path, doc in files("attention"):
+        cfg = doc.get("config", {})
+        if (cfg.get("num_heads", 32), cfg.get("num_kv_heads", 8), cfg.get("block_size", 16)) != (32, 8, 16):
+            continue
         for r in doc["results"]:
-            newest.setdefault(r["backend"], (path, doc))
+            newest.setdefault((r["backend"], r["kind"], r["batch"], r["context"]), (path, doc, r))
     if not newest:
         return missing("attention")
-    backends = sorted(newest)
-    cases = list(
-        dict.fromkeys((r["kind"], r["batch"], r["context"]) for p, d in newest.values() for r in d["results"])
-    )
+    backends = sorted({k[0] for k in newest})
+    cases = sorted({k[1:] for k in newest}, key=lambda c: (c[0] != "decode", c[1], c[2]))
 
     def cell(backend: str, case: tuple) -> str:
-        r = next(
-            (r for r in newest[backend][1]["results"] if (r["kind"], r["batch"], r["context"]) == case), None
-        )
-        if r is None:
+        if (backend, *case) not in newest:
             return "-"
+        r = newest[(backend, *case)][2]
         ms = r["graph_ms"] or r["eager_ms"]
         rate = f"{r['tflops']:.0f} TFLOP/s" if r["kind"] == "prefill" else f"{r['pct_peak']:.0f}% of peak"
         return f"{ms:.3g} ms, {rate}"
 
     rows = [[f"{k} b{b} x {c}" if k == "decode" else f"{k} {c}", *(cell(b, case) for b in backends)]
             for case in cases for k, b, c in [case]]  # fmt: skip
-    sources = "; ".join(
-        f"{b}: {cite(p)} (`{_head(d).get('commit')}`)" for b, (p, d) in sorted(newest.items())
-    )
+    used = {p: d for p, d, _ in sorted(newest.values(), key=lambda v: str(v[0]))}
+    sources = ", ".join(f"{cite(p)} (`{_head(d).get('commit')}`)" for p, d in used.items())
     return [
         "",
-        f"Times are graph replays where the backend captures, else eager launches. {sources}.",
+        "Times are graph replays where the backend captures, else eager launches; each cell from the newest"
+        f" of {sources}.",
         "",
     ] + table(["case", *backends], rows)
 

@@ -144,6 +144,36 @@ def test_structured_records_reach_their_table(tmp_path, monkeypatch):
     assert "1.5%" in text
 
 
+def test_attention_cells_are_each_backend_s_own_newest(tmp_path, monkeypatch):
+    """A file of two backends gives each its own row; a newer file of one backend and case replaces only that
+    cell; a file at other heads stays out of the 32 / 8 table."""
+
+    def row(backend: str, ms: float, batch: int = 256) -> dict:
+        return dict(backend=backend, kind="decode", batch=batch, context=1024, block_size=16, eager_ms=ms,
+                    graph_ms=ms, meta_ms=0.0, gbps=1.0, pct_peak=ms * 100)  # fmt: skip
+
+    folder = tmp_path / "benchmarks/results/attention"
+    folder.mkdir(parents=True)
+    head = dict(device="NVIDIA H200", date="2026-12-02T00:00:00+00:00", command="bench_attention.py")
+    docs = {
+        "2026-12-01-h200-both.json": dict(
+            commit="aaaaaaa",
+            results=[row("flashinfer", 0.5), row("triton", 0.3), row("triton", 0.04, batch=1)],
+        ),
+        "2026-12-02-h200-triton.json": dict(commit="bbbbbbb", results=[row("triton", 0.2)]),
+        "2026-12-03-h200-other-heads.json": dict(commit="ccccccc", config=dict(num_heads=16, num_kv_heads=8),
+                                                  results=[row("triton", 0.1), row("flashinfer", 0.1)]),
+    }  # fmt: skip
+    for name, doc in docs.items():
+        (folder / name).write_text(json.dumps(head | doc))
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "benchmarks/results")
+    text = "\n".join(report.attention_section())
+    assert "| decode b256 x 1024 | 0.5 ms, 50% of peak | 0.2 ms, 20% of peak |" in text
+    assert "| decode b1 x 1024 | - | 0.04 ms, 4% of peak |" in text
+    assert "other-heads" not in text
+
+
 def test_benchmarks_readme_indexes_every_script_and_suite():
     text = (ROOT / "benchmarks/README.md").read_text()
     scripts = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py"))]
