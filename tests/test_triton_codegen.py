@@ -38,11 +38,10 @@ for window, cap in [(int(w), float(c) * LOG2E) for w, c in (v.split(":") for v i
     feats = dict(WINDOW=window, SOFT_CAP=cap, PDL=True, PREC="tf32", HEAD=128, HEAD_P2=128, BLOCK_SIZE=16)
     for qpk in (2, 4):  # the tiles an H200 gets at 16 / 8 and 32 / 8 heads, the register cap included
         cfg = kernels._decode_config(128, qpk, False, sm90=True)
-        cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
         tiles = dict(QPK=qpk, ROWS=cfg["rows"], BLOCK_N=cfg["block_n"], NUM_SPLITS=4, SPLIT_KEYS=512,
                      MAX_SPLITS=16)
         compile_(kernels._decode_kernel, dict(**tiles, **feats), num_warps=cfg["warps"],
-                 num_stages=cfg["stages"], **cap)
+                 num_stages=cfg["stages"], **kernels._maxnreg(cfg))
     compile_(kernels._prefill_kernel, dict(QPK=2, QPK_P2=2, BLOCK_Q=64, BLOCK_N=128, K_T=False, **feats),
              num_warps=8, num_stages=3)
 print("compiled")
