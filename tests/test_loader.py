@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import gguf
@@ -216,9 +217,35 @@ def test_conversion_is_keyed_by_content(tmp_path: Path, monkeypatch: pytest.Monk
     marker = (folder / CONVERT_MARKER).stat().st_mtime_ns
     assert gguf_model_path(tmp_path / "b" / "renamed.gguf") == folder
     assert (folder / CONVERT_MARKER).stat().st_mtime_ns == marker  # not converted again
-    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [folder.name]
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.startswith(".")] == [
+        folder.name
+    ]  # beside it only its conversion lock
     _tiny_gguf(tmp_path / "c" / "tiny.gguf", seed=1)  # same name and size, other weights: another folder
     assert gguf_model_path(tmp_path / "c" / "tiny.gguf") != folder
+
+
+def test_conversions_of_one_file_at_once_convert_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two callers that find no folder at the same moment: one converts, the other waits for it and takes
+    that folder (each holds its own open lock file, as two processes do)."""
+    monkeypatch.setenv("TURNOUT_CACHE_DIR", str(tmp_path / "cache"))
+    _tiny_gguf(tmp_path / "tiny.gguf")
+    start, got = threading.Barrier(2), []
+
+    def convert() -> None:
+        start.wait()
+        got.append(gguf_model_path(tmp_path / "tiny.gguf"))
+
+    threads = [threading.Thread(target=convert) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 2 and got[0] == got[1]
+    assert default_model.conversion_problem(got[0], tmp_path / "tiny.gguf") is None
+    converting = [r for r in caplog.records if r.getMessage().startswith("converting ")]
+    assert len(converting) == 1, [r.getMessage() for r in caplog.records]
 
 
 def test_source_digest_is_stable_and_samples_large_files(

@@ -1,12 +1,16 @@
 """The embedded default model and any other GGUF file: converted once into a cached HF-style folder named
 by the file's content, whose completion marker lists every file; a folder that no longer matches it is
-converted again."""
+converted again. Processes that need one folder at once convert it once: the first holds a lock beside it,
+the others wait and take its conversion."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.metadata
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -77,21 +81,43 @@ def conversion_problem(model_dir: Path, gguf_path: Path) -> str | None:
 
 
 def cached_conversion(gguf_path: Path, model_dir: Path) -> Path:
-    """model_dir, converted from gguf_path now unless it already holds an intact conversion."""
-    if not model_dir.exists():
-        logger.info("converting %s into %s (once; later runs use the cached folder)", gguf_path, model_dir)
-    elif problem := conversion_problem(model_dir, gguf_path):
-        logger.warning("the cached model folder %s is damaged: %s; converting it again", model_dir, problem)
-    else:
+    """model_dir, converted from gguf_path now unless it already holds an intact conversion (or another
+    process, holding the conversion lock, has just written one)."""
+    if model_dir.exists() and conversion_problem(model_dir, gguf_path) is None:
         return model_dir
     try:
-        convert_gguf(gguf_path, model_dir)
+        with _conversion_lock(model_dir):
+            if not model_dir.exists():
+                logger.info(
+                    "converting %s into %s (once; later runs use the cached folder)", gguf_path, model_dir
+                )
+            elif problem := conversion_problem(model_dir, gguf_path):
+                logger.warning(
+                    "the cached model folder %s is damaged: %s; converting it again", model_dir, problem
+                )
+            else:
+                return model_dir
+            convert_gguf(gguf_path, model_dir)
     except OSError as e:
         raise TurnoutError(
             f"cannot write the converted model to {model_dir} ({e.strerror or e}); "
             "delete that folder or set TURNOUT_CACHE_DIR to a writable one"
         ) from None
     return model_dir
+
+
+@contextmanager
+def _conversion_lock(model_dir: Path) -> Iterator[None]:
+    """Exclusive, across processes, while model_dir is checked and written: an flock on a file beside it,
+    which the system releases when its holder exits, however it exits."""
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(model_dir.parent / f".{model_dir.name}.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process to finish converting %s", model_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def default_model_path() -> Path:
