@@ -14,10 +14,12 @@ or make it the default in _prefill_config.
 
 --decode: decode batches of 64 and 256 requests at 512, 1024 and 2048 keys (Qwen3-0.6B heads: 16 query /
 8 KV, or --heads 32,8 for Qwen3-8B's; head 128; bf16, block_size 16, shuffled block table), for every
-(block_n, warps, stages) of the grid and the current default first, each timed with CUDA events after an
-L2 flush (median); the score is the geometric mean time over the cases. The best is checked against torch
-SDPA in float32. Use it with TURNOUT_TRITON_DECODE=block_n,warps,stages or make it the default in
-_decode_config.
+(block_n, warps, stages) of the grid, and with --maxnreg every register cap a thread (ptxas maxnreg, 0 for
+the compiler's choice) as a fourth field, the current default first; each timed with CUDA events after an
+L2 flush (median); the score is the geometric mean time over the cases. The sets run one after another,
+not interleaved, so confirm a winner with an A/B (bench_attention.py under each setting). The best is
+checked against torch SDPA in float32. Use it with TURNOUT_TRITON_DECODE=block_n,warps,stages[,maxnreg]
+or make it the default in _decode_config.
 
   python benchmarks/tune_triton.py --json /tmp/tune.json   # suite: tune-triton
   python benchmarks/tune_triton.py --decode --json /tmp/decode.json   # suite: tune-triton
