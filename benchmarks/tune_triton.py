@@ -276,6 +276,11 @@ def decode_reference(c: dict) -> torch.Tensor:
     return out
 
 
+def _tiles(text: str) -> str:
+    """A decode tile set in its short form: a register cap of 0 (none) left out."""
+    return text.removesuffix(",0")
+
+
 def decode_main(args: argparse.Namespace, cuda: bool) -> None:
     """--decode: the decode kernel's tile sets against the current default (see the module docstring)."""
     kn, dev = kernels(), "cuda" if cuda else "cpu"
@@ -294,11 +299,11 @@ def decode_main(args: argparse.Namespace, cuda: bool) -> None:
              for i, (b, c) in enumerate(itertools.product(batches, ctxs))}  # fmt: skip
     qpk_p2 = _qpk_p2(heads)
     cfg = kn._decode_config(max(16, heads[2]), qpk_p2, False)
-    default = ",".join(str(cfg[k]) for k in ("block_n", "warps", "stages", "maxnreg") if k in cfg)
+    default = _tiles(",".join(str(cfg[k]) for k in ("block_n", "warps", "stages", "maxnreg")))
     commit = provenance().get("commit")
     rows, failed = [], {}
     print(f"{len(sets)} tile sets and the default ({default}) x {len(cases)} cases on {dev}, heads {heads}")
-    for tiles in ["", *(t for t in sets if t.removesuffix(",0") != default)]:
+    for tiles in ["", *(t for t in sets if _tiles(t) != default)]:
         kn._DECODE_OVERRIDE = tiles  # read by _decode_config at each launch
         try:
             row = {"tiles": tiles or default, "kernel_commit": commit}

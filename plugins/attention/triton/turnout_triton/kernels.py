@@ -578,14 +578,14 @@ def _decode_config(head_p2: int, qpk_p2: int, fp32: bool, sm90: bool | None = No
     if _DECODE_OVERRIDE:
         return _parse_decode_config(_DECODE_OVERRIDE, qpk_p2)
     if INTERPRET:
-        return dict(rows=qpk_p2, block_n=32, warps=1, stages=1)
+        return dict(rows=qpk_p2, block_n=32, warps=1, stages=1, maxnreg=0)
     rows = max(16, qpk_p2)  # tl.dot needs M >= 16
     if head_p2 <= 128 and not fp32:
         if qpk_p2 <= 2:
-            return dict(rows=rows, block_n=32, warps=2, stages=4)
+            return dict(rows=rows, block_n=32, warps=2, stages=4, maxnreg=0)
         sm90 = _sm90_or_newer() if sm90 is None else sm90
         return dict(rows=rows, block_n=32, warps=4, stages=4, maxnreg=128 if sm90 else 0)
-    return dict(rows=rows, block_n=32, warps=4, stages=2)
+    return dict(rows=rows, block_n=32, warps=4, stages=2, maxnreg=0)
 
 
 # Prefill tiles can be overridden without editing this file, for a tuner (benchmarks/tune_triton.py):
@@ -637,7 +637,7 @@ def _parse_decode_config(text: str, qpk_p2: int) -> dict:
 
 def _maxnreg(cfg: dict) -> dict:
     """The launch's register cap a thread (ptxas .maxnreg), where the config sets one (0: the compiler's)."""
-    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    return {"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}
 
 
 def _fit_config(cfg: dict, qpk_p2: int) -> dict:
