@@ -591,10 +591,10 @@ def headline() -> list[str]:
 def vllm_headline() -> list[str]:
     """Per model, the newest throughput and latency runs beside vLLM: turnout's figures over vLLM's."""
     newest: dict[str, dict[str, tuple[Path, list[dict]]]] = {}  # model -> workload -> (file, records)
-    for suite in ("throughput", "latency"):
+    for suite in ("throughput", "latency", "llama-3-8b"):  # a file's records name their workload
         for path, recs in files(suite):
             if isinstance(recs, list) and any(r["engine"] == "vllm" for r in recs):
-                newest.setdefault(recs[0]["model"], {}).setdefault(suite, (path, recs))
+                newest.setdefault(recs[0]["model"], {}).setdefault(recs[0]["workload"], (path, recs))
     lines = []
     for model, by in newest.items():
         figs, head = [], next(iter(by.values()))[1]

@@ -28,18 +28,23 @@ SUITES = {
     "throughput": Suite(
         "The 256 requests of nano-vllm's bench (prompts and outputs of 100-1024 tokens, temperature 0.6) "
         "on the Qwen3-0.6B shape: turnout against nano-vllm on the full workload and HF transformers on 64 "
-        "of its requests, then turnout with Triton alone",
+        "of its requests, then turnout with Triton alone; then both Qwen3 shapes beside vLLM",
         [
             f"turnout bench throughput {QWEN3} --peers nano-vllm,hf-generate-batch,hf-generate --out {{out}}",
             f"turnout bench throughput {QWEN3} --attention-backend triton --out {{out}}",
+            f"turnout bench throughput {QWEN3} --peers vllm --out {{out}}",
+            "turnout bench throughput --random-model qwen3-8b --peers vllm --out {out}",
         ],
     ),
     "latency": Suite(
         "Batch-1 decode time per token (TPOT) and time to first token (TTFT) at 512- and 4096-token prompts, "
-        "Qwen3-0.6B shape, against nano-vllm and HF generate",
+        "Qwen3-0.6B shape, against nano-vllm and HF generate; then TTFT up to 32,768 tokens at the Qwen3-8B "
+        "shape beside vLLM",
         [
             f"turnout bench latency {QWEN3} --peers nano-vllm,hf-generate --out {{out}}",
             f"turnout bench latency {QWEN3} --attention-backend triton --out {{out}}",
+            "turnout bench latency --random-model qwen3-8b --peers vllm --ttft-lens 4096,16384,32768 "
+            "--out {out}",
         ],
     ),
     "prefix": Suite(
@@ -64,8 +69,12 @@ SUITES = {
         ],
     ),
     "llama-3-8b": Suite(
-        "The requests of nano-vllm's bench on the Llama-3-8B shape, against HF generate_batch on 64 of them",
-        ["turnout bench throughput --random-model llama-3-8b --peers hf-generate-batch --out {out}"],
+        "The requests of nano-vllm's bench on the Llama-3-8B shape beside vLLM, then against HF "
+        "generate_batch on 64 of them",
+        [
+            "turnout bench throughput --random-model llama-3-8b --peers vllm --out {out}",
+            "turnout bench throughput --random-model llama-3-8b --peers hf-generate-batch --out {out}",
+        ],
     ),
     "cpu-smoke": Suite(
         "Four of nano-vllm's requests, shortened, on the embedded model: the bench end to end on any machine",
