@@ -179,3 +179,26 @@ def test_benchmarks_readme_indexes_every_script_and_suite():
     scripts = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py"))]
     missing = [s for s in (*scripts, *SUITES) if f"`{s}`" not in text]
     assert not missing, f"benchmarks/README.md does not name {missing}"
+
+
+def test_conformance_summary_names_the_backend_of_every_case(tmp_path):
+    """Every case of the conformance suite, as pytest names it in a JUnit report, counts under its backend."""
+    import subprocess
+    import xml.etree.ElementTree as ET
+
+    suite = "tests/test_attention_conformance.py"
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", suite],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    names = [line.split("::", 1)[1] for line in listed if line.startswith(suite + "::")]
+    root = ET.Element("testsuite")
+    for name in names:
+        ET.SubElement(root, "testcase", classname="tests.test_attention_conformance", name=name)
+    ET.ElementTree(root).write(tmp_path / "conf.xml")
+    out = tmp_path / "summary.json"
+    script = ROOT / "benchmarks" / "summarize_conformance.py"
+    args = ["--errors", str(tmp_path / "none.tsv"), "--junit", str(tmp_path / "conf.xml"), "--json", str(out)]
+    subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, check=True)
+    rows = {r["backend"]: r["passed"] for r in json.loads(out.read_text())["results"]}
+    assert "?" not in rows and sum(rows.values()) == len(names) > 100, rows
