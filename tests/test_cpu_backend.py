@@ -54,7 +54,7 @@ def test_a_prefix_hit_changes_no_bit(dtype: torch.dtype) -> None:
     q, k, v = _qkv(tokens, dtype)
     be, cache = _backend(dtype), _cache(tokens, dtype)
     whole = _chunk(be, cache, q, k, v, 0)
-    for hit in (16, 512, 600, 1088):  # one block; flash's 512-key tile; past it; all blocks but the last
+    for hit in (16, 500, 512, 600, 1088):  # a block; 12 rows to a 512-key tile; a tile; past it; the last 12
         assert torch.equal(_chunk(be, cache, q[hit:], k[hit:], v[hit:], hit), whole[hit:]), hit
 
 

@@ -34,6 +34,9 @@ from turnout.attention import (
 )
 
 KEY_TILE = 512  # keys a tile of torch's CPU flash kernel (kv_split_size in aten's FlashAttentionKernel.cpp)
+# Below this many queries the kernel takes another path, whose bits differ from a longer call's on
+# AVX-512 machines (measured with torch 2.13): _tiled pads shorter slices up to it
+MIN_QUERIES = 64
 BALANCE_MIN_LEN = 4096  # fresh prompts from here get _causal's balanced heads (measured: slower at 2k)
 ROW_SLICE = 512  # queries per explicit-matmul slice: [H, 512, keys] float32 scores at a time
 
@@ -275,15 +278,19 @@ def _tiled(sdpa, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: 
     on an edge of the kernel's key tiles: as with is_causal, no tile that is all masked for a slice is
     computed, and the bits stay those of one pass (such a tile adds nothing). mask: _Prefill.mask, the
     last rows of the causal mask over L keys; a slice's rows [end - m, end) over keys [0, end) are its last
-    m rows and last `end` columns (the mask depends on key - position alone)."""
+    m rows and last `end` columns (the mask depends on key - position alone). A slice of fewer queries than
+    one pass over the prompt would make (MIN_QUERIES, or seq_len below it) runs with copies of its first row
+    in front, so that it takes that pass's path through the kernel."""
     n, seq_len, rows = q.shape[2], keys.shape[2], mask.shape[0]
-    ctx, start = seq_len - n, 0
+    ctx, start, least = seq_len - n, 0, min(MIN_QUERIES, seq_len)
     out = torch.empty_like(q)
     for end in [*range(ctx // KEY_TILE * KEY_TILE + KEY_TILE, seq_len, KEY_TILE), seq_len]:
         m = end - ctx - start
-        tile = mask[rows - m :, seq_len - end :]
-        out[:, :, start : start + m] = sdpa(q[:, :, start : start + m], keys[:, :, :end], vals[:, :, :end],
-                                            attn_mask=tile)  # fmt: skip
+        qs, tile = q[:, :, start : start + m], mask[rows - m :, seq_len - end :]
+        if m < least:
+            qs = torch.cat([qs[:, :, :1].expand(-1, -1, least - m, -1), qs], 2)
+            tile = torch.cat([tile[:1].expand(least - m, -1), tile])
+        out[:, :, start : start + m] = sdpa(qs, keys[:, :, :end], vals[:, :, :end], attn_mask=tile)[:, :, -m:]
         start += m
     return out
 
