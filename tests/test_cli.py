@@ -469,10 +469,9 @@ def _interrupted(tiny_llama, tmp_path, rows: list[dict], ready) -> tuple[int, st
     # the console script, as a user runs it: under `python -m`, CPython 3.11 exits by SIGINT (-2, which a
     # shell also reports as 130) when the interrupt lands in exec'd code (a dataclass being made), caught
     # or not
-    exe = Path(sys.executable).with_name("turnout")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "turnout.cli"]
+    exe = str(Path(sys.executable).with_name("turnout"))
     with open(err, "w") as f:
-        proc = subprocess.Popen([*cmd, *argv], stdout=f, stderr=f)
+        proc = subprocess.Popen([exe, *argv], stdout=f, stderr=f)
         parts = lambda: list(tmp_path.glob(".out.jsonl.*.part"))
         _until(lambda: parts() and ready(parts()[0].read_text().splitlines()))
         proc.send_signal(signal.SIGINT)

@@ -110,7 +110,7 @@ def test_json_schema_outputs_validate_streamed_and_not(server: Server) -> None:
     # Greedy, the stream says what the whole answer says. Each pair runs alone on the prompt the first pass
     # cached, so both compute alike: a CPU matmul's bits depend on the rows batched beside a token's.
     alone = asyncio.run(_json_schema_answers(server, at_once=False))
-    pairs = [(alone[i][1], alone[i + 1][1]) for i in range(0, len(alone), 2)]
+    pairs = [(whole[1], streamed[1]) for whole, streamed in zip(alone[::2], alone[1::2])]
     assert all(whole == streamed for whole, streamed in pairs), [p for p in pairs if p[0] != p[1]]
 
 
