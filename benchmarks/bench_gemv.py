@@ -30,6 +30,12 @@ tiles, and the same step with cuBLAS matmuls and separate norm and SiLU-and-mul 
 
   python benchmarks/bench_gemv.py --chain --json /tmp/gemv-chain.json   # suite: gemv
 
+--routes times, in the same captured step, each shape's matmul in cuBLAS against the Triton GEMV with and
+without its prologue (the norm or SiLU-and-mul in a kernel of its own), each shape in turn from an
+all-cuBLAS step, and prints the fastest routing:
+
+  python benchmarks/bench_gemv.py --shape qwen3-8b --routes --json /tmp/gemv8b-routes.json
+
 --shape qwen3-8b: 36 layers of hidden 4096 (qkv 6144 x 4096, o 4096 x 4096, gate_up 24576 x 4096,
 down 4096 x 12288) and an untied 151936 x 4096 LM head, M = 1 and 2 by default. Its sweep tries whole-row
 tiles of BLOCK_N 1-16 on 4-16 warps and, where there is no norm prologue, BLOCK_K 1024-4096 below the
@@ -255,10 +261,15 @@ def run_isolated(args: argparse.Namespace, model: Model) -> None:
                triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")  # fmt: skip
 
 
+ROUTES = ("cublas", "triton", "fused")  # F.linear; the Triton GEMV; the Triton GEMV with its prologue
+
+
 def chain_step(m: int, model: Model, layers: int, device: str):
-    """A batch-m decode step's GEMVs and q/k norm + rotary kernels (random weights, `layers` layers, each
-    its own): returns (step(tile_of) -> logits, which launches them with the tiles of tile_of[shape], and
-    step_cublas() -> logits, the same step with F.linear and separate norm and SiLU-and-mul kernels)."""
+    """A batch-m decode step's matmuls and q/k norm + rotary kernels (random weights, `layers` layers, each
+    its own): returns step(tile_of, route_of) -> logits. route_of[shape] (default "fused" for every shape)
+    is one of ROUTES: F.linear after separate norm and SiLU-and-mul kernels, the Triton GEMV after them,
+    or the Triton GEMV with the norm (qkv, gate_up) or SiLU-and-mul (down) in its prologue, as the model
+    launches it; tile_of[shape] is the GEMV's tile."""
     from turnout.layers import fused
     from turnout.layers.gemv import gemv
 
@@ -277,26 +288,41 @@ def chain_step(m: int, model: Model, layers: int, device: str):
     x, pos = rand(m, model.hidden), torch.arange(m, device=device) + 100
     heads = (model.heads, model.kv_heads)
 
-    def step(tile_of: dict[str, tuple[int, int, int]]) -> torch.Tensor:
-        h, res = x, x
-        for w in weights:
-            qkv, res = gemv(h, w["qkv"], tile=tile_of["qkv"], norm=(ones, EPS), residual=res)
-            q, _ = fused.qk_norm_rope(qkv, pos, *heads, cos, sin, head_ones, head_ones, EPS)
-            o = gemv(q.view(m, -1), w["o"], tile=tile_of["o"])
-            gu, res = gemv(o, w["gate_up"], tile=tile_of["gate_up"], norm=(ones, EPS), residual=res)
-            h = gemv(gu, w["down"], tile=tile_of["down"], silu_mul=True)
-        return gemv(fused.rms_norm(h, ones, EPS, res)[0], lm_head, tile=tile_of["lm_head"])
+    def step(tile_of: dict[str, tuple[int, int, int]], route_of: dict[str, str] | None = None):
+        route = dict.fromkeys(tile_of, "fused") | (route_of or {})
 
-    def step_cublas() -> torch.Tensor:
-        h, res = x, x
-        for w in weights:
+        def matmul(name, w, a):
+            return F.linear(a, w) if route[name] == "cublas" else gemv(a, w, tile=tile_of[name])
+
+        def normed(name, w, h, res):  # (RMSNorm(h + res) @ w^T, h + res)
+            if route[name] == "fused":
+                return gemv(h, w, tile=tile_of[name], norm=(ones, EPS), residual=res)
             a, res = fused.rms_norm(h, ones, EPS, res)
-            q, _ = fused.qk_norm_rope(F.linear(a, w["qkv"]), pos, *heads, cos, sin, head_ones, head_ones, EPS)
-            a, res = fused.rms_norm(F.linear(q.view(m, -1), w["o"]), ones, EPS, res)
-            h = F.linear(fused.silu_and_mul(F.linear(a, w["gate_up"])), w["down"])
-        return F.linear(fused.rms_norm(h, ones, EPS, res)[0], lm_head)
+            return matmul(name, w, a), res
 
-    return step, step_cublas
+        h, res = x, x
+        for w in weights:
+            qkv, res = normed("qkv", w["qkv"], h, res)
+            q, _ = fused.qk_norm_rope(qkv, pos, *heads, cos, sin, head_ones, head_ones, EPS)
+            gu, res = normed("gate_up", w["gate_up"], matmul("o", w["o"], q.view(m, -1)), res)
+            if route["down"] == "fused":
+                h = gemv(gu, w["down"], tile=tile_of["down"], silu_mul=True)
+            else:
+                h = matmul("down", w["down"], fused.silu_and_mul(gu))
+        return matmul("lm_head", lm_head, fused.rms_norm(h, ones, EPS, res)[0])
+
+    return step
+
+
+def graph_us(fn, smoke: bool, iters: int) -> float:
+    """Median replay time of fn captured in one CUDA graph (us); under --smoke fn runs once, untimed."""
+    fn()  # compile outside the capture
+    if smoke:
+        return float("nan")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time_ms(graph.replay, iters=iters, warmup=3) * 1e3
 
 
 def run_chain(args: argparse.Namespace, model: Model) -> None:
@@ -308,16 +334,14 @@ def run_chain(args: argparse.Namespace, model: Model) -> None:
     shapes = model.shapes(layers)
     default = {name: tiles(m, n, k, name in NORM, name in SILU) for name, n, k, _ in shapes}
     best = dict(default)
-    step, step_cublas = chain_step(m, model, layers, "cpu" if args.smoke else "cuda")
+    step = chain_step(m, model, layers, "cpu" if args.smoke else "cuda")
+    cublas = dict.fromkeys(best, "cublas")
+
+    def step_cublas() -> torch.Tensor:
+        return step(best, cublas)
 
     def time_step(fn) -> float:
-        fn()  # compile outside the capture
-        if args.smoke:  # the interpreter: the step runs eagerly, untimed
-            return float("nan")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return cuda_time_ms(graph.replay, iters=args.iters, warmup=3) * 1e3
+        return graph_us(fn, args.smoke, args.iters)
 
     ref, logits = step_cublas(), step(best)
     rel = ((logits.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -368,6 +392,54 @@ def run_chain(args: argparse.Namespace, model: Model) -> None:
                floor_step_us=floor_us, layers=layers, summary=summary)  # fmt: skip
 
 
+def run_routes(args: argparse.Namespace, model: Model) -> None:
+    """Which matmuls of a captured batch-1 step go faster in the Triton GEMV than in cuBLAS: from every
+    shape in cuBLAS, each shape in turn takes the fastest of its routes (ROUTES) with the others held at
+    their best so far; the GEMVs keep gemv.tiles()'s tiles. Every routing's logits are checked against
+    the all-cuBLAS step's."""
+    from turnout.layers.gemv import tiles
+
+    layers = args.layers or model.layers
+    shapes = model.shapes(layers)
+    tile_of = {name: tiles(1, n, k, name in NORM, name in SILU) for name, n, k, _ in shapes}
+    step = chain_step(1, model, layers, "cpu" if args.smoke else "cuda")
+    ref = step(tile_of, dict.fromkeys(tile_of, "cublas")).float()
+
+    def timed(route_of: dict[str, str]) -> float:
+        logits = step(tile_of, route_of).float()
+        rel = ((logits - ref).abs().max() / ref.abs().max()).item()
+        if not rel < 0.05:
+            raise SystemExit(f"routing {route_of}: logits differ from the cuBLAS step's ({rel:.3g})")
+        return graph_us(lambda: step(tile_of, route_of), args.smoke, args.iters)
+
+    def label(route_of: dict[str, str]) -> str:
+        return " ".join(f"{name}={r}" for name, r in route_of.items() if r != "cublas") or "all cublas"
+
+    best = dict.fromkeys(tile_of, "cublas")
+    best_us = cublas_us = timed(best)
+    rows = [{"routing": label(best), "step_us": cublas_us, "vs_cublas": 1.0}]
+    fused_us = timed(dict.fromkeys(tile_of, "fused"))
+    rows.append({"routing": "all fused (the Triton GEMV with its prologues)", "step_us": fused_us,
+                 "vs_cublas": fused_us / cublas_us})  # fmt: skip
+    for name, *_ in shapes:
+        for route in ROUTES[1:] if name in NORM + SILU else ("triton",):
+            trial = {**best, name: route}
+            us = timed(trial)
+            rows.append({"routing": label(trial), "step_us": us, "vs_cublas": us / cublas_us})
+            print(rows[-1], flush=True)
+            if us < best_us:
+                best, best_us = trial, us
+    floor_us = sum(per * 2 * n * k for _, n, k, per in shapes) / BANDWIDTH * 1e6
+    print_table(rows)
+    print(
+        f"\n{args.shape}, {layers} layers, batch 1: best routing {label(best)}: {best_us:.1f} us; all "
+        f"cuBLAS {cublas_us:.1f} us; floor {floor_us:.1f} us (weight bytes at {BANDWIDTH / 1e12:.1f} TB/s)"
+    )
+    write_json(args.json, rows, args, best_routing=best, best_step_us=best_us, cublas_step_us=cublas_us,
+               fused_step_us=fused_us, floor_step_us=floor_us, tiles={n: list(t) for n, t in tile_of.items()},
+               layers=layers)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(MODELS), default="qwen3-0.6b", help="the model's matmul shapes")
@@ -377,6 +449,7 @@ def main() -> None:
     ap.add_argument("--prologue", action="store_true", help="time the model's norm / SiLU-and-mul prologues")
     ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: small shapes")
     ap.add_argument("--chain", action="store_true", help="time tiles in a captured batch-1 step (CUDA)")
+    ap.add_argument("--routes", action="store_true", help="cuBLAS against the GEMV per shape, in a step")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.m is None:
@@ -385,7 +458,7 @@ def main() -> None:
         sys.exit("needs CUDA (or --smoke with TRITON_INTERPRET=1)")
     model = (SMOKE_MODELS if args.smoke else MODELS)[args.shape]
     start = time.perf_counter()
-    (run_chain if args.chain else run_isolated)(args, model)
+    (run_routes if args.routes else run_chain if args.chain else run_isolated)(args, model)
     print(f"{time.perf_counter() - start:.0f} s")
 
 
