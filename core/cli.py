@@ -129,6 +129,7 @@ def _explain_doc(sel: Selection, config: EngineConfig) -> dict[str, Any]:
         "graph_mode": _graph_mode(sel),
         "settings": _settings(config, sel),
         "attention_phases": {p: c.name for p, c in sel.attention.phases.items()} or None,
+        "attention_note": sel.attention.note or None,
         "measured": _measured_doc(sel),
         **({"experts": {"kernel": sel.moe.chosen.name, **sel.experts}} if sel.moe and sel.experts else {}),
     }
@@ -184,6 +185,8 @@ def _print_explain(sel: Selection, config: EngineConfig) -> None:
         print_table(header, _choice_rows(c), indent="  ")
     for phase, half in sel.attention.phases.items():
         print(f"  {phase} steps: {half.name} ({half.plugin})")
+    if sel.attention.note:
+        print(f"  {sel.attention.note}")
     graph = _graph_mode(sel)
     print(f"\ngraph mode: requested {graph['requested']}, effective {graph['effective']}")
     if graph["reason"]:

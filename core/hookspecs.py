@@ -39,6 +39,10 @@ class Priority(enum.IntEnum):
 
     - attention, CUDA (sm80+): triton FIRST > flashinfer SECOND > flash_attn THIRD, the order of their output
       tok/s on nano-vllm's bench on an H200 (benchmarks/results/throughput/, docs/performance.md)
+    - attention for mixed and prefill steps (`mixed_priority`), CUDA: flash_attn on its FA4 path (sm90+)
+      FIRST > triton SECOND > flashinfer THIRD (flash_attn on FA2: THIRD), the order of their causal
+      prefill TFLOP/s at 4k and 16k tokens on an H200 (benchmarks/results/attention/); so where FA4 is
+      installed "auto" runs triton+flash_attn (attention.per_phase), which the triton decode kernel wins
     - attention, CPU: cpu DEFAULT > triton under TRITON_INTERPRET=1 TESTING (a test aid, never preferred)
     - executors, any platform: uniproc FIRST > ray SECOND > multiproc THIRD; their checks leave one valid
       in most cases (uniproc for one rank, multiproc for ranks on this node, ray beyond it or at RAY_ADDRESS)

@@ -89,6 +89,7 @@ class Choice:
     candidates: list[Candidate]
     chosen: Candidate
     phases: dict[str, Candidate] = field(default_factory=dict)  # per-phase attention: phase -> its half
+    note: str = ""  # the backends "auto" passed over for mixed steps, and why
 
     @property
     def obj(self) -> Any:
@@ -109,18 +110,28 @@ class Choice:
     def why_lost(self, c: Candidate) -> str:
         """loss(c) in words, e.g. "priority -5 < cpu 0"; empty where c did not lose."""
         w, loss = self.chosen, self.loss(c)
-        if phase := next((p for p, h in self.phases.items() if h is c), None):
-            return f"serves the {phase} steps of {w.name}"
-        winner = w.name if w.name != c.name else f"plugin {w.plugin}"
+        if loss is None:
+            phase = next((p for p, h in self.phases.items() if h is c), None)
+            return f"serves the {phase} steps of {w.name}" if phase else ""
         if loss is Loss.NOT_REQUESTED:
             return f"not requested ({CONFIG_KEYS[self.kind]} = {self.requested})"
-        if loss is Loss.PRIORITY:
-            return f"priority {c.priority} < {winner} {w.priority}"
-        if loss is Loss.NAME:
-            return f"priority {c.priority} = {winner} {w.priority}; '{w.name}' sorts first"
-        if loss is Loss.PLUGIN:
-            return f"priority {c.priority} = {winner} {w.priority}; '{w.plugin}' sorts first"
-        return ""
+        if self.phases and self.requested == "auto":  # each phase went to the half ranked first for it
+            d, m = self.phases["decode"], self.phases["mixed"]
+            return (
+                f"{_ranked_below('priority', c.priority, d, d.priority, c)} (decode steps); "
+                f"{_ranked_below('mixed priority', mixed_priority(c), m, mixed_priority(m), c)} (mixed steps)"
+            )
+        return _ranked_below("priority", c.priority, w, w.priority, c)
+
+
+def _ranked_below(label: str, value: int, winner: Candidate, best: int, c: Candidate) -> str:
+    """Why c (value) ranks after winner (best) in words: "priority 5 < a 10", or the tie broken by name,
+    then by plugin."""
+    name = winner.name if winner.name != c.name else f"plugin {winner.plugin}"
+    if value != best:
+        return f"{label} {value} < {name} {best}"
+    first = winner.name if winner.name != c.name else winner.plugin
+    return f"{label} {value} = {name} {best}; '{first}' sorts first"
 
 
 def choose(kind: str, candidates: list[Candidate], requested: str = "auto") -> Choice:
@@ -182,16 +193,49 @@ def attention_candidates(pm: PluginManager, ctx: AttentionContext) -> list[Candi
 
 def choose_attention(candidates: list[Candidate], requested: str, ctx: AttentionContext) -> Choice:
     """One backend (a name or "auto"), or one per phase ("decode+mixed"): each half must be valid alone,
-    and the two must share one KV cache (attention.per_phase)."""
+    and the two must share one KV cache (attention.per_phase). Under "auto" the backend ranked first by
+    priority serves decode steps, and the one ranked first by mixed priority the other steps, where the two
+    differ and can share one KV cache."""
     pair = split_name(requested)
     if pair is None:
-        return choose("attention", candidates, requested)
+        choice = choose("attention", candidates, requested)
+        return _auto_phases(choice, candidates, ctx) if requested == "auto" else choice
     halves = [choose("attention", candidates, name).chosen for name in pair]
-    for c in candidates:
-        c.chosen = False
     backend = PerPhaseBackend(halves[0].obj, halves[1].obj)
     if why := backend.check(ctx):
         raise SelectionError(f"attention backend '{requested}' cannot be used: {'; '.join(why)}")
+    return _phase_choice(requested, candidates, halves, backend)
+
+
+def mixed_priority(c: Candidate) -> int:
+    """c's rank for mixed and prefill steps: its backend's mixed_priority, else its priority."""
+    p = getattr(c.obj, "mixed_priority", None)
+    return c.priority if p is None else int(p)
+
+
+def _auto_phases(choice: Choice, candidates: list[Candidate], ctx: AttentionContext) -> Choice:
+    """choice's backend for decode steps; for the others the valid backend of the highest mixed priority
+    that can share its KV cache (itself: one backend). choice.note names those passed over, and why."""
+    decode, passed = choice.chosen, []
+    for mixed in sorted(
+        (c for c in candidates if c.valid), key=lambda c: (-mixed_priority(c), c.name, c.plugin)
+    ):
+        if mixed.name == decode.name:
+            break
+        backend = PerPhaseBackend(decode.obj, mixed.obj)
+        if not (why := backend.check(ctx)):
+            choice = _phase_choice("auto", candidates, [decode, mixed], backend)
+            break
+        passed.append(f"{mixed.name} ranks higher for mixed steps but cannot serve them: {'; '.join(why)}")
+    choice.note = "; ".join(passed)
+    return choice
+
+
+def _phase_choice(
+    requested: str, candidates: list[Candidate], halves: list[Candidate], backend: PerPhaseBackend
+) -> Choice:
+    for c in candidates:
+        c.chosen = False
     plugins = "+".join(dict.fromkeys(h.plugin for h in halves))
     chosen = Candidate("attention", backend.name, plugins, backend.priority, [], backend, chosen=True)
     return Choice(

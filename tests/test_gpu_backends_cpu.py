@@ -261,3 +261,25 @@ def test_cudagraph_level_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("TURNOUT_FLASHINFER_CUDAGRAPH", "sometimes")
     with pytest.raises(ConfigError, match=r"_CUDAGRAPH='SOMETIMES' is not .* NEVER, UNIFORM_DECODE"):
         fi_backend.FlashInferBackend()
+
+
+def test_auto_runs_fa4_for_mixed_steps_beside_the_triton_decode_kernel(monkeypatch):
+    """turnout.Priority's mixed-step order on an H200: with FA4, "auto" runs triton for decode steps and
+    flash_attn for the rest; on FA2 flash_attn ranks below triton for both, and triton serves alone."""
+    from turnout_triton.backend import TritonAttentionBackend
+
+    from turnout.selection import Candidate, choose_attention
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    c = ctx(block=None)
+
+    def auto(path: str):
+        found = [TritonAttentionBackend(), fa_backend.FlashAttnBackend(H200, fa_backend.Probe(path))]
+        cands = [Candidate("attention", b.name, b.name, int(b.priority), b.check(c), b) for b in found]
+        return choose_attention(cands, "auto", c)
+
+    att = auto("fa4")
+    assert att.chosen.name == "triton+flash_attn"
+    assert att.chosen.obj.preferred_block_size == fa_backend.FA4_PAGE  # the mixed half's, which triton takes
+    assert {p: h.name for p, h in att.phases.items()} == {"decode": "triton", "mixed": "flash_attn"}
+    assert auto("fa2").chosen.name == "triton"

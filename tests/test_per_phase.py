@@ -89,6 +89,61 @@ def test_explain_names_both_halves(naive, tiny_llama, capsys):
     assert "serves the decode steps of naive+cpu" in out
 
 
+RANKED = """
+class Prefiller(NaiveBackend):
+    name = "prefiller"
+    mixed_priority = 50
+
+
+class BlocksFirstPrefiller(Prefiller):
+    name = "blocks_first_prefiller"
+    mixed_priority = 60
+
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
+        return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+
+@turnout.hookimpl
+def turnout_attention_backends(platform):
+    return [NaiveBackend(), Prefiller(), *([BlocksFirstPrefiller()] if LAYOUTS_DIFFER else [])]
+"""
+
+
+def _ranked(register_plugin, layouts_differ: bool) -> None:
+    """The example backend (priority -10) and a copy of it that ranks first for mixed steps; with
+    layouts_differ, one ranked above both for mixed steps whose KV cache is laid out blocks first."""
+    source = naive_backend_source().split("@turnout.hookimpl")[0] + RANKED
+    mod = types.ModuleType("inproc_ranked_phases")
+    mod.LAYOUTS_DIFFER = layouts_differ
+    exec(compile(source, "inproc_ranked_phases", "exec"), mod.__dict__)
+    register_plugin(mod, "ranked_plugin")
+
+
+def test_auto_runs_the_backend_ranked_first_for_mixed_steps_on_them(register_plugin, tiny_llama, capsys):
+    from turnout.cli import main
+
+    _ranked(register_plugin, layouts_differ=False)
+    att = select_all(EngineConfig(model=str(tiny_llama)), _info(tiny_llama)).attention
+    assert att.chosen.name == "cpu+prefiller" and att.requested == "auto"
+    assert {p: c.name for p, c in att.phases.items()} == {"decode": "cpu", "mixed": "prefiller"}
+    naive = next(c for c in att.candidates if c.name == "naive")
+    assert (
+        att.why_lost(naive)
+        == "priority -10 < cpu 0 (decode steps); mixed priority -10 < prefiller 50 (mixed steps)"
+    )
+    assert main(["explain", "--model", str(tiny_llama)]) == 0
+    out = capsys.readouterr().out
+    assert "decode steps: cpu (cpu)" in out and "mixed steps: prefiller (ranked_plugin)" in out
+
+
+def test_auto_passes_over_a_mixed_step_backend_that_cannot_share_the_kv_cache(register_plugin, tiny_llama):
+    _ranked(register_plugin, layouts_differ=True)
+    att = select_all(EngineConfig(model=str(tiny_llama)), _info(tiny_llama)).attention
+    assert att.chosen.name == "cpu+prefiller"
+    assert att.note.startswith("blocks_first_prefiller ranks higher for mixed steps but cannot serve them: ")
+    assert "KV-cache layouts differ" in att.note
+
+
 def test_a_table_names_the_phases():
     cfg = EngineConfig(attention_backend={"decode": "triton", "mixed": "flash_attn"})
     assert cfg.attention_backend == "triton+flash_attn"

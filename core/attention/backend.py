@@ -168,6 +168,10 @@ class AttentionBackend:
 
     name: ClassVar[str]
     priority: ClassVar[int] = 0
+    # the rank for mixed and prefill steps under "auto"; None: priority. Where the valid backend it ranks
+    # first is not the one priority ranks first, and the two can share one KV cache, "auto" runs that
+    # pair per phase (attention.per_phase): priority's for uniform-decode steps, this one's for the rest
+    mixed_priority: ClassVar[int | None] = None
     device_types: ClassVar[tuple[str, ...]]  # e.g. ("cuda",), ("cpu", "cuda")
     dtypes: ClassVar[tuple[torch.dtype, ...]]  # the CPU runs float32 unless it has native bfloat16
     head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any head size

@@ -182,6 +182,7 @@ class FlashAttnBackend(AttentionBackend):
         self.preferred_block_size = {"fa2": FA2_BLOCK, "fa4": FA4_PAGE}.get(found.path, 16)
         if found.path == "fa4":
             self.min_capability = (9, 0)
+            self.mixed_priority = Priority.FIRST
         level = SUPPORT.get(found.path, CudagraphSupport.NEVER)
         self.cudagraph_support = CudagraphSupport.from_env(CUDAGRAPH, level)
 

@@ -120,6 +120,7 @@ def paged_indices(
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     priority = Priority.SECOND  # the order per platform: turnout.Priority
+    mixed_priority = Priority.THIRD
     device_types = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16)
     head_sizes = (64, 128, 256)  # FA3's static_assert (hopper/prefill_sm90.cuh); FA2 builds these too

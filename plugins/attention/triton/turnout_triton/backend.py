@@ -33,6 +33,7 @@ def _kernels() -> ModuleType:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     priority = Priority.FIRST  # the order per platform: turnout.Priority
+    mixed_priority = Priority.SECOND
     device_types = ("cuda",)
     dtypes = (torch.float16, torch.bfloat16, torch.float32)  # float32 dots run in IEEE precision
     head_sizes = None  # any size up to MAX_HEAD_SIZE, see check()
@@ -52,7 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
         if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every kernel on the host
             self.device_types = ("cuda", "cpu")
             self.min_capability = None
-            self.priority = Priority.TESTING  # never preferred over a native backend
+            self.priority = self.mixed_priority = Priority.TESTING  # never preferred over a native backend
         self._max_reqs = 0
         self._counts: list[torch.Tensor] = []  # the decode kernel's split counters, see _split_counts
 
