@@ -263,19 +263,20 @@ def test_cudagraph_level_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
         fi_backend.FlashInferBackend()
 
 
-def test_auto_runs_fa4_for_mixed_steps_beside_the_triton_decode_kernel(monkeypatch):
+def test_auto_runs_fa4_for_mixed_steps_beside_the_triton_decode_kernel():
     """turnout.Priority's mixed-step order on an H200: with FA4, "auto" runs triton for decode steps and
-    flash_attn for the rest; on FA2 flash_attn ranks below triton for both, and triton serves alone."""
+    flash_attn for the rest; on FA2 flash_attn ranks below triton for both, and triton serves alone. (The
+    triton candidate is taken as valid: checking it would import its kernels outside the interpreter.)"""
     from turnout_triton.backend import TritonAttentionBackend
 
     from turnout.selection import Candidate, choose_attention
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     c = ctx(block=None)
 
     def auto(path: str):
-        found = [TritonAttentionBackend(), fa_backend.FlashAttnBackend(H200, fa_backend.Probe(path))]
-        cands = [Candidate("attention", b.name, b.name, int(b.priority), b.check(c), b) for b in found]
+        fa = fa_backend.FlashAttnBackend(H200, fa_backend.Probe(path))
+        cands = [Candidate("attention", b.name, b.name, int(b.priority), why, b)
+                 for b, why in ((TritonAttentionBackend(), []), (fa, fa.check(c)))]  # fmt: skip
         return choose_attention(cands, "auto", c)
 
     att = auto("fa4")
