@@ -68,6 +68,17 @@ class Candidate:
         """The sort key of the hookspecs' promise: highest priority first, ties by name, then by plugin."""
         return -self.priority, self.name, self.plugin
 
+    @property
+    def mixed_priority(self) -> int:
+        """The rank for mixed and prefill steps: the backend's mixed_priority, else priority."""
+        p = getattr(self.obj, "mixed_priority", None)
+        return self.priority if p is None else int(p)
+
+    @property
+    def mixed_rank(self) -> tuple[int, str, str]:
+        """rank, by mixed_priority."""
+        return -self.mixed_priority, self.name, self.plugin
+
     def as_dict(self) -> dict[str, Any]:
         keys = ("name", "plugin", "priority", "valid", "reasons", "chosen")
         return {k: getattr(self, k) for k in keys}
@@ -119,7 +130,7 @@ class Choice:
             d, m = self.phases["decode"], self.phases["mixed"]
             return (
                 f"{_ranked_below('priority', c.priority, d, d.priority, c)} (decode steps); "
-                f"{_ranked_below('mixed priority', mixed_priority(c), m, mixed_priority(m), c)} (mixed steps)"
+                f"{_ranked_below('mixed priority', c.mixed_priority, m, m.mixed_priority, c)} (mixed steps)"
             )
         return _ranked_below("priority", c.priority, w, w.priority, c)
 
@@ -207,19 +218,11 @@ def choose_attention(candidates: list[Candidate], requested: str, ctx: Attention
     return _phase_choice(requested, candidates, halves, backend)
 
 
-def mixed_priority(c: Candidate) -> int:
-    """c's rank for mixed and prefill steps: its backend's mixed_priority, else its priority."""
-    p = getattr(c.obj, "mixed_priority", None)
-    return c.priority if p is None else int(p)
-
-
 def _auto_phases(choice: Choice, candidates: list[Candidate], ctx: AttentionContext) -> Choice:
     """choice's backend for decode steps; for the others the valid backend of the highest mixed priority
     that can share its KV cache (itself: one backend). choice.note names those passed over, and why."""
     decode, passed = choice.chosen, []
-    for mixed in sorted(
-        (c for c in candidates if c.valid), key=lambda c: (-mixed_priority(c), c.name, c.plugin)
-    ):
+    for mixed in sorted((c for c in candidates if c.valid), key=lambda c: c.mixed_rank):
         if mixed.name == decode.name:
             break
         backend = PerPhaseBackend(decode.obj, mixed.obj)
