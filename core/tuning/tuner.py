@@ -134,8 +134,8 @@ class Search:
         """The valid backends and every ordered pair of two of them (decode+mixed), in the order a budget
         reaches them: lead (the baseline's backend, or its decode half), then the pairs that keep lead for
         decode steps, then the other backends by rank, then their pairs. Decode sets TPOT and most of a
-        throughput run, and prefill kernels differ most (on an H200 at the 8B shape, triton+flash_attn cut a 16k-token TTFT by
-        9%, where flash_attn alone lost 17% of TPOT)."""
+        throughput run, and prefill kernels differ most (on an H200 at the 8B shape, triton+flash_attn cut
+        a 16k-token TTFT by 9%, where flash_attn alone lost 17% of TPOT)."""
         lead = (split_name(lead) or (lead,))[0]
         singles = sorted(self.backends, key=lambda n: n != lead)  # stable: the rest stay by rank
         pairs = [f"{a}+{b}" for a, b in itertools.permutations(singles, 2)]
