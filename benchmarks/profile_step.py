@@ -12,6 +12,8 @@ distinct (no prefix-cache hits). While profiled, the LM head (model.compute_logi
 between two synchronisations in record_function ranges: kernels that start there are "lm_head" and
 "sampling", the rest go by name. busy = the union of kernel spans per step; idle = wall - busy (host gaps;
 PDL-overlapped kernels sum past busy); floor = max(bytes, FLOPs) of the step at the H200's ceilings.
+--gaps: while profiled, the host stages run in record_function ranges too (HOST_STAGES), and each interval
+with no kernel running goes to the innermost stage the host was in at its midpoint ("idle_by_stage").
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -53,6 +55,18 @@ BUCKETS = [
     ("memcpy/memset", ("memcpy", "memset", "copy", "fill")),
 ]  # fmt: skip
 H200 = CEILINGS["H200"]
+# --gaps: (label, the object's attribute path from the engine, method); innermost-first is by start time
+HOST_STAGES = [
+    ("host:add_request", "", "add_request"),
+    ("host:schedule", "scheduler", "schedule"),
+    ("host:update", "scheduler", "update"),
+    ("host:prepare", "executor.worker.runner", "prepare"),
+    ("host:attention_metadata", "executor.worker.runner.backend", "build_metadata"),
+    ("host:forward", "executor.worker.runner.model", "forward"),
+    ("host:attention", "executor.worker.runner.backend", "forward"),
+    ("host:sample", "executor.worker.runner", "sample_tokens"),
+    ("host:sample", "executor.worker.runner", "sample_tokens_async"),
+]
 
 
 def _sync() -> None:
@@ -95,6 +109,56 @@ def labelled(runner):
         yield
     finally:
         del runner.model.compute_logits, runner.sampler.forward
+
+
+@contextmanager
+def host_stages(engine):
+    """Each of HOST_STAGES' methods inside a record_function range of its label (instance attributes, as
+    labelled's)."""
+
+    def wrap(fn, label: str):
+        def run(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+
+        return run
+
+    done = []
+    for label, path, name in HOST_STAGES:
+        obj = engine
+        for attr in filter(None, path.split(".")):
+            obj = getattr(obj, attr)
+        if hasattr(obj, name) and (obj, name) not in done:
+            setattr(obj, name, wrap(getattr(obj, name), label))
+            done.append((obj, name))
+    try:
+        yield
+    finally:
+        for obj, name in done:
+            delattr(obj, name)
+
+
+def idle_by_stage(events, steps: int, top: int) -> dict:
+    """The intervals between kernels (union of spans) per step, by the innermost host stage at each one's
+    midpoint ("none" outside every stage), and the longest intervals with the kernels around them."""
+    kernels = sorted(kernel_spans(events), key=lambda k: k.start)
+    stages = sorted((r for label in {h[0] for h in HOST_STAGES} for r in label_ranges(events, label)),
+                    key=lambda r: r.start)  # fmt: skip
+    gaps, end, last = [], float("-inf"), None
+    for k in kernels:
+        if k.start > end and last is not None:
+            gaps.append((k.start - end, (end + k.start) / 2, last.name, k.name))
+        if k.end > end:
+            end, last = k.end, k
+    by: dict[str, float] = defaultdict(float)
+    named = []
+    for us, mid, before, after in gaps:
+        inside = [r for r in stages if r.start <= mid <= r.end]
+        label = inside[-1].name if inside else "none"
+        by[label] += us / steps
+        named.append({"us": us, "stage": label, "after": short(before, 40), "before": short(after, 40)})
+    rows = [{"stage": k, "us/step": v} for k, v in sorted(by.items(), key=lambda kv: -kv[1])]
+    return {"idle_by_stage": rows, "longest_idle": sorted(named, key=lambda g: -g["us"])[:top]}
 
 
 def summarize(events, steps: int, top: int) -> dict:
@@ -163,7 +227,8 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
         tokens, kv_reads, pairs = batch, batch * ctx, batch * ctx
     wall = timed(lambda: [unit() for _ in range(n_timed)]) / n_timed * 1e6
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with labelled(runner), profile(activities=acts) as prof:
+    stages = host_stages(engine) if a.gaps else nullcontext()
+    with labelled(runner), stages, profile(activities=acts) as prof:
         prof_wall = timed(lambda: [unit() for _ in range(n_prof)]) / n_prof * 1e6
     if phase != "prefill":
         for r in reqs:
@@ -172,7 +237,8 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
     res = {"phase": phase, "attention": sel.attention.chosen.name, "graph": sel.effective_graph.name,
            "async_scheduling": sel.async_scheduling, "token_budget": engine.config.max_num_batched_tokens,
            "wall_us": wall, "profiled_wall_us": prof_wall,
-           **summarize(prof.events(), n_prof, a.top)}  # fmt: skip
+           **summarize(prof.events(), n_prof, a.top),
+           **(idle_by_stage(prof.events(), n_prof, a.top) if a.gaps else {})}  # fmt: skip
     nbytes = shape.dtype_bytes * shape.weight_params + shape.kv_bytes_per_token * (kv_reads + tokens)
     flops = 2 * shape.weight_params * tokens + shape.attn_flops_per_pair * pairs
     floor = max(nbytes / a.bandwidth, flops / H200.flops_per_s) * 1e6
@@ -250,6 +316,11 @@ def report(results: list[dict], extra: dict) -> None:
         print_table(r["buckets"])
         print()
         print_table(r["top"])
+        if "idle_by_stage" in r:
+            print()
+            print_table(r["idle_by_stage"])
+            print()
+            print_table(r["longest_idle"])
     keys = ("wall_us", "profiled_wall_us", "busy_us", "idle_us", "kernel_us", "floor_us")
     print()
     print_table([{"phase": r["phase"], **{k: r[k] for k in keys}} for r in results if "error" not in r])
@@ -273,6 +344,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed")
     ap.add_argument("--prof-steps", type=int, default=5, help="decode steps profiled")
     ap.add_argument("--top", type=int, default=10, help="kernels listed per phase")
+    ap.add_argument("--gaps", action="store_true", help="also: GPU-idle time by the host stage it falls in")
     ap.add_argument("--engine-per-phase", action="store_true", help="a fresh engine for each phase")
     ap.add_argument("--cublas", action="store_true", help="also time the linears: cuBLAS, turnout's gemv")
     ap.add_argument("--cublas-m", type=int, nargs="+", default=[1, 256])
