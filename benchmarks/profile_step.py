@@ -55,7 +55,8 @@ BUCKETS = [
     ("memcpy/memset", ("memcpy", "memset", "copy", "fill")),
 ]  # fmt: skip
 H200 = CEILINGS["H200"]
-# --gaps: (label, the object's attribute path from the engine, method); innermost-first is by start time
+# --gaps: (label, the attribute path from the engine to the object, its method); a gap goes to the
+# latest-starting range that covers its midpoint, the innermost stage
 HOST_STAGES = [
     ("host:add_request", "", "add_request"),
     ("host:schedule", "scheduler", "schedule"),
