@@ -275,6 +275,29 @@ def _graph_rows(doc: Doc) -> list[dict]:
     return [{**r, "capture": short(r.get("capture", ""))} for r in doc["results"]]
 
 
+STEP = {
+    "phase": "phase", "attention": "attention", "wall_us": "wall (us)", "busy_us": "GPU busy",
+    "idle_us": "idle", "floor_us": "floor", "gemm/gemv": "GEMM", "attention_us": "attention kernels",
+    "norm/rotary/act": "norms", "lm_head": "LM head", "rates": "kernels at", "engine": "engine",
+    "prefill": "prefill (s)", "decode_gemm": "decode GEMM", "decode_attention": "decode attention",
+    "decode_other": "decode other", "seconds": "seconds", "output tok/s": "output tok/s",
+    "/ measured kernel time": "/ measured", "/ ceilings kernel time": "/ ceilings",
+}  # fmt: skip
+
+
+def _step_rows(doc: Doc) -> list[dict]:
+    """A step profile's phases with their bucket times (us a step); kernel_time.py's rows and engines."""
+    rows = []
+    for r in doc["results"]:
+        if "phase" not in r:  # kernel_time.py's
+            rows.append(r)
+            continue
+        buckets = r.get("buckets_us") or {b["bucket"]: b["us/step"] for b in r.get("buckets", [])}
+        phase = {k: v for k, v in r.items() if k != "seconds"}  # the run's own time, not a step's
+        rows.append({**buckets, "attention_us": buckets.get("attention"), **phase})
+    return rows + doc.get("engines", [])
+
+
 def _profile_rows(doc: Doc) -> list[dict]:
     return [{"mode": r["mode"], "batch": doc.get("batch", 1), **r["totals"]} for r in doc["results"]]
 
@@ -478,6 +501,7 @@ def render() -> str:
         ("graphs", "CUDA graphs", lambda: per_file("graphs", GRAPHS, _graph_rows, GRAPHS_LEGEND)),
         ("attention", "Attention kernels", attention_section),
         ("gemv", "The decode GEMV", gemv_section),
+        ("profile-step", "Engine steps by kernel bucket", lambda: per_file("profile-step", STEP, _step_rows)),
         ("profile", "A decode step, kernel by kernel", lambda: per_file("profile", PROFILE, _profile_rows)),
         ("tune", "Measured selection: turnout tune", turnout_tune_section),
         ("tune-triton", "Triton kernel tiles", tune_section),

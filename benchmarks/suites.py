@@ -156,7 +156,8 @@ SUITES = {
     "profile-step": Suite(
         "Engine steps kernel bucket by bucket (torch profiler) on the Qwen3-8B shape, default selection: "
         "batch-1 and batch-256 decode at 512 tokens of context, one 16,384-token prefill; wall, GPU busy "
-        "and idle per step, the floors; then cuBLAS against turnout's GEMV at the shape's linears",
+        "and idle per step, the floors; then cuBLAS against turnout's GEMV at the shape's linears "
+        "(kernel_time.py adds up nano-vllm's bench from such records)",
         [
             "python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,prefill "
             "--cublas --out {out}"
