@@ -242,3 +242,18 @@ def test_the_budget_expects_each_candidate_to_cost_as_much_as_the_slowest_before
     search.costs = [5.0, 1.0, 4.5]  # a mean of 2.75 s would fit; the slowest, 4.5 s, does not
     assert search.unfit([]).startswith("over budget")
     search.close()
+
+
+def test_a_pair_baseline_leads_the_attention_candidates_with_its_decode_half(tiny_llama, naive):
+    """auto's baseline can be a decode+mixed pair: the candidates start with its decode half and the pairs
+    that keep it, not with whichever single backend ranks first."""
+    from turnout.tuning.tuner import Search
+
+    naive()  # priority 100: the first single backend by rank
+    config = EngineConfig(model=str(tiny_llama), dtype="float32", tuned="off")
+    search = Search(config, ModelInfo.from_dir(tiny_llama), SMALL, 2, 10.0, False)
+    assert list(search.backends)[0] == "naive" and "cpu" in search.backends
+    names = search.backend_names("cpu+naive")
+    assert names[0] == "cpu" and names[1].startswith("cpu+")
+    assert names.index("naive") > max(i for i, n in enumerate(names) if n.startswith("cpu+"))
+    search.close()
