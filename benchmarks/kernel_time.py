@@ -28,21 +28,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_json  # noqa: E402
 
 from turnout.bench.random_models import SHAPES, random_config  # noqa: E402
-from turnout.bench.roofline import CEILINGS  # noqa: E402
-from turnout.bench.workloads import throughput  # noqa: E402
+from turnout.bench.roofline import CEILINGS, Shape  # noqa: E402
+from turnout.bench.workloads import Req, throughput  # noqa: E402
 
 H200 = CEILINGS["H200"]
 OTHER = ("norm/rotary/act", "lm_head", "sampling", "memcpy/memset", "other")
 
 
-def weights(shape: str) -> tuple[int, int, int]:
-    """(the layers' matmul weights, bf16 KV bytes a token, attention FLOPs a (query, key) pair)."""
-    cfg = random_config(shape)
-    layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
+def shape_of(name: str) -> tuple[int, Shape]:
+    """(the layers' matmul weights, the LM head left out, and the bf16 Shape with them)."""
+    cfg = random_config(name)
+    hidden = cfg.hidden_size
     head = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * head, 2 * cfg.num_key_value_heads * head
-    per_layer = hidden * (q + kv) + q * hidden + 3 * hidden * cfg.intermediate_size
-    return layers * per_layer, layers * kv * 2, 4 * layers * q
+    body = cfg.num_hidden_layers * (hidden * (q + kv) + q * hidden + 3 * hidden * cfg.intermediate_size)
+    return body, Shape.from_config(cfg.to_dict(), body, 2)
 
 
 def phases(path: str) -> dict[str, dict]:
@@ -66,9 +66,10 @@ def interpolate(one: dict, many: dict, n: int):
     return at
 
 
-def model(a: argparse.Namespace) -> tuple[dict, dict]:
-    """Seconds of the bench's kernels at the measured rates and at the ceilings, by part; and the rates."""
-    body, kv, pair = weights(a.random_model)
+def model(a: argparse.Namespace, reqs: list[Req]) -> tuple[dict, dict]:
+    """Seconds of reqs' kernels at the measured rates and at the ceilings, by part; and the rates."""
+    body, shape = shape_of(a.random_model)
+    kv, pair = shape.kv_bytes_per_token, shape.attn_flops_per_pair
     dec, pre = phases(a.decode), phases(a.prefill)["prefill"]
     one = dec["decode1"]
     n = max(int(k[6:]) for k in dec if k.startswith("decode") and k != "decode1")
@@ -83,7 +84,6 @@ def model(a: argparse.Namespace) -> tuple[dict, dict]:
     }
     other_per_token = sum(pre["b"].get(k, 0.0) for k in OTHER) * 1e-6 / tokens
     at = interpolate(one, many, n)
-    reqs = throughput()
     lens, outs = [len(r.prompt) for r in reqs], [r.max_tokens for r in reqs]
     flops = 2 * body * sum(lens), pair * sum(x * (x + 1) // 2 for x in lens)  # prefill: GEMMs, attention
     parts = ("prefill", "decode_gemm", "decode_attention", "decode_other")
@@ -115,8 +115,9 @@ def main() -> None:
     ap.add_argument("--ratios", type=float, nargs="*", default=[1.1, 1.2], help="targets over vLLM's tok/s")
     ap.add_argument("--json", help="write the record here")
     a = ap.parse_args()
-    t, rates = model(a)
-    outputs = sum(r.max_tokens for r in throughput())
+    reqs = throughput()
+    t, rates = model(a, reqs)
+    outputs = sum(r.max_tokens for r in reqs)
     rows = [{"rates": k, **v, "seconds": sum(v.values()), "output tok/s": outputs / sum(v.values())}
             for k, v in t.items()]  # fmt: skip
     print_table(rows)

@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_json  # noqa: E402
-from profile_decode import assign, busy_us, kernel_spans, label_ranges, short  # noqa: E402
+from profile_decode import Span, assign, busy_us, kernel_spans, label_ranges, short  # noqa: E402
 
 from turnout.bench.random_models import SHAPES, make_random_model, random_model_dir  # noqa: E402
 from turnout.bench.roofline import CEILINGS, Shape  # noqa: E402
@@ -90,46 +90,25 @@ def bucket_of(name: str) -> str:
 
 
 @contextmanager
-def labelled(runner):
-    """The LM head and the sampler each between two synchronisations, inside a record_function range (as
-    instance attributes: del brings the classes' methods back)."""
+def instrumented(methods: list[tuple[object, str, str]], sync: bool):
+    """Each (object, method name, label) runs inside a record_function range of its label, between two
+    synchronisations where sync; as instance attributes, which delattr takes back to the class's."""
 
     def wrap(fn, label: str):
         def run(*args, **kwargs):
-            _sync()
+            if sync:
+                _sync()
             with record_function(label):
                 res = fn(*args, **kwargs)
-                _sync()
+                if sync:
+                    _sync()
             return res
 
         return run
 
-    runner.model.compute_logits = wrap(runner.model.compute_logits, LM_HEAD)
-    runner.sampler.forward = wrap(runner.sampler.forward, SAMPLE)
-    try:
-        yield
-    finally:
-        del runner.model.compute_logits, runner.sampler.forward
-
-
-@contextmanager
-def host_stages(engine):
-    """Each of HOST_STAGES' methods inside a record_function range of its label (instance attributes, as
-    labelled's)."""
-
-    def wrap(fn, label: str):
-        def run(*args, **kwargs):
-            with record_function(label):
-                return fn(*args, **kwargs)
-
-        return run
-
     done = []
-    for label, path, name in HOST_STAGES:
-        obj = engine
-        for attr in filter(None, path.split(".")):
-            obj = getattr(obj, attr)
-        if hasattr(obj, name) and (obj, name) not in done:
+    for obj, name, label in methods:
+        if (obj, name) not in done:
             setattr(obj, name, wrap(getattr(obj, name), label))
             done.append((obj, name))
     try:
@@ -139,10 +118,34 @@ def host_stages(engine):
             delattr(obj, name)
 
 
+def labelled(runner):
+    """The LM head and the sampler each between two synchronisations, inside a record_function range."""
+    return instrumented(
+        [(runner.model, "compute_logits", LM_HEAD), (runner.sampler, "forward", SAMPLE)], True
+    )
+
+
+def host_stages(engine):
+    """Each of HOST_STAGES' methods the engine has inside a record_function range of its label."""
+    methods = []
+    for label, path, name in HOST_STAGES:
+        obj = engine
+        for attr in filter(None, path.split(".")):
+            obj = getattr(obj, attr)
+        if hasattr(obj, name):
+            methods.append((obj, name, label))
+    return instrumented(methods, sync=False)
+
+
+def device_kernels(events) -> list[Span]:
+    """The device work of a profile, without the GPU copies of LM_HEAD's and SAMPLE's ranges."""
+    return [k for k in kernel_spans(events) if k.name not in (LM_HEAD, SAMPLE)]
+
+
 def idle_by_stage(events, steps: int, top: int) -> dict:
     """The intervals between kernels (union of spans) per step, by the innermost host stage at each one's
     midpoint ("none" outside every stage), and the longest intervals with the kernels around them."""
-    kernels = sorted(kernel_spans(events), key=lambda k: k.start)
+    kernels = sorted(device_kernels(events), key=lambda k: k.start)
     stages = sorted((r for label in {h[0] for h in HOST_STAGES} for r in label_ranges(events, label)),
                     key=lambda r: r.start)  # fmt: skip
     gaps, end, last = [], float("-inf"), None
@@ -164,7 +167,7 @@ def idle_by_stage(events, steps: int, top: int) -> dict:
 
 def summarize(events, steps: int, top: int) -> dict:
     """Per step: kernels, their summed and union (busy) time, each bucket's time; the top kernels."""
-    kernels = [k for k in kernel_spans(events) if k.name not in (LM_HEAD, SAMPLE)]  # not our labels' GPU copy
+    kernels = device_kernels(events)
     tagged = {}
     for label, bucket in ((LM_HEAD, "lm_head"), (SAMPLE, "sampling")):
         for ks in assign(kernels, label_ranges(events, label)):

@@ -8,6 +8,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,18 @@ class Shape:
     @classmethod
     def from_checkpoint(cls, model_dir: str | Path, dtype_bytes: int) -> Shape:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        params, embed = _safetensors_params(Path(model_dir))
+        tied = cfg.get("tie_word_embeddings", False)  # a tied embedding is read as the LM head
+        return cls.from_config(cfg, params if tied else params - embed, dtype_bytes)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], weight_params: int, dtype_bytes: int) -> Shape:
+        """The shape of an HF config's attention, with weight_params matmul weights."""
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
-        params, embed = _safetensors_params(Path(model_dir))
-        tied = cfg.get("tie_word_embeddings", False)
         return cls(
-            weight_params=params if tied else params - embed,  # a tied embedding is read as the LM head
+            weight_params=weight_params,
             kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype_bytes,
             attn_flops_per_pair=4 * layers * heads * head_dim,  # QK^T and PV, 2 FLOPs per multiply-add
             dtype_bytes=dtype_bytes,
