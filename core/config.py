@@ -63,6 +63,11 @@ class EngineConfig(BaseModel):
     )
     executor: str = Field("auto", description="executor name, or auto")
     moe_kernel: str = Field("auto", description="MoE models: expert kernel name (triton, torch), or auto")
+    quantization: str | None = Field(
+        None,
+        description="weight quantization method (fp8: an FP8 checkpoint, or a bf16 one quantized at load); "
+        "None = the checkpoint's quantization_config, if any",
+    )
     tuned: Literal["on", "off"] = Field(
         "on", description="on = a matching `turnout tune` record adds a measured tier above the priorities"
     )

@@ -15,7 +15,8 @@ class SelectionError(TurnoutError):
 
 
 class WeightLoadError(TurnoutError):
-    pass
+    """A checkpoint that cannot be loaded as config.json describes it: a missing, extra, misshapen or
+    mistyped tensor, or an unreadable file. The message names the tensor or file."""
 
 
 class RequestError(TurnoutError, ValueError):

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from turnout.graphs import GraphPolicy
     from turnout.models import ModelArchitecture
     from turnout.platform import Platform
+    from turnout.quantization import QuantizationMethod
     from turnout.structured_outputs import StructuredOutputBackend
     from turnout.tool_parsers import ToolParser
 
@@ -47,6 +48,8 @@ class Priority(enum.IntEnum):
     - executors, any platform: uniproc FIRST > ray SECOND > multiproc THIRD; their checks leave one valid
       in most cases (uniproc for one rank, multiproc for ranks on this node, ray beyond it or at RAY_ADDRESS)
     - models and graph policies: DEFAULT. A third-party architecture above DEFAULT replaces a bundled one.
+    - quantization methods: DEFAULT; the checkpoint's quantization_config (or `quantization`) names the
+      format, so at most one bundled method is valid for a checkpoint
     - MoE kernels (the core's list, layers/moe.py, no hook): triton FIRST on CUDA > torch DEFAULT; triton
       under TRITON_INTERPRET=1 off CUDA TESTING
     """
@@ -120,6 +123,27 @@ def turnout_graph_policies() -> list[GraphPolicy]:
 
     Combine: concatenated; names must be unique, and a later duplicate is rejected with a reason. The chosen
     policy is then downgraded to what the chosen attention backend can replay.
+    """
+
+
+@hookspec
+def turnout_quantization_methods(platform: Platform) -> list[QuantizationMethod]:
+    """Return the quantization methods this plugin offers (`turnout.quantization.QuantizationMethod`).
+
+    :param platform: the hardware probed once at start-up.
+
+    A method declares the checkpoint formats it reads (`checkpoint_formats`, by
+    `quantization_config.quant_method`), whether it quantizes an unquantized checkpoint at load
+    (`online`), the devices and compute capability it needs, and the layers it replaces (`replaces`).
+    Its `check(ctx)` returns every reason it cannot serve a `QuantizationContext`; its
+    `linear_method(ctx, names)` gives each linear layer's `LinearMethod` (parameters, loading across
+    tensor-parallel shards, the GEMM). Return every method the plugin has, even one this platform cannot
+    run: `check` turns that into reasons. An empty list offers nothing.
+
+    Combine: concatenated. A checkpoint with a `quantization_config` takes the valid method of the highest
+    priority (ties by name, then plugin) among those that read its format, and is refused at start-up where
+    none is valid; `quantization = NAME` (vLLM's `--quantization`) must name a valid method, and on an
+    unquantized checkpoint selects an online one. Neither set: the weights load as they are.
     """
 
 

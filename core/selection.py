@@ -30,6 +30,7 @@ from turnout.models.info import ModelInfo
 from turnout.models.registry import ModelArchitecture
 from turnout.platform import Platform, current_platform
 from turnout.plugins import PluginManager, get_plugin_manager
+from turnout.quantization import KNOWN_FORMATS, QuantizationContext
 
 logger = logging.getLogger("turnout")
 
@@ -39,6 +40,7 @@ KIND_LABELS = {
     "executor": "executor",
     "graph": "graph policy",
     "moe": "MoE kernel",
+    "quantization": "quantization method",
 }
 CONFIG_KEYS = {  # what names the candidate to use
     "attention": "attention_backend",
@@ -46,6 +48,7 @@ CONFIG_KEYS = {  # what names the candidate to use
     "executor": "executor",
     "graph": "cudagraph_mode",
     "moe": "moe_kernel",
+    "quantization": "quantization",
 }
 
 
@@ -327,6 +330,7 @@ class Selection:
     async_scheduling_note: str = ""  # why it is on or off
     fitted: dict[str, tuple[Any, str]] = field(default_factory=dict)  # turnout.defaults: (value, why)
     moe: Choice | None = None  # MoE models only
+    quantization: Choice | None = None  # a quantized checkpoint, or `quantization` set
     experts: dict[str, Any] | None = None  # MoE models: the experts each rank holds (describe_placement)
     measured: MeasuredTier | None = None  # the tuning record read, and its decision
 
@@ -355,6 +359,11 @@ class Selection:
         return self.graph.obj
 
     @property
+    def quantization_method(self) -> Any:
+        """The chosen turnout.quantization.QuantizationMethod, or None: the weights load as they are."""
+        return self.quantization.obj if self.quantization else None
+
+    @property
     def moe_kernel(self) -> MoEKernel | None:
         """The chosen MoE kernel, or None for a model without experts."""
         return self.moe.obj if self.moe else None
@@ -371,17 +380,22 @@ class Selection:
 
     @property
     def choices(self) -> list[Choice]:
-        """Every component's Choice, in explain's order: attention, model, executor, graph, then moe."""
-        return [self.attention, self.model, self.executor, self.graph] + ([self.moe] if self.moe else [])
+        """Every component's Choice, in explain's order: attention, model, executor, graph, then moe and
+        quantization where they apply."""
+        extra = [c for c in (self.moe, self.quantization) if c is not None]
+        return [self.attention, self.model, self.executor, self.graph, *extra]
 
     def summary(self) -> str:
         """One line: the chosen backend, model, executor and graph mode, each with its plugin."""
         a, m, e, g = (c.chosen for c in self.choices[:4])
         graph = g.name if g.name == self.effective_graph.name else f"{g.name} -> {self.effective_graph.name}"
-        return (
-            f"attention {a.name} ({a.plugin}), model {m.name} ({m.plugin}), executor {e.name} ({e.plugin}), "
-            f"graph mode {graph}, {self.platform.device_type} {str(self.dtype).removeprefix('torch.')}"
-        ) + (f", MoE kernel {self.moe.chosen.name}" if self.moe else "")
+        extra = [f"MoE kernel {self.moe.chosen.name}"] if self.moe else []
+        extra += [f"quantization {self.quantization.chosen.name}"] if self.quantization else []
+        return ", ".join([
+            f"attention {a.name} ({a.plugin}), model {m.name} ({m.plugin}), executor {e.name} ({e.plugin})",
+            f"graph mode {graph}, {self.platform.device_type} {str(self.dtype).removeprefix('torch.')}",
+            *extra,
+        ])  # fmt: skip
 
 
 def select_all(
@@ -397,6 +411,7 @@ def select_all(
     if measured.decision is not None and measured.decision.settings:
         config = config.model_copy(update=measured.decision.settings)
     moe = _choose_moe(config, info, platform, dtype)  # first: a dense model's MoE settings say so
+    quantization = choose_quantization(pm, config, info, platform, dtype)
     model = _choose_model(pm, info.architecture, config)  # before attention: its layers' features
     actx = attention_context(info, model.obj, platform, dtype, config.block_size)
     attention = choose_attention(attention_candidates(pm, actx), config.attention_backend, actx)
@@ -425,7 +440,8 @@ def select_all(
         experts = describe_placement(info.hf_config, tp, dp, ep)
     return Selection(
         platform, info, dtype, attention, model, executor, graph, effective, note,
-        fitted=fitted, moe=moe, experts=experts, async_scheduling=async_on, async_scheduling_note=async_note,
+        fitted=fitted, moe=moe, quantization=quantization, experts=experts, async_scheduling=async_on,
+        async_scheduling_note=async_note,
         measured=measured,
     )  # fmt: skip
 
@@ -505,6 +521,7 @@ def worker_handoff(
             "executor": selection.executor.chosen.name,
             "cudagraph_mode": selection.graph.chosen.name,
             **({"moe_kernel": selection.moe.chosen.name} if selection.moe else {}),
+            **({"quantization": selection.quantization.chosen.name} if selection.quantization else {}),
         }
     )
     try:
@@ -556,3 +573,52 @@ def _choose_model(pm: PluginManager, architecture: str, config: EngineConfig) ->
             f"installed: {installed}; install a model plugin that provides it (docs/writing-a-plugin.md)"
         )
     return choose("model", cands, architecture)
+
+
+def quantization_context(
+    config: EngineConfig, info: ModelInfo, platform: Platform, dtype: torch.dtype
+) -> QuantizationContext:
+    """What the quantization methods are checked against; a quantization_config that is not a table is
+    refused here."""
+    qc = info.hf_config.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise ConfigError(f"{info.path}/config.json: quantization_config is not an object; fix config.json")
+    return QuantizationContext(
+        platform, qc, config.quantization, dtype, info.hf_config, config.tensor_parallel_size
+    )
+
+
+def choose_quantization(
+    pm: PluginManager, config: EngineConfig, info: ModelInfo, platform: Platform, dtype: torch.dtype
+) -> Choice | None:
+    """None where the checkpoint has no quantization_config and `quantization` is unset. Otherwise the
+    checkpoint's format (or the online method `quantization` names) must have a valid method, or start-up
+    stops with one line: a quantized checkpoint never loads as if it were not."""
+    ctx = quantization_context(config, info, platform, dtype)
+    if ctx.quant_config is None and ctx.requested is None:
+        return None
+    check = lambda _, m: m.check(ctx)
+    cands = _candidates(pm, "turnout_quantization_methods", "quantization", check, platform=platform)
+    fmt = ctx.quant_method
+    if fmt is not None:
+        readers = [c for c in cands if c.obj is not None and fmt in c.obj.checkpoint_formats]
+        if not readers:
+            serves = KNOWN_FORMATS.get(fmt)
+            hint = f"install {serves}" if serves else "no known turnout plugin serves it; convert the model"
+            installed = ", ".join(c.name for c in cands) or "none"
+            raise SelectionError(
+                f"checkpoint {info.path} is quantized with quant_method '{fmt}' (config.json "
+                f"quantization_config), which no installed quantization method reads (installed: "
+                f"{installed}); {hint}"
+            )
+        if ctx.requested is not None and not any(c.name == ctx.requested for c in readers):
+            raise ConfigError(
+                f"quantization = {ctx.requested}, but checkpoint {info.path} is quantized with quant_method "
+                f"'{fmt}', which {', '.join(c.name for c in readers)} reads; unset quantization"
+            )
+        if not any(c.valid for c in readers):
+            why = "; ".join(f"{c.name}: {', '.join(c.reasons)}" for c in readers)
+            raise SelectionError(
+                f"checkpoint {info.path} (quant_method '{fmt}') cannot be served here: {why}"
+            )
+    return choose("quantization", cands, ctx.requested or "auto")

@@ -25,6 +25,7 @@ def test_the_plugin_kinds_and_env_switches():
         "turnout_executors",
         "turnout_graph_policies",
         "turnout_model_architectures",
+        "turnout_quantization_methods",
         "turnout_structured_output_backends",
         "turnout_tool_parsers",
     ]

@@ -9,7 +9,9 @@ import tomllib
 
 ROOT = Path(__file__).parents[1]
 # and `turnout` itself
-FACADES = {"attention", "executor", "graphs", "layers", "models", "structured_outputs", "tool_parsers"}
+FACADES = {
+    "attention", "executor", "graphs", "layers", "models", "quantization", "structured_outputs", "tool_parsers"
+}  # fmt: skip
 LINTER = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
 CONTRACTS = {c["id"]: c for c in LINTER["contracts"]}
 

@@ -8,7 +8,7 @@ import argparse
 
 from turnout.bench import records
 from turnout.bench.peers import BENCH_PY_PEERS, PEERS, VLLM_SITE
-from turnout.bench.random_models import SHAPES
+from turnout.bench.random_models import RANDOM_MODELS
 from turnout.errors import TurnoutError
 
 COLUMNS = {  # printed per record
@@ -41,8 +41,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     g = common.add_argument_group("bench")
     g.add_argument(
         "--random-model",
-        choices=tuple(SHAPES),
-        help="make (once, in the turnout cache) a random-weight bf16 checkpoint of this real shape",
+        choices=RANDOM_MODELS,
+        help="make (once, in the turnout cache) a random-weight bf16 checkpoint of this real shape "
+        "(-fp8: HF's block-scaled FP8 of it; -fp8-dynamic: compressed-tensors per-channel FP8)",
     )
     g.add_argument("--peers", default="", help=f"comma-separated, run side by side: {', '.join(PEERS)}")
     g.add_argument(

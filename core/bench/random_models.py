@@ -27,6 +27,12 @@ SHAPES = {
                                  num_attention_heads=15, num_key_value_heads=5, vocab_size=49152,
                                  tie_word_embeddings=True, rope_theta=1e5)),
 }  # fmt: skip
+# FP8 variants of every shape ("qwen3-8b-fp8"): the shape's bf16 checkpoint quantized by quantize_checkpoint
+FP8_VARIANTS = {
+    "fp8": dict(fmt="fp8", block=(128, 128)),  # HF's fine-grained FP8: 128x128 block scales
+    "fp8-dynamic": dict(fmt="compressed-tensors", weights="channel", activations="dynamic"),
+}
+RANDOM_MODELS = (*SHAPES, *(f"{s}-{v}" for s in SHAPES for v in FP8_VARIANTS))
 SHARD_BYTES = 4 << 30
 MAX_POSITIONS = 40960  # Qwen3's max_position_embeddings, in every shape: a 32k-token prompt fits
 CHARS = [chr(c) for c in range(32, 127)]  # the tokenizer's last ids, one printable ASCII character each
@@ -64,6 +70,9 @@ def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
+    base, variant = _split_variant(shape)
+    if variant is not None and not (path / "config.json").exists():
+        return quantize_checkpoint(make_random_model(random_model_dir(base), base, seed), path, **variant)
     if (path / "config.json").exists():
         _raise_positions(path / "config.json")
         if not spells_json(path):
@@ -129,3 +138,152 @@ def spells_json(path: Path) -> bool:
     spelling it: the folder is not one write_tokenizer made)."""
     f = Path(path) / "tokenizer.json"
     return not f.exists() or "{" in json.loads(f.read_text())["model"]["vocab"]
+
+
+def _split_variant(shape: str) -> tuple[str, dict[str, Any] | None]:
+    for suffix, variant in FP8_VARIANTS.items():
+        if shape.endswith("-" + suffix) and shape.removesuffix("-" + suffix) in SHAPES:
+            return shape.removesuffix("-" + suffix), variant
+    return shape, None
+
+
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_checkpoint(
+    src: Path,
+    dst: Path,
+    fmt: str = "fp8",
+    block: tuple[int, int] | None = (128, 128),
+    weights: str = "channel",
+    activations: str = "dynamic",
+    input_scale: float = 8 / 448,
+) -> Path:
+    """Write src's checkpoint to dst with its decoder linear weights in FP8 e4m3, and config.json's
+    quantization_config saying how (the scale of a tile, row or tensor is its amax / 448; w = q * scale):
+
+    - fmt "fp8": HF's fine-grained format, `weight_scale_inv` [N / bn, K / bk] for block (dynamic
+      activations), or per-tensor `weight_scale` without a block (`activations` "dynamic" or "static");
+    - fmt "compressed-tensors": `weight_scale` per tensor ([1]) or per channel ([N, 1]) by `weights`,
+      activations "dynamic" (per token) or "static" (an `input_scale` of input_scale).
+
+    Other tensors are copied as they are. config.json is written last, so a folder with one is complete."""
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from turnout.loader.weights import weight_files
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "config.json":
+            shutil.copy(f, dst / f.name)
+    static = activations == "static"
+    weight_map = {}
+    for path in weight_files(src):
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if not (name.endswith(".weight") and name.split(".")[-2] in LINEAR_NAMES and t.dim() == 2):
+                    out[name] = t
+                    continue
+                stem = name.removesuffix(".weight")
+                if fmt == "fp8" and block is not None:
+                    q, scale = _quantize(t, block)
+                    out[f"{stem}.weight_scale_inv"] = scale
+                else:
+                    per_row = fmt != "fp8" and weights == "channel"
+                    q, scale = _quantize(t, (1, t.shape[1]) if per_row else None)
+                    shape = (-1, 1) if per_row else () if fmt == "fp8" else (1,)
+                    out[f"{stem}.weight_scale"] = scale.reshape(shape)
+                if static:
+                    x = torch.tensor(input_scale)
+                    out[f"{stem}.input_scale"] = x.reshape(() if fmt == "fp8" else (1,))
+                out[name] = q
+        save_file(out, str(dst / path.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, path.name))
+    if (src / "model.safetensors.index.json").exists():
+        index = {"metadata": {}, "weight_map": weight_map}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = _quant_config(fmt, block, weights, static)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return dst
+
+
+def _quantize(w: Any, block: tuple[int, int] | None) -> tuple[Any, Any]:
+    """w [N, K] -> (q e4m3, float32 scale [ceil(N / bn), ceil(K / bk)]); block None: one scale."""
+    import torch
+
+    w = w.to("cuda" if torch.cuda.is_available() else "cpu").double()
+    n, k = w.shape
+    bn, bk = block or (n, k)
+    pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, dtype=torch.float64)
+    pad[:n, :k] = w
+    tiles = pad.view(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk)
+    scale = (tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448).float()
+    full = scale.double().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.cpu(), scale.cpu()
+
+
+def _quant_config(fmt: str, block: tuple[int, int] | None, weights: str, static: bool) -> dict[str, Any]:
+    if fmt == "fp8":
+        qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3"}
+        qc["activation_scheme"] = "static" if static else "dynamic"
+        return qc | ({"weight_block_size": list(block)} if block else {})
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    act = {**fp8, "dynamic": not static, "strategy": "tensor" if static else "token"}
+    group = {"targets": ["Linear"], "weights": {**fp8, "dynamic": False, "strategy": weights},
+             "input_activations": act}  # fmt: skip
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"],
+            "quantization_status": "compressed"}  # fmt: skip
+
+
+def dequantized_checkpoint(src: Path, dst: Path) -> Path:
+    """The independent reference of an FP8 checkpoint: every FP8 weight times its scale by the format's
+    formula in float64 (w[i, j] = q[i, j] * s[i // bn, j // bk], or a row's or the tensor's scale),
+    written as float32 without quantization_config, for HF transformers to load."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from turnout.loader.weights import weight_files
+
+    src, dst = Path(src), Path(dst)
+    cfg = json.loads((src / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    block = qc.get("weight_block_size")
+    if qc["quant_method"] == "compressed-tensors":
+        w = next(iter(qc["config_groups"].values()))["weights"]
+        block = w.get("block_structure") if w["strategy"] == "block" else None
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path in weight_files(src):
+        with safe_open(str(path), framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(("_scale", "_scale_inv")):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            stem = name.removesuffix(".weight")
+            s = tensors.get(f"{stem}.weight_scale_inv", tensors.get(f"{stem}.weight_scale")).double()
+            n, k = t.shape
+            if block:
+                s = s.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+            else:
+                s = s.reshape(-1, 1) if s.numel() == n and n > 1 else s.reshape(1, 1)
+            t = t.double() * s
+        out[name] = t.float()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "generation")):
+            (dst / f.name).write_bytes(f.read_bytes())
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return dst

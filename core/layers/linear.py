@@ -3,6 +3,8 @@ tensor and keeps this rank's shard, so models load the same files at any TP size
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,14 +71,24 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param(self.out_per_rank, in_features, loader=self.weight_loader)
         self.bias = _param(self.out_per_rank, loader=self.weight_loader) if bias else None
         self.packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout, CPU bf16 only
+        self.quant_method = None  # a turnout.quantization.LinearMethod, set before the checkpoint loads
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        """Copy this rank's rows of the full checkpoint weight [out, in] or bias [out] into param."""
-        n = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * n, n))
+    def shard_rows(self, shard_id: Any = None) -> tuple[int, int, int]:
+        """Where checkpoint part shard_id goes, in weight rows: (offset in this rank's weight, rows, first
+        row of this rank's slice in the part's full tensor)."""
+        return 0, self.out_per_rank, self.tp_rank * self.out_per_rank
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        """Copy this rank's rows of the full checkpoint weight [out, in] or bias [out] (of part shard_id,
+        for a fused layer) into their place in param."""
+        offset, size, start = self.shard_rows(shard_id)
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         """x [N, in_features] -> this rank's [N, out_features / tp]."""
+        if self.quant_method is not None:
+            x = x.materialize() if isinstance(x, PendingNorm) else x
+            return self.quant_method.apply(self, x, self.bias)
         if isinstance(x, PendingNorm):
             if gemv.enabled(x.x, self.weight):  # the norm runs in the GEMV's prologue
                 norm = (x.weight, x.eps)
@@ -96,12 +108,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        """Copy this rank's rows of output shard_id's full weight [output_sizes[shard_id], in] (or bias)
-        into that output's place in param."""
+    def shard_rows(self, shard_id: Any = 0) -> tuple[int, int, int]:
+        """Output shard_id's rows: its 1/tp slice, after the slices of the outputs before it."""
         size = self.output_sizes[shard_id] // self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        return sum(self.output_sizes[:shard_id]) // self.tp_size, size, self.tp_rank * size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -124,13 +134,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp
         super().__init__(hidden, out, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
-        """Copy this rank's heads of the full q, k or v weight [heads * head_size, hidden] (or bias) into
-        their place in param; rank r takes KV head block r // kv_replicas."""
+    def shard_rows(self, shard_id: Any = "q") -> tuple[int, int, int]:
+        """This rank's heads of q, k or v [heads * head_size, hidden]; rank r takes KV head block
+        r // kv_replicas."""
         q, kv = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+        return offset, size, rank * size
 
 
 class RowParallelLinear(nn.Module):
@@ -148,18 +158,28 @@ class RowParallelLinear(nn.Module):
         self.weight = _param(out_features, in_features // self.tp_size, loader=self.weight_loader)
         self.bias = _param(out_features, loader=self._bias_loader) if bias else None
         self.packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout, CPU bf16 only
+        self.quant_method = None  # a turnout.quantization.LinearMethod, set before the checkpoint loads
+        self.in_per_rank = in_features // self.tp_size
+
+    def shard_cols(self) -> tuple[int, int]:
+        """This rank's input columns of the checkpoint weight [out, in]: (first column, columns)."""
+        return self.tp_rank * self.in_per_rank, self.in_per_rank
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """Copy this rank's columns of the full checkpoint weight [out, in] into param (the bias has its own
         loader that copies it whole)."""
-        n = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * n, n))
+        start, n = self.shard_cols()
+        param.data.copy_(loaded.narrow(1, start, n))
 
     def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor | PendingSiluMul) -> torch.Tensor:
         """x [N, in_features / tp] -> [N, out_features], summed over the TP ranks."""
+        if self.quant_method is not None:
+            x = x.materialize() if isinstance(x, PendingSiluMul) else x
+            y = tp_all_reduce(self.quant_method.apply(self, x, None))
+            return y if self.bias is None else y + self.bias
         if isinstance(x, PendingSiluMul):
             if gemv.enabled(x.x, self.weight):  # SiLU-and-mul runs in the GEMV's prologue
                 y = gemv.gemv(x.x, self.weight, silu_mul=True)

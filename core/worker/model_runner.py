@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from turnout import quantization
 from turnout.attention.backend import AttentionBackend, AttentionMetadata
 from turnout.config import EngineConfig
 from turnout.distributed import get_parallel_state, pp_recv, pp_send
@@ -40,7 +41,7 @@ from turnout.layers.linear import pack_linears_for_cpu
 from turnout.loader.weights import load_checkpoint
 from turnout.models.interface import CausalLM
 from turnout.sampling_params import SamplingParams
-from turnout.selection import Selection
+from turnout.selection import Selection, quantization_context
 from turnout.structured_outputs import GrammarOutput, apply_token_bitmask
 from turnout.worker import block_table, kv_cache
 from turnout.worker.sampler import SampledTensors, Sampler, gather_logprobs
@@ -158,9 +159,14 @@ class ModelRunner:
             )
         if self.selection.moe is not None:
             moe.bind_kernel(model, self.selection.moe.obj)
+        if (method := self.selection.quantization_method) is not None:
+            ctx = quantization_context(self.config, self.info, self.selection.platform, self.dtype)
+            with torch.device(self.device):
+                n = quantization.quantize_linears(model, method, ctx)
+            logger.info("quantization %s: %d linear layers", method.name, n)
         ps, kernel = get_parallel_state(), self.selection.moe and self.selection.moe.chosen.name
         rank = (ps.tp_rank, ps.tp_size, ps.pp_rank, ps.pp_size, ps.ep_rank, ps.ep_size)
-        key = (cls, str(self.info.path), self.dtype, str(self.device), rank, kernel)
+        key = (cls, str(self.info.path), self.dtype, str(self.device), rank, kernel, method and method.name)
         loaded = load_checkpoint(model, self.info.path, key)
         missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
         if missing:
@@ -168,6 +174,7 @@ class ModelRunner:
                 f"checkpoint {self.info.path} lacks {len(missing)} tensors (e.g. {missing[0]}); "
                 "the weights do not match config.json: re-download or re-convert the model"
             )
+        quantization.process_weights_after_loading(model)
         if self.device.type == "cpu" and (n := pack_linears_for_cpu(model)):
             logger.info("packed %d bf16 weights into oneDNN's layout", n)
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())

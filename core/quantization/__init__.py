@@ -1,0 +1,181 @@
+"""Quantization methods, the fifth plugin kind: how a checkpoint's quantized weights load and compute.
+
+A `QuantizationMethod` (returned by the `turnout_quantization_methods` hook) declares the checkpoint formats
+it reads (by `quantization_config.quant_method`), whether it quantizes an unquantized checkpoint at load
+(`online`, asked for by `quantization = "fp8"`), the devices and compute capabilities it runs on, and which
+layers it replaces (`replaces`: "linear", "moe", "lm_head"). Selection (`turnout.selection`) picks one the
+way it picks the other kinds; a checkpoint whose `quantization_config` no installed method serves is refused
+at start-up, never loaded as if it were unquantized.
+
+For each tensor-parallel linear layer of the model (`turnout.layers.ColumnParallelLinear`,
+`MergedColumnParallelLinear`, `QKVParallelLinear`, `RowParallelLinear`) the chosen method returns a
+`LinearMethod` (or None to leave the layer as it is). Before the checkpoint loads, `create_weights` gives the
+layer its parameters (the quantized weight and its scales, each with a `weight_loader` that keeps this
+rank's shard: the layer's `shard_rows` / `shard_cols` say where each checkpoint part goes); after it loads,
+`process_weights_after_loading` checks and converts them; each forward calls `apply`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from turnout.errors import ConfigError, WeightLoadError
+from turnout.hookspecs import Priority
+from turnout.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from turnout.platform import Platform
+
+LinearLayer = ColumnParallelLinear | RowParallelLinear
+LAYER_KINDS = ("linear", "moe", "lm_head")  # what a method may declare it replaces
+
+# The plugin that serves a quant_method, for the refusal's one line where none installed does.
+KNOWN_FORMATS = {
+    "fp8": "turnout-fp8",
+    "compressed-tensors": "turnout-fp8 (its FP8 schemes)",
+}
+
+
+@dataclass(frozen=True)
+class QuantizationContext:
+    """What a method is checked against: the platform, the checkpoint's `quantization_config` (None for an
+    unquantized checkpoint), the `quantization` the user asked for (None: the checkpoint's), the compute
+    dtype, the checkpoint's whole config.json and the tensor-parallel size."""
+
+    platform: Platform
+    quant_config: dict[str, Any] | None
+    requested: str | None
+    dtype: torch.dtype
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    tp_size: int = 1
+
+    @property
+    def quant_method(self) -> str | None:
+        """The checkpoint's `quantization_config.quant_method`, lower-cased; None where it has none."""
+        qc = self.quant_config
+        return None if qc is None else str(qc.get("quant_method", "")).lower() or "?"
+
+    @property
+    def online(self) -> bool:
+        """An unquantized checkpoint, to be quantized at load because `quantization` asks for it."""
+        return self.quant_config is None and self.requested is not None
+
+
+class LinearMethod:
+    """How one linear layer holds and multiplies its weights. The unquantized layer needs none (None)."""
+
+    def create_weights(self, layer: LinearLayer) -> None:
+        """Replace layer.weight (a [out / tp, in] or [out, in / tp] parameter of the compute dtype) by this
+        method's parameters, registered on the layer under the checkpoint's names (`weight`,
+        `weight_scale`, ...), each with a `weight_loader(param, tensor[, shard_id])` as the layer's own."""
+
+    def process_weights_after_loading(self, layer: LinearLayer) -> None:
+        """Check the loaded parameters (every scale filled, in range) and convert them to the form `apply`
+        takes; raise turnout.errors.WeightLoadError naming the checkpoint tensor where one is wrong."""
+
+    def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [N, in of this rank] (compute dtype) -> [N, out of this rank] (compute dtype), bias added."""
+        raise NotImplementedError
+
+
+class QuantizationMethod:
+    """A quantization method a plugin offers, selected by the checkpoint's `quantization_config` or by
+    `quantization = name` (vLLM's names: "fp8"). Subclasses set the class attributes and implement
+    `linear_method`; `check` adds format validation to the platform checks here."""
+
+    name: str = ""
+    priority: int = Priority.DEFAULT
+    checkpoint_formats: tuple[str, ...] = ()  # quantization_config.quant_method values this reads
+    online: bool = False  # quantizes an unquantized checkpoint at load
+    devices: tuple[str, ...] = ("cuda", "cpu")
+    min_capability: tuple[int, int] | None = None  # on CUDA
+    replaces: frozenset[str] = frozenset({"linear"})  # of LAYER_KINDS
+
+    def check(self, ctx: QuantizationContext) -> list[str]:
+        """Every reason this method cannot serve ctx; empty if it can. The base checks the request (the
+        checkpoint's format or `quantization`), the device and capability, and that the model has no
+        layer kind the checkpoint quantizes that this method does not replace (fused MoE experts)."""
+        why = []
+        if ctx.quant_config is not None and ctx.quant_method not in self.checkpoint_formats:
+            why.append(
+                f"reads {', '.join(self.checkpoint_formats) or 'no'} checkpoints, not {ctx.quant_method}"
+            )
+        if ctx.quant_config is None and not (self.online and ctx.requested == self.name):
+            why.append("not requested" if self.online else "quantizes no checkpoint at load")
+        p = ctx.platform
+        if p.device_type not in self.devices:
+            why.append(f"needs device {' or '.join(self.devices)}, have {p.device_type}")
+        elif p.is_cuda and self.min_capability and (p.capability or (0, 0)) < self.min_capability:
+            have = "sm{}{}".format(*(p.capability or (0, 0)))
+            why.append(
+                f"needs compute capability sm{self.min_capability[0]}{self.min_capability[1]}+, have {have}"
+            )
+        if ctx.quant_config is not None and _has_experts(ctx.hf_config) and "moe" not in self.replaces:
+            why.append("does not quantize fused MoE experts, which this checkpoint stores quantized")
+        return why
+
+    def linear_method(self, ctx: QuantizationContext, checkpoint_names: list[str]) -> LinearMethod | None:
+        """The LinearMethod for the linear layer whose checkpoint tensors are named checkpoint_names (the
+        fused parts of one layer, e.g. `model.layers.0.self_attn.q_proj`, `.k_proj`, `.v_proj`); None leaves
+        it unquantized (a module the checkpoint's ignore list names)."""
+        raise NotImplementedError
+
+
+def _has_experts(hf_config: dict[str, Any]) -> bool:
+    return bool(hf_config.get("num_experts") or hf_config.get("num_local_experts"))
+
+
+def linear_layers(model: nn.Module) -> Iterator[tuple[str, LinearLayer, list[str]]]:
+    """Every tensor-parallel linear layer of model: (module name, layer, the checkpoint names of its parts).
+    A fused layer's parts come from the model's `packed` map (checkpoint name -> (our name, shard)), as
+    DecoderForCausalLM declares it; its module names are the checkpoint's, up to that map."""
+    packed: dict[str, tuple[str, Any]] = getattr(model, "packed", {})
+    for name, m in model.named_modules():
+        if not isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        parts = [f"{prefix}.{ckpt}" for ckpt, (ours, _) in packed.items() if ours == leaf]
+        if not parts and isinstance(m, (MergedColumnParallelLinear, QKVParallelLinear)):
+            parts = [name]
+        yield name, m, parts or [name]
+
+
+def quantize_linears(model: nn.Module, method: QuantizationMethod, ctx: QuantizationContext) -> int:
+    """Give every linear layer the method's LinearMethod (before the checkpoint loads); returns how many."""
+    n = 0
+    for _, layer, parts in linear_layers(model):
+        if (lm := method.linear_method(ctx, parts)) is not None:
+            layer.quant_method = lm
+            lm.create_weights(layer)
+            n += 1
+    return n
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Each quantized layer's process_weights_after_loading, once the checkpoint has loaded."""
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.quant_method is not None:
+            m.quant_method.process_weights_after_loading(m)
+
+
+__all__ = [
+    "ConfigError",
+    "KNOWN_FORMATS",
+    "LAYER_KINDS",
+    "LinearLayer",
+    "LinearMethod",
+    "QuantizationContext",
+    "QuantizationMethod",
+    "linear_layers",
+    "process_weights_after_loading",
+    "quantize_linears",
+    "WeightLoadError",
+]

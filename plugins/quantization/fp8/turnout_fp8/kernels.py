@@ -1,0 +1,178 @@
+"""The FP8 matmuls on CUDA: y [M, N] = x [M, K] @ dequant(w [N, K] e4m3)^T (+ bias), in x's dtype.
+
+- M <= GEMV_MAX_M (decode): `fp8_gemv`, a Triton GEMV that streams the FP8 weights once (half the bytes of
+  bf16) with x in float32, the scales applied per tile (block) or per row (channel); no activation is
+  quantized.
+- Larger M, per-channel scales: x quantized per token (`quant_fp8`, one scale a row, or the checkpoint's
+  static input scale), then cuBLASLt's FP8 GEMM through torch._scaled_mm with row-wise scales.
+- Larger M, block scales: x quantized per 1 x bk group, then `block_gemm`, a Triton FP8 GEMM whose K tile
+  is one scale block.
+
+Each accumulates in float32 and rounds once. No host sync: CUDA graphs capture all three.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+GEMV_MAX_M = 4
+
+
+@triton.jit
+def _quant_kernel(x, q, s, stride_x, stride_q, K, n_groups, GROUP, BLOCK: tl.constexpr):
+    row, g = tl.program_id(0), tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    v = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(v)), 1e-10) / 448.0
+    qv = tl.clamp(v / scale, -448.0, 448.0)
+    tl.store(q + row * stride_q + cols, qv.to(q.dtype.element_ty), mask=mask)
+    tl.store(s + row * n_groups + g, scale)
+
+
+def quant_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] e4m3, scale [M, K / group] float32): one scale per row (group None) or per
+    1 x group slice, amax / 448."""
+    m, k = x.shape
+    group = group or k
+    n_groups = triton.cdiv(k, group)
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    s = torch.empty(m, n_groups, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(group)
+    if m:
+        _quant_kernel[(m, n_groups)](
+            x,
+            q,
+            s,
+            x.stride(0),
+            q.stride(0),
+            k,
+            n_groups,
+            group,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 512)),
+        )
+    return q, s
+
+
+@triton.jit
+def _block_gemm_kernel(
+    a, a_s, b, b_s, c, M, N, K, stride_am, stride_bn, stride_cm, stride_bsn,
+    BN_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n  # programs of GROUP_M row tiles share their B tiles in L2
+    first_m = (pid // width) * GROUP_M
+    rows = min(grid_m - first_m, GROUP_M)
+    pid_m, pid_n = first_m + (pid % width) % rows, (pid % width) // rows
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_k = K // BLOCK_K
+    a_ptr = a + rm[:, None] * stride_am + rk[None, :]
+    b_ptr = b + rn[None, :] * stride_bn + rk[:, None]
+    sa_ptr, sb_ptr = a_s + rm * n_k, b_s + (rn // BN_SCALE) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, n_k):
+        av = tl.load(a_ptr, mask=rm[:, None] < M, other=0.0)
+        bv = tl.load(b_ptr, mask=rn[None, :] < N, other=0.0)
+        sa = tl.load(sa_ptr + kb, mask=rm < M, other=0.0)
+        sb = tl.load(sb_ptr + kb, mask=rn < N, other=0.0)
+        acc += tl.dot(av, bv) * sa[:, None] * sb[None, :]
+        a_ptr += BLOCK_K
+        b_ptr += BLOCK_K
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(c + rm[:, None] * stride_cm + rn[None, :], acc.to(c.dtype.element_ty), mask=mask)
+
+
+def block_gemm(
+    xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int], dtype
+) -> torch.Tensor:
+    """xq [M, K] e4m3 with xs [M, K / bk]; w [N, K] e4m3 with ws [N / bn, K / bk] -> [M, N] of dtype."""
+    (m, k), n = xq.shape, w.shape[0]
+    bn, bk = block
+    c = torch.empty(m, n, dtype=dtype, device=xq.device)
+    block_m = 64 if m <= 64 else 128
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, 128),)
+    _block_gemm_kernel[grid](
+        xq, xs, w, ws, c, m, n, k, xq.stride(0), w.stride(0), c.stride(0), ws.stride(0),
+        BN_SCALE=bn, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=bk, GROUP_M=8,
+        num_warps=8 if block_m == 128 else 4, num_stages=3,
+    )  # fmt: skip
+    return c
+
+
+@triton.jit
+def _gemv_kernel(
+    x, w, s, y, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
+    BLOCKED: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
+    M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, M_P2)
+    acc = tl.zeros((M_P2, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        wm = (rn[:, None] < N) & (rk[None, :] < K)
+        wv = tl.load(w + rn[:, None] * stride_wn + rk[None, :], mask=wm, other=0.0).to(tl.float32)
+        if BLOCKED:  # BLOCK_K divides BK_SCALE: one scale a (row block, k tile)
+            sc = tl.load(s + (rn // BN_SCALE) * stride_sn + k0 // BK_SCALE, mask=rn < N, other=0.0)
+            wv = wv * sc[:, None]
+        xm = (rm[:, None] < M) & (rk[None, :] < K)
+        xv = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0).to(tl.float32)
+        acc += tl.sum(xv[:, None, :] * wv[None, :, :], axis=2)
+    if not BLOCKED:
+        acc = acc * tl.load(s + rn, mask=rn < N, other=0.0)[None, :]
+    ym = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(y + rm[:, None] * stride_ym + rn[None, :], acc.to(y.dtype.element_ty), mask=ym)
+
+
+def fp8_gemv(
+    x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int] | None
+) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_M, compute dtype) @ dequant(w)^T -> [M, N] in x's dtype; ws [N] per row, or
+    [N / bn, K / bk] per block."""
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    m_p2 = triton.next_power_of_2(max(m, 1))
+    block_k = min(block[1], 256 // m_p2) if block else 512 // m_p2
+    bn, bk = block or (1, 1)
+    _gemv_kernel[(triton.cdiv(n, 32),)](
+        x, w, ws, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), ws.stride(0),
+        BLOCKED=block is not None, BN_SCALE=bn, BK_SCALE=bk, M_P2=m_p2, BLOCK_N=32, BLOCK_K=block_k,
+        num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    block: tuple[int, int] | None,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The FP8 linear layer's forward: the route by M in the module docstring; input_scale [1, 1] for
+    static activations (per-channel scales only)."""
+    x = x.contiguous()
+    m = x.shape[0]
+    if m <= GEMV_MAX_M:
+        y = fp8_gemv(x, w, ws, block)
+    elif block is not None:
+        xq, xs = quant_fp8(x, block[1])
+        y = block_gemm(xq, xs, w, ws, block, x.dtype)
+    else:
+        if input_scale is not None:
+            xq = (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            xs = input_scale.expand(m, 1).contiguous()
+        else:
+            xq, xs = quant_fp8(x)
+        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=x.dtype)
+    return y if bias is None else y + bias

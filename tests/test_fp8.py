@@ -1,0 +1,221 @@
+"""FP8 checkpoints (turnout-fp8) on the CPU: each format against HF transformers running the same checkpoint
+dequantized by the format's formula in float64, online quantization against the unquantized model, and
+one-line refusals for what no method serves."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from turnout import LLM, SamplingParams, hookimpl
+from turnout.bench.random_models import dequantized_checkpoint, quantize_checkpoint
+from turnout.errors import TurnoutError
+
+from tiny_models import hf_greedy, make_tiny_model
+
+MAX_NEW = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+FORMATS = {
+    "hf-block": dict(fmt="fp8", block=(16, 32)),
+    "hf-tensor-static": dict(fmt="fp8", block=None, activations="static"),
+    "ct-channel-dynamic": dict(fmt="compressed-tensors", weights="channel", activations="dynamic"),
+    "ct-tensor-static": dict(fmt="compressed-tensors", weights="tensor", activations="static"),
+}
+PROMPTS = [[random.Random(i).randrange(3, 512) for _ in range(4 + 5 * i)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("fp8-src"), "llama", seed=3)
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def fp8_and_ref(request: pytest.FixtureRequest, tiny_bf16: Path, tmp_path_factory: pytest.TempPathFactory):
+    fp8 = quantize_checkpoint(tiny_bf16, tmp_path_factory.mktemp(request.param), **FORMATS[request.param])
+    ref = dequantized_checkpoint(fp8, tmp_path_factory.mktemp(request.param + "-ref"))
+    return fp8, ref
+
+
+def _hf_logprobs(path: Path, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """HF's logprob of each of tokens, teacher-forced after prompt, float32 forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].double(), -1)
+    return logp[len(prompt) - 1 : -1].gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_each_fp8_format_matches_hf_on_the_checkpoint_dequantized(fp8_and_ref) -> None:
+    fp8, ref = fp8_and_ref
+    llm = LLM(str(fp8), dtype="float32", cpu_kv_cache_bytes=1 << 22)
+    assert llm.engine.selection.quantization.chosen.name == "fp8"
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == hf_greedy(ref, PROMPTS, MAX_NEW)
+    lps = zip(outs[0].outputs[0].logprobs, outs[0].token_ids)
+    ours = torch.tensor([lp[t].logprob for lp, t in lps], dtype=torch.float64)
+    theirs = _hf_logprobs(ref, PROMPTS[0], outs[0].token_ids)
+    assert torch.allclose(ours, theirs, atol=1e-4), (ours, theirs)
+
+
+def test_an_fp8_checkpoint_without_the_fp8_plugin_is_refused_with_one_line(
+    tiny_bf16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fp8 = quantize_checkpoint(tiny_bf16, tmp_path / "fp8", **FORMATS["ct-channel-dynamic"])
+    monkeypatch.setenv("TURNOUT_PLUGINS", "llama,cpu,uniproc,graphs")
+    from turnout.plugins import reset_plugin_manager
+
+    reset_plugin_manager()
+    try:
+        with pytest.raises(TurnoutError) as e:
+            LLM(str(fp8), dtype="float32", cpu_kv_cache_bytes=1 << 22)
+    finally:
+        monkeypatch.delenv("TURNOUT_PLUGINS")
+        reset_plugin_manager()
+    msg = str(e.value)
+    assert "\n" not in msg and "quant_method" in msg and "install turnout-fp8" in msg
+
+
+def _qkv_weight(llm: LLM) -> torch.Tensor:
+    model = llm.engine.executor.worker.runner.model
+    return next(m.weight for m in model.modules() if type(m).__name__ == "QKVParallelLinear")
+
+
+def test_online_fp8_agrees_with_the_embedded_model_teacher_forced() -> None:
+    """quantization = "fp8" on the embedded (unquantized) model: along the unquantized model's own greedy
+    continuations, the FP8 model's argmax (teacher-forced, through prompt_logprobs) is the same token at
+    least 95% of the steps."""
+    base = LLM(cpu_kv_cache_bytes=1 << 24)
+    tok = base.get_tokenizer()
+    chats = [[{"role": "user", "content": q}] for q in ("Name three rivers.", "What is a railway switch?")]
+    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    cont = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    conts = [o.token_ids for o in base.generate(prompts, cont, use_tqdm=False)]
+    fp8 = LLM(cpu_kv_cache_bytes=1 << 24, quantization="fp8")
+    assert fp8.engine.selection.quantization.chosen.name == "fp8"
+    assert not torch.equal(_qkv_weight(fp8), _qkv_weight(base))  # the weights went through FP8
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outs = fp8.generate([p + c for p, c in zip(prompts, conts)], score, use_tqdm=False)
+    steps = [
+        (max(o.prompt_logprobs[len(p) + i].items(), key=lambda kv: kv[1].logprob)[0], tok)
+        for p, c, o in zip(prompts, conts, outs)
+        for i, tok in enumerate(c)
+    ]
+    agree = sum(a == b for a, b in steps)
+    assert agree / len(steps) >= 0.95, f"{agree}/{len(steps)}"
+
+
+def _edit_config(path: Path, dst: Path, edit) -> Path:
+    shutil.copytree(path, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+MALFORMED = {
+    "unknown method": (lambda qc: qc.update(quant_method="awq"), "quant_method 'awq'"),
+    "indivisible block": (lambda qc: qc.update(weight_block_size=[24, 32]), "does not divide"),
+    "bad block": (lambda qc: qc.update(weight_block_size=[128]), "weight_block_size"),
+    "static with blocks": (lambda qc: qc.update(activation_scheme="static"), "activation_scheme"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_quantization_config_fails_start_up_with_one_line(
+    case: str, tiny_bf16: Path, tmp_path: Path
+) -> None:
+    edit, needle = MALFORMED[case]
+    src = quantize_checkpoint(tiny_bf16, tmp_path / "fp8", **FORMATS["hf-block"])
+    bad = _edit_config(src, tmp_path / "bad", edit)
+    with pytest.raises(TurnoutError) as e:
+        LLM(str(bad), dtype="float32", cpu_kv_cache_bytes=1 << 22)
+    assert "\n" not in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def _edit_tensors(src: Path, dst: Path, edit) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+BAD_TENSORS = {
+    "missing scale": (
+        lambda t: t.pop("model.layers.1.self_attn.k_proj.weight_scale_inv"),
+        "lacks model.layers.1.self_attn.k_proj.weight_scale_inv",
+    ),
+    "scale of the wrong shape": (
+        lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale_inv": torch.ones(3, 2)}),
+        "model.layers.0.mlp.up_proj.weight_scale_inv has shape (3, 2)",
+    ),
+    "weights not in FP8": (
+        lambda t: t.update({"model.layers.0.self_attn.o_proj.weight": torch.ones(64, 64)}),
+        "model.layers.0.self_attn.o_proj.weight is float32",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TENSORS))
+def test_a_checkpoint_that_does_not_match_its_fp8_config_fails_with_the_tensor_named(
+    case: str, tiny_bf16: Path, tmp_path: Path
+) -> None:
+    edit, needle = BAD_TENSORS[case]
+    src = quantize_checkpoint(tiny_bf16, tmp_path / "fp8", **FORMATS["hf-block"])
+    bad = _edit_tensors(src, tmp_path / "bad", edit)
+    with pytest.raises(TurnoutError) as e:
+        LLM(str(bad), dtype="float32", cpu_kv_cache_bytes=1 << 22)
+    assert "\n" not in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused(tiny_bf16: Path, tmp_path: Path) -> None:
+    from turnout.models.info import ModelInfo
+    from turnout.platform import Platform
+    from turnout.selection import select_all
+
+    fp8 = quantize_checkpoint(tiny_bf16, tmp_path / "fp8", **FORMATS["hf-block"])
+    a100 = Platform("cuda", "NVIDIA A100", 1, (8, 0), 80 << 30, (torch.float32, torch.bfloat16), True)
+    from turnout.config import EngineConfig
+
+    with pytest.raises(TurnoutError) as e:
+        select_all(EngineConfig(model=str(fp8)), ModelInfo.from_dir(fp8), platform=a100)
+    assert "\n" not in str(e.value) and "needs compute capability sm89+, have sm80" in str(e.value)
+
+
+class _CudaOnlyFp8:
+    """A third party's method for the same format that runs only on CUDA."""
+
+    @hookimpl
+    def turnout_quantization_methods(self, platform):
+        from turnout.quantization import QuantizationMethod
+
+        class CudaFp8(QuantizationMethod):
+            name, checkpoint_formats, devices, priority = "cuda_fp8", ("fp8",), ("cuda",), 100
+
+        return [CudaFp8()]
+
+
+def test_every_method_is_a_candidate_with_its_reasons(
+    register_plugin, plugin_manager, tiny_bf16: Path, tmp_path: Path
+) -> None:
+    from turnout.config import EngineConfig
+    from turnout.models.info import ModelInfo
+    from turnout.selection import select_all
+
+    register_plugin(_CudaOnlyFp8(), "cuda_fp8_plugin")
+    fp8 = quantize_checkpoint(tiny_bf16, tmp_path / "fp8", **FORMATS["hf-block"])
+    sel = select_all(EngineConfig(model=str(fp8)), ModelInfo.from_dir(fp8), plugin_manager)
+    cands = {c.name: c for c in sel.quantization.candidates}
+    assert sel.quantization.chosen.name == "fp8" and cands["fp8"].valid
+    assert cands["cuda_fp8"].reasons == ["needs device cuda, have cpu"]
+    assert "quantization fp8" in sel.summary()
