@@ -1,4 +1,4 @@
-"""Llama-family models: SmolLM2, Llama 2 and Llama 3.x (llama3 rope scaling), Mistral-style dense."""
+"""Llama-family models: SmolLM2, Llama 2 and Llama 3.x (llama3 rope scaling); Mistral has its own plugin."""
 
 from turnout import hookimpl
 from turnout.models import ModelArchitecture

@@ -1,0 +1,106 @@
+"""The bundled Mistral, Mixtral and Gemma 2 plugins generate like HF transformers (float32, each prompt alone,
+eager attention): greedy tokens exactly, over prompts longer than every sliding window, batched and one at
+a time, with and without chunked prefill, on prefix-cache hits, and under tensor parallelism (Mixtral's
+experts split over the ranks by expert parallelism)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from turnout import LLM, SamplingParams
+
+from tiny_models import TOKENIZER_VOCAB, _tokenizer
+
+WINDOW = 8
+MAX_NEW = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+KW = {"dtype": "float32", "cpu_kv_cache_bytes": 1 << 22, "block_size": 4}
+COMMON = dict(
+    vocab_size=TOKENIZER_VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    max_position_embeddings=512, bos_token_id=1, eos_token_id=2, sliding_window=WINDOW,
+    tie_word_embeddings=False,
+)  # fmt: skip
+CONFIGS = {  # plugin -> (HF config class, its own keys): 2 layers each; Gemma 2's are sliding, then full
+    "mistral": ("MistralConfig", dict(intermediate_size=128, num_hidden_layers=2)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
+                                      num_experts_per_tok=2)),
+    "gemma2": ("Gemma2Config", dict(intermediate_size=128, num_hidden_layers=2, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=3.0, final_logit_softcapping=5.0)),
+}  # fmt: skip
+ARCH = {"mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+TP2 = {"mistral": {}, "mixtral": {"enable_expert_parallel": True}, "gemma2": {}}
+
+_rng = random.Random(7)
+PROMPTS = [[_rng.randrange(3, TOKENIZER_VOCAB) for _ in range(_rng.randrange(10, 40))] for _ in range(8)]
+assert min(map(len, PROMPTS)) > WINDOW
+
+
+def _write(path: Path, plugin: str) -> Path:
+    """A tiny random checkpoint, weights (and Gemma's norms) widened so that logits are far from ties."""
+    import transformers
+
+    cls, own = CONFIGS[plugin]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**COMMON, **own))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+            elif plugin == "gemma2":  # GemmaRMSNorm scales by 1 + w, w initialised to 0
+                p.normal_(0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer(path)
+    return path
+
+
+def _hf_greedy(path: Path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    outs = []
+    for p in PROMPTS:
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(MAX_NEW):
+                ids.append(int(model.eval()(torch.tensor([ids])).logits[0, -1].argmax()))
+        outs.append(ids[len(p) :])
+    return outs
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path = _write(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, path, _hf_greedy(path)
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_greedy_matches_hf(model) -> None:
+    """Batched, then each prompt again alone (every one a prefix hit), then chunked by a 16-token budget."""
+    plugin, path, ref = model
+    llm = LLM(str(path), **KW)
+    assert (llm.selection.model.chosen.name, llm.selection.model.chosen.plugin) == (ARCH[plugin], plugin)
+    assert _tokens(llm, PROMPTS) == ref
+    for p, r in zip(PROMPTS, ref):
+        out = llm.generate([p], GREEDY, use_tqdm=False)[0]
+        assert out.token_ids == r and out.num_cached_tokens >= len(p) - 4, out.num_cached_tokens
+    chunked = LLM(str(path), max_num_batched_tokens=16, max_num_seqs=4, **KW)
+    assert max(map(len, PROMPTS)) > 16 and _tokens(chunked, PROMPTS) == ref
+
+
+def test_tp2_matches_hf(model) -> None:
+    """Two ranks over gloo, chunked prefill, and the first four prompts again as prefix hits."""
+    plugin, path, ref = model
+    llm = LLM(str(path), tensor_parallel_size=2, max_num_batched_tokens=16, **TP2[plugin], **KW)
+    try:
+        assert _tokens(llm, PROMPTS) == ref
+        again = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in again] == ref[:4] and all(o.num_cached_tokens >= 8 for o in again)
+    finally:
+        llm.shutdown()
