@@ -549,9 +549,21 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _text(text: str) -> str:
+    """A text flag's value; one whose bytes are not UTF-8 (held by Python as lone surrogates) is refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = os.fsencode(text)
+        raise argparse.ArgumentTypeError(
+            f"{raw!r} is not UTF-8 text; pass UTF-8 (recode it, e.g. with iconv -f latin1 -t utf-8)"
+        ) from None
+    return text
+
+
 def _escaped(text: str) -> str:
     """A flag value with \\n, \\t, \\r and \\\\ as typed in a shell read as the characters they name."""
-    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m[1]], text)
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m[1]], _text(text))
 
 
 def _token_ids(text: str) -> list[int]:
@@ -617,7 +629,11 @@ def _sampling_flags(g: argparse.ArgumentParser) -> None:
         "--logit-bias", type=_json_object, metavar="JSON", help="bias per token id, e.g. '{\"1234\": -100}'"
     )
     s.add_argument(
-        "--bad-words", action="append", metavar="WORD", help="a word never to generate (repeatable)"
+        "--bad-words",
+        action="append",
+        type=_text,
+        metavar="WORD",
+        help="a word never to generate (repeatable)",
     )
     s.add_argument("--logprobs", type=int, help="return the chosen token's logprob and the top N per token")
     s.add_argument("--prompt-logprobs", type=int, help="return the logprob and top N of every prompt token")
@@ -640,7 +656,7 @@ def _generate_parser(sub: Any) -> None:
         epilog=EXIT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument("--prompt", action="append", type=_text, help="prompt text (repeatable)")
     g.add_argument(
         "--input",
         help='JSONL file: per line {"prompt": text or token ids} or {"messages": [...]}, optionally "id" and '

@@ -200,11 +200,13 @@ class LLM:
         use_tqdm: bool,
         on_output: OnOutput | None,
     ) -> None:
-        """Step until every request is done. Progress: requests done, or for one prompt its tokens."""
+        """Step until every request is done. Progress: tokens generated, counted to what will run: each
+        request's max_tokens (which fits the context), less what a request that ends early leaves unused."""
         left = collections.Counter(i for i, _ in pending.values())
-        reqs = [self.engine.requests[r] for r in pending] if len(results) == 1 else []
-        total = sum(r.params.max_tokens for r in reqs) if reqs else len(pending)
-        bar = tqdm(total=total, desc="generate", unit="tok" if reqs else "req", disable=not use_tqdm)
+        reqs = [self.engine.requests[r] for r in pending]
+        bar = tqdm(
+            total=sum(r.params.max_tokens for r in reqs), desc="generate", unit="tok", disable=not use_tqdm
+        )
         while pending:
             for s in self.engine.step():
                 if s.finished and s.req.req_id in pending:
@@ -217,11 +219,11 @@ class LLM:
                             None,
                             *self._logprobs(req.prompt_token_ids[1:], req.prompt_logprobs),
                         ]
-                    bar.update(0 if reqs else 1)  # one prompt: counted in tokens below
+                    bar.total -= req.params.max_tokens - len(req.output_token_ids)
                     left[i] -= 1
                     if not left[i]:
                         self._finish(i, results[i], params[i], on_output)
-            if reqs:
+            if not bar.disable:
                 bar.update(sum(len(r.output_token_ids) for r in reqs) - bar.n)
         bar.close()
 

@@ -64,8 +64,8 @@ def check_conversation(messages: Any) -> Conversation:
 
 def context_problem(prompt_len: int, max_tokens: int, max_model_len: int, model_max: int = 0) -> str | None:
     """Why a prompt of prompt_len tokens with max_tokens to generate does not fit max_model_len, or None.
-    The server refuses both cases (413); the engine refuses a prompt with no room for one token and runs
-    the rest to the context, with one warning. model_max, the model's own limit, shapes the advice."""
+    Every front door refuses both cases before anything runs (the server with 413). model_max, the model's
+    own limit, shapes the advice."""
     if prompt_len >= max_model_len:
         fix = (
             f"or raise max_model_len (the model allows up to {model_max})"

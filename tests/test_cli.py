@@ -122,6 +122,11 @@ def test_generate_input_jsonl(tiny_llama, tmp_path):
             1,
             "shorten the prompt to at most 511 tokens (the model's limit is 512)",
         ),
+        (
+            ["--prompt", "w1", "--max-tokens", "100000"],
+            1,
+            "context is 512 tokens, but the request needs 1 (prompt) + 100000 (max_tokens) = 100001",
+        ),
         (["--prompt", "w1", "--max-tok", "3"], 2, "unrecognized arguments: --max-tok 3"),
         (["--prompt", "w1", "--block-size", "0"], 2, "'block_size' in arguments"),
     ],
@@ -131,6 +136,17 @@ def test_generate_bad_input_one_line_error(tiny_llama, args, rc, needle):
     assert p.returncode == rc
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and needle in errors[0] and "Traceback" not in p.stderr, p.stderr
+
+
+def test_generate_non_utf8_argument_is_one_usage_line(tiny_llama, capsys):
+    """A shell passes bytes; Python holds those that are not UTF-8 as lone surrogates, as here."""
+    from turnout import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--model", str(tiny_llama), "--prompt", "caf\udce9"])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert "argument --prompt: b'caf\\xe9' is not UTF-8 text; pass UTF-8" in err[0]
 
 
 def test_generate_missing_weights(tiny_llama, tmp_path):
@@ -491,13 +507,3 @@ def test_ctrl_c_keeps_the_finished_rows_and_never_empties_the_output(tiny_llama,
     rc, err = _interrupted(tiny_llama, tmp_path, rows, lambda lines: len(lines) == 1)
     assert rc == 130 and "Traceback" not in err
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["q0", "q1", "q2"]
-
-
-def test_max_tokens_past_the_context_warns_once_and_stops_there(tiny_llama):
-    p = run("generate", "--model", str(tiny_llama), "--prompt", "w1", "--prompt", "w2", "--max-tokens",
-            "100000", "--ignore-eos", "--json", check=False)  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    warned = [line for line in p.stderr.splitlines() if "(max_tokens)" in line]
-    assert len(warned) == 1 and "1 (prompt) + 100000 (max_tokens) = 100001" in warned[0], p.stderr
-    rows = [json.loads(line) for line in p.stdout.splitlines()]
-    assert [(len(r["token_ids"]), r["finish_reason"]) for r in rows] == [(511, "length")] * 2

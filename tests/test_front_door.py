@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 import math
 import subprocess
 import sys
@@ -512,10 +511,17 @@ def test_prompt_logprobs_over_chunks_and_the_prefix_cache(tiny_llama: Path) -> N
             assert {t for t in d if d[t].rank <= 3} == set(ref[j - 1].topk(3).indices.tolist())
 
 
-def test_generate_raises_for_a_prompt_past_max_model_len_before_anything_runs(
-    tiny_llama: Path, caplog
-) -> None:
-    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64)
+@pytest.fixture(scope="module")
+def tiny64(tiny_llama: Path):
+    engine = LLM(str(tiny_llama), dtype="float32", max_model_len=64)
+    yield engine
+    engine.shutdown()
+
+
+def test_generate_raises_for_a_request_past_max_model_len_before_anything_runs(tiny64: LLM) -> None:
+    """Too long a prompt, and a prompt whose max_tokens runs past the context, are both refused up front,
+    naming the context and what the request needs, as vLLM's server refuses them."""
+    llm = tiny64
     sp = SamplingParams(temperature=0, max_tokens=4)
     with pytest.raises(ValueError, match=r"prompt 1: prompt is 100 tokens, but max_model_len is 64; .*"
                        r"raise max_model_len \(the model allows up to 512\)"):  # fmt: skip
@@ -523,13 +529,24 @@ def test_generate_raises_for_a_prompt_past_max_model_len_before_anything_runs(
     with pytest.raises(ValueError, match="conversation 0: "):  # the tiny model has no chat template
         llm.chat([{"role": "user", "content": "w1"}], sp, use_tqdm=False)
     assert not llm.engine.requests and not llm.engine.has_unfinished()
-    with caplog.at_level(logging.WARNING, logger="turnout"):  # past the context: one line, then it runs
-        out = llm.generate(["w1 w2", "w1"], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert (
-        len(warned) == 1
-        and "needs 2 (prompt) + 100 (max_tokens) = 102; lower max_tokens to at most 62" in warned[0]
-    )
-    assert [len(o.token_ids) for o in out] == [62, 63]
-    assert [o.outputs[0].finish_reason for o in out] == ["length", "length"]
-    llm.shutdown()
+    past = r"prompt 1: this model's context is 64 tokens, but the request needs 2 \(prompt\) \+ 100 "
+    with pytest.raises(ValueError, match=past + r"\(max_tokens\) = 102; lower max_tokens to at most 62"):
+        llm.generate(["w1", "w1 w2"], [sp, SamplingParams(max_tokens=100, ignore_eos=True)], use_tqdm=False)
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    out = llm.generate(["w1 w2"], SamplingParams(max_tokens=62, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 62 and out[0].outputs[0].finish_reason == "length"  # up to the context
+
+
+def test_progress_counts_the_tokens_that_run(tiny64: LLM, capsys) -> None:
+    """Over several prompts too, the bar counts tokens, and a request that stops early takes its unused
+    max_tokens off the total: the bar ends full, at the tokens generated."""
+    llm = tiny64
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    stop = llm.generate(["w1"], greedy, use_tqdm=False)[0].token_ids[2]
+    early = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])
+    capsys.readouterr()
+    out = llm.generate(["w1", "w1 w2"], [early, greedy], use_tqdm=True)
+    ran = sum(len(o.token_ids) for o in out)
+    assert ran < 24 and out[0].outputs[0].finish_reason == "stop"
+    last = capsys.readouterr().err.rsplit("\r", 1)[-1]
+    assert f"| {ran}/{ran} [" in last and "tok/s" in last, last

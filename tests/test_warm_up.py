@@ -36,12 +36,10 @@ def test_warm_up_leaves_no_trace(tiny_llama, async_scheduling):
     assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
 
 
-def test_warm_up_requests_fit_the_context(tiny_llama, caplog):
-    """The warm-up's longest request fits max_model_len: it logs no context warning, and a user's first
-    request past the context still gets its own."""
+def test_warm_up_requests_fit_the_context(tiny_llama):
+    """The warm-up's longest request fits max_model_len, past which a request is refused before it runs."""
     llm = LLM(str(tiny_llama), dtype="float32", max_model_len=64, enforce_eager=True, attention_backend="cpu")
     llm.engine._warm_up()  # start-up runs it on CUDA only
-    assert not llm.engine._overflow_warned
-    with caplog.at_level("WARNING", logger="turnout"):
+    assert not llm.engine.requests
+    with pytest.raises(ValueError, match=r"prompt 0: this model's context is 64 tokens, .* = 70;"):
         llm.generate([[5] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
-    assert "it stops at the context" in caplog.text

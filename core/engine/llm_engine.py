@@ -138,7 +138,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
-        self._overflow_warned = False  # one warning line for requests that will stop at the context
         try:
             self._init_kv_cache()
             if self.selection.platform.is_cuda:
@@ -260,12 +259,8 @@ class LLMEngine:
         if not token_ids:
             raise RequestError("empty prompt; pass at least one token of text")
         model_max = self.info.max_position_embeddings
-        if problem := context_problem(len(token_ids), 1, self.max_model_len, model_max):
-            raise RequestError(problem)  # as in vLLM: a prompt that leaves no room for one token
-        over = context_problem(len(token_ids), params.max_tokens, self.max_model_len)
-        if over and not self._overflow_warned:  # it runs, and stops at the context (finish_reason length)
-            self._overflow_warned = True
-            logger.warning("%s; it stops at the context (finish_reason length)", over)
+        if problem := context_problem(len(token_ids), params.max_tokens, self.max_model_len, model_max):
+            raise RequestError(problem)  # as vLLM's server: the whole request fits, or none of it runs
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise RequestError(
                 f"prompt token ids must lie in [0, {vocab}); got {min(token_ids)}..{max(token_ids)}"
