@@ -377,3 +377,82 @@ def test_engines_within_reuse_weights_share_one_read_of_the_checkpoint(tiny_llam
     assert kept_bytes() == 0
     with pytest.raises(WeightLoadError, match="corrupt weight file"):  # outside it, every engine reads
         LLM(model=str(model), dtype="float32", attention_backend="cpu")
+
+
+# ---- the bundled decoder: config keys that change the math, and checkpoints loaded whole or refused ----
+def _hf_config(arch: str = "llama", **overrides) -> dict:
+    """config.json of a tiny model as transformers writes it."""
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    return AutoConfig.for_model(arch, **common | overrides).to_dict()
+
+
+def _decoder(cfg: dict):
+    from turnout_llama.model import LlamaForCausalLM
+
+    return LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize(
+    "key, cfg",
+    [
+        ("sliding_window", _hf_config("mistral", sliding_window=16)),
+        ("sliding_window", _hf_config("qwen2", use_sliding_window=True, sliding_window=16)),
+        ("layer_types", _hf_config(layer_types=["sliding_attention", "full_attention"])),
+        ("attn_logit_softcapping", _hf_config(attn_logit_softcapping=50.0)),
+        ("final_logit_softcapping", _hf_config(final_logit_softcapping=30.0)),
+        ("hidden_act", _hf_config(hidden_act="gelu_pytorch_tanh")),
+        ("mlp_bias", _hf_config(mlp_bias=True)),
+        ("partial_rotary_factor", _hf_config(partial_rotary_factor=0.5)),
+        ("rope_parameters", _hf_config() | {"rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        }}),
+        ("rope_parameters", _hf_config() | {"rope_parameters": {"rope_type": "no_such_kind", "factor": 2.0}}),
+    ],
+)  # fmt: skip
+def test_decoder_refuses_config_keys_it_does_not_implement(key: str, cfg: dict) -> None:
+    from turnout.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"config\.json('s| sets) {key}") as e:
+        _decoder(cfg)
+    assert "\n" not in str(e.value) and "use a model plugin" in str(e.value)
+
+
+def test_decoder_takes_keys_set_to_what_it_computes() -> None:
+    """Values that leave the math as the decoder computes it: a window switched off, full-attention layers."""
+    _decoder(_hf_config("qwen2", use_sliding_window=False, sliding_window=16))
+    _decoder(_hf_config(layer_types=["full_attention"] * 2, hidden_act="silu", mlp_bias=False))
+
+
+def test_a_declared_key_is_one_the_layers_use() -> None:
+    """implemented_keys is checked against MATH_KEYS, and a declared window against the built layers."""
+    from turnout_llama.model import LlamaForCausalLM
+
+    from turnout.layers import Attention
+
+    class Declares(LlamaForCausalLM):
+        implemented_keys = frozenset({"sliding_window"})
+
+    class Windowed(Declares):
+        def __init__(self, cfg: dict) -> None:
+            super().__init__(cfg)
+            for layer in self.model.layers:
+                a = layer.self_attn.attn
+                layer.self_attn.attn = Attention(
+                    a.num_heads, a.num_kv_heads, a.head_size, a.scale, sliding_window=16
+                )
+
+    class Typo(LlamaForCausalLM):
+        implemented_keys = frozenset({"sliding_windows"})
+
+    cfg = _hf_config("mistral", sliding_window=16)
+    with pytest.raises(TurnoutError, match="declares sliding_window in implemented_keys, but none of its"):
+        Declares(cfg).load_weights([])
+    Windowed(cfg).check_layers()
+    with pytest.raises(TurnoutError, match="names sliding_windows, not among"):
+        Typo(cfg)

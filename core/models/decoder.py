@@ -1,9 +1,10 @@
 """The dense pre-norm decoder shared by Llama, Qwen2 and Qwen3: model plugins pick the options.
 
 Options read from the HF config: attention_bias (qkv bias; Qwen2 always), qk_norm (Qwen3's per-head RMSNorm
-on q and k), rope_scaling (linear, llama3, yarn), tie_word_embeddings. The layers choose their kernels (fused
-norms, the decode GEMV with the norm or SiLU-and-mul in its prologue); the model only says which output feeds
-which.
+on q and k), rope_scaling / rope_parameters (the kinds RotaryEmbedding implements), tie_word_embeddings. A
+config key in MATH_KEYS that changes the math (a sliding window, soft-capping, ...) is refused at build time
+unless the class declares it in implemented_keys. The layers choose their kernels (fused norms, the decode
+GEMV with the norm or SiLU-and-mul in its prologue); the model only says which output feeds which.
 """
 
 from __future__ import annotations
@@ -15,12 +16,47 @@ import torch
 from torch import nn
 
 from turnout.distributed import get_parallel_state
+from turnout.errors import ConfigError, TurnoutError
 from turnout.layers.activation import SiluAndMul
 from turnout.layers.attention import Attention
 from turnout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from turnout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from turnout.layers.norm import RMSNorm
 from turnout.layers.rotary import RotaryEmbedding
+
+
+def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+
+
+def _not(default: Any) -> Callable[[Any], Any]:
+    """A value that changes the math unless it is None or `default`."""
+    return lambda v: None if v is None or v == default else v
+
+
+# config.json keys that change the math: key -> cfg -> the value that does (None: this config does not)
+MATH_KEYS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "sliding_window": lambda c: None if c.get("use_sliding_window") is False else c.get("sliding_window"),
+    "layer_types": lambda c: sorted(set(c.get("layer_types") or ()) - {"full_attention"}) or None,
+    "attn_logit_softcapping": lambda c: c.get("attn_logit_softcapping"),
+    "final_logit_softcapping": lambda c: c.get("final_logit_softcapping"),
+    "rope_parameters": lambda c: sorted(k for k, v in _rope(c).items() if isinstance(v, dict)) or None,
+    "partial_rotary_factor": lambda c: _not(1.0)(
+        c.get("partial_rotary_factor", _rope(c).get("partial_rotary_factor"))
+    ),
+    "hidden_act": lambda c: _not("silu")(c.get("hidden_act")),
+    "hidden_activation": lambda c: _not("silu")(c.get("hidden_activation")),
+    "mlp_bias": lambda c: c.get("mlp_bias") or None,
+    "query_pre_attn_scalar": lambda c: _not(c.get("head_dim"))(c.get("query_pre_attn_scalar")),
+    "use_qk_norm": lambda c: c.get("use_qk_norm") or None,
+    "no_rope_layers": lambda c: c["no_rope_layers"] if 0 in (c.get("no_rope_layers") or ()) else None,
+    "attention_multiplier": lambda c: _not(1.0)(c.get("attention_multiplier")),
+    "embedding_multiplier": lambda c: _not(1.0)(c.get("embedding_multiplier")),
+    "residual_multiplier": lambda c: _not(1.0)(c.get("residual_multiplier")),
+    "logits_scaling": lambda c: _not(1.0)(c.get("logits_scaling")),
+}
+# a key whose implementation lives in the Attention layers: key -> the layer attribute it sets
+_LAYER_KEYS = {"sliding_window": "sliding_window", "attn_logit_softcapping": "logits_soft_cap"}
 
 
 class DecoderAttention(nn.Module):
@@ -33,10 +69,13 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.head_size, hidden)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         rope_base = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        self.rotary = RotaryEmbedding(
-            self.head_size, cfg.get("max_position_embeddings", 2048), rope_base, scaling
-        )
+        key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+        try:
+            self.rotary = RotaryEmbedding(
+                self.head_size, cfg.get("max_position_embeddings", 2048), rope_base, cfg.get(key)
+            )
+        except ValueError as e:
+            raise ConfigError(f"config.json's {key}: {e}; use a model plugin that implements it") from None
         self.q_norm = RMSNorm(self.head_size, cfg["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, cfg["rms_norm_eps"]) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5)
@@ -128,10 +167,12 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     """A turnout.models.CausalLM. Subclasses set qkv_bias / qk_norm (or derive them from the config); a
-    mixture-of-experts model also overrides make_mlp."""
+    mixture-of-experts model also overrides make_mlp. A config that sets a MATH_KEYS key the class does not
+    list in implemented_keys is refused (ConfigError) before any layer is built."""
 
     qkv_bias: bool = False
     qk_norm: bool = False
+    implemented_keys: frozenset[str] = frozenset()  # the MATH_KEYS a subclass implements itself
     packed = {  # checkpoint name -> (our parameter, shard id)
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -142,6 +183,7 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
+        self.check_config(cfg)
         self.cfg = cfg
         self.qkv_bias = bool(cfg.get("attention_bias", self.qkv_bias))
         self.model = DecoderModel(cfg, self.qkv_bias, self.qk_norm, self.make_mlp)
@@ -149,6 +191,34 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         if self.tie:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def check_config(self, cfg: dict[str, Any]) -> None:
+        """Refuse, in one line, a config.json key that changes the math and that this class does not
+        implement; implemented_keys must name MATH_KEYS only."""
+        name = type(self).__qualname__
+        if unknown := sorted(set(self.implemented_keys) - MATH_KEYS.keys()):
+            raise TurnoutError(
+                f"{name}.implemented_keys names {', '.join(unknown)}, not among DecoderForCausalLM's "
+                f"MATH_KEYS ({', '.join(MATH_KEYS)}); a bug in the model plugin {type(self).__module__}"
+            )
+        for key, changes in MATH_KEYS.items():
+            if key not in self.implemented_keys and (value := changes(cfg)) is not None:
+                raise ConfigError(
+                    f"config.json sets {key} = {value!r}, which changes the model's math and {name} "
+                    f"({type(self).__module__}) does not implement; use a model plugin that does"
+                )
+
+    def check_layers(self) -> None:
+        """The layers as built use what implemented_keys claims for this config: a declared sliding_window
+        or attn_logit_softcapping that no Attention layer carries would answer silently wrong."""
+        for key, attr in _LAYER_KEYS.items():
+            if key not in self.implemented_keys or MATH_KEYS[key](self.cfg) is None:
+                continue
+            if all(getattr(m, attr) is None for m in self.modules() if isinstance(m, Attention)):
+                raise TurnoutError(
+                    f"{type(self).__qualname__} declares {key} in implemented_keys, but none of its "
+                    f"Attention layers sets {attr}; a bug in the model plugin {type(self).__module__}"
+                )
 
     def make_mlp(self, layer: int) -> nn.Module | None:
         """The feed-forward block of layer `layer` (its global index): forward(x [T, hidden]) -> [T, hidden].
@@ -170,6 +240,7 @@ class DecoderForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Feed checkpoint tensors through each parameter's weight_loader; returns the names loaded."""
+        self.check_layers()
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
