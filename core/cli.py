@@ -26,7 +26,7 @@ from turnout.entrypoints.bench_serve import add_bench_serve_parser
 from turnout.errors import RequestError, TurnoutError
 from turnout.outputs import CompletionOutput, Logprob, RequestOutput
 from turnout.prompts import check_conversation, parse_prompt
-from turnout.sampling_params import SamplingParams
+from turnout.sampling_params import SamplingParams, allow_logprobs
 from turnout.tables import print_table
 from turnout.tuning.cli import add_tune_parser
 
@@ -480,6 +480,7 @@ def _write_text(rows: list[Row]) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     defaults = _sampling_defaults(args)
+    allow_logprobs(engine_config_from_args(args).max_logprobs)
     SamplingParams(**defaults)  # a bad flag value fails before the model loads
     rows = _input_rows(args, defaults)
     import turnout.llm  # noqa: F401 - torch's imports are done before --output is touched

@@ -27,7 +27,7 @@ from turnout.prompts import (
     check_conversation,
     parse_prompt,
 )
-from turnout.sampling_params import SEED_LIMIT, SamplingParams
+from turnout.sampling_params import SEED_LIMIT, SamplingParams, allow_logprobs
 from turnout.selection import Selection
 
 logger = logging.getLogger("turnout")
@@ -51,6 +51,7 @@ class LLM:
         self.config = cfg
         log_to_stderr()
         self.engine = make_engine(cfg)  # with tune = auto, tuned first where no record matches
+        allow_logprobs(cfg.max_logprobs)
         self.tokenizer = self.engine.tokenizer
         logger.info("selected %s", self.engine.selection.summary())
         self.request_counter = itertools.count()  # request ids are unique over this LLM's life

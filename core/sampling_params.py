@@ -14,6 +14,22 @@ _OPTIONAL_INTS = {"best_of": 1, "seed": 0, "logprobs": 0, "prompt_logprobs": 0}
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 SEED_LIMIT = 1 << 64  # torch.Generator.manual_seed takes [0, 2**64)
+_engine_logprobs_cap = 0  # the largest max_logprobs of an engine built in this process
+
+
+def allow_logprobs(cap: int) -> None:
+    """An engine that serves up to cap logprobs exists: SamplingParams built from now on may ask that many."""
+    global _engine_logprobs_cap
+    _engine_logprobs_cap = max(_engine_logprobs_cap, cap)
+
+
+def logprobs_cap() -> int:
+    """The most logprobs / prompt_logprobs a SamplingParams may ask for when built: the engine setting
+    max_logprobs as its defaults and the environment give it, or an engine built in this process allows.
+    Each engine still holds a request to its own max_logprobs."""
+    from turnout.config import EngineConfig
+
+    return max(EngineConfig.load().max_logprobs, _engine_logprobs_cap)
 
 
 @dataclass
@@ -27,7 +43,8 @@ class SamplingParams:
     tokens has its last token masked after the others).
     logprobs=N returns, per generated token, the chosen token and the top N under the raw model
     distribution (as vLLM's default); prompt_logprobs=N the same for every prompt token after the first.
-    The engine caps both at its max_logprobs setting (20 unless configured).
+    Both are capped by the engine setting max_logprobs (20 unless configured), checked when built against
+    the largest an engine here allows (`logprobs_cap`), and by each engine against its own.
     structured_outputs holds the output to a JSON schema, a regex, a choice or a grammar
     (`StructuredOutputsParams`, or a dict of its one field).
     """
@@ -70,6 +87,7 @@ class SamplingParams:
         self.bad_words = _check_strings("bad_words", self.bad_words, allow_one=False, optional=True)
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        _check_logprobs(self.logprobs, self.prompt_logprobs)
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -159,6 +177,20 @@ def _check_int(name: str, v: Any, low: int, optional: bool) -> None:
         _fail(f"{name} must be an integer{' or None' if optional else ''}, got {v!r} ({type(v).__name__})")
     if v < low:
         _fail(f"{name} must be >= {low}, got {v}")
+
+
+def _check_logprobs(*asked: int | None) -> None:
+    from turnout.config import EngineConfig
+
+    if max(n or 0 for n in asked) <= EngineConfig.model_fields["max_logprobs"].default:
+        return  # within the default cap: no environment to read
+    cap = logprobs_cap()
+    for name, n in zip(("logprobs", "prompt_logprobs"), asked):
+        if n is not None and n > cap:
+            _fail(
+                f"{name}={n} exceeds max_logprobs {cap}; ask for at most {cap}, or build the LLM with a "
+                f"larger max_logprobs (or set TURNOUT_MAX_LOGPROBS) first"
+            )
 
 
 def _check_float(name: str, v: Any) -> float:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from turnout import LLM, SamplingParams
+from turnout import LLM, SamplingParams, sampling_params
 from turnout.config import EngineConfig
 from turnout.errors import ConfigError, RequestError, TurnoutError
 from turnout.loader.default_model import default_model_path
@@ -67,6 +67,20 @@ def test_bad_sampling_params_fail_at_construction(kw: dict, needle: str) -> None
         SamplingParams(**kw)
     assert needle in str(e.value) and "\n" not in str(e.value)
     assert isinstance(e.value, ValueError)  # vLLM code that catches ValueError keeps working
+
+
+def test_logprobs_past_the_cap_fail_at_construction(monkeypatch) -> None:
+    """With no engine built that allows more, the cap is max_logprobs as the environment sets it."""
+    monkeypatch.setattr(sampling_params, "_engine_logprobs_cap", 0)
+    for kw in (dict(logprobs=50), dict(prompt_logprobs=21)):
+        name = next(iter(kw))
+        with pytest.raises(
+            RequestError, match=f"{name}={kw[name]} exceeds max_logprobs 20; ask for at most 20"
+        ):
+            SamplingParams(**kw)
+    assert SamplingParams(logprobs=20, prompt_logprobs=0).logprobs == 20
+    monkeypatch.setenv("TURNOUT_MAX_LOGPROBS", "50")
+    assert SamplingParams(logprobs=50).logprobs == 50
 
 
 def test_sampling_params_normalises() -> None:
@@ -220,11 +234,17 @@ def test_dict_prompts_bad_prompts_and_unique_request_ids(llm: LLM) -> None:
     assert len(set(ids_seen)) == len(ids_seen)
 
 
-def test_logprobs_cap_is_the_engine_setting(llm: LLM) -> None:
+def test_logprobs_cap_is_the_engine_setting(llm: LLM, monkeypatch) -> None:
+    """Checked when built, against the largest cap an engine here allows (this LLM's 30), and by each
+    engine against its own: the environment allows 50 below, the engine still 30."""
+    with pytest.raises(ValueError, match="invalid SamplingParams: logprobs=31 exceeds max_logprobs 30; ask"):
+        SamplingParams(max_tokens=1, logprobs=31)
+    monkeypatch.setenv("TURNOUT_MAX_LOGPROBS", "50")
     with pytest.raises(ValueError, match="prompt 0: logprobs=31 exceeds max_logprobs 30"):
         llm.generate("Hi", SamplingParams(max_tokens=1, logprobs=31), use_tqdm=False)
     with pytest.raises(ValueError, match="prompt 1: prompt_logprobs=31 exceeds"):
         llm.generate(["Hi", "Hi"], [SamplingParams(max_tokens=1), SamplingParams(prompt_logprobs=31)])
+    monkeypatch.delenv("TURNOUT_MAX_LOGPROBS")
     outs = llm.generate("Hi", SamplingParams(max_tokens=1, logprobs=30), use_tqdm=False)
     assert outs[0].error is None and len(outs[0].outputs[0].logprobs[0]) in (30, 31)
 
