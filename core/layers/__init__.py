@@ -1,9 +1,10 @@
 """Layers for model plugins: tensor-parallel linears and embeddings, norms (RMSNorm, Gemma's GemmaRMSNorm),
-rotary embedding, gated activations (SiluAndMul, GeluAndMul), the Attention layer that calls the chosen
-backend, and FusedMoE, the experts of a sparse MoE block (with expert parallelism). Each picks its own
-kernel for the device and batch; FusedMoE gets the one chosen at start-up. pdl_launch() gives a plugin's
-Triton kernels programmatic dependent launch (layers/pdl.py). docs/writing-a-plugin.md, "Building blocks",
-says what each layer computes and how it loads."""
+rotary embedding (rope_parameters_for reads a layer type's rope from config.json), gated activations
+(SiluAndMul, GeluAndMul), the Attention layer that calls the chosen backend, and FusedMoE, the experts of a
+sparse MoE block (with expert parallelism). Each picks its own kernel for the device and batch; FusedMoE gets
+the one chosen at start-up. pdl_launch() gives a plugin's Triton kernels programmatic dependent launch
+(layers/pdl.py). docs/writing-a-plugin.md, "Building blocks", says what each layer computes and how it
+loads."""
 
 from turnout.layers.activation import GeluAndMul, SiluAndMul
 from turnout.layers.attention import Attention
@@ -17,7 +18,7 @@ from turnout.layers.linear import (
 from turnout.layers.moe import FusedMoE, num_experts
 from turnout.layers.norm import GemmaRMSNorm, RMSNorm
 from turnout.layers.pdl import launch as pdl_launch
-from turnout.layers.rotary import RotaryEmbedding
+from turnout.layers.rotary import RotaryEmbedding, rope_parameters_for
 
 __all__ = [
     "Attention",
@@ -35,4 +36,5 @@ __all__ = [
     "VocabParallelEmbedding",
     "num_experts",
     "pdl_launch",
+    "rope_parameters_for",
 ]

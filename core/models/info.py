@@ -56,7 +56,13 @@ class ModelInfo:
 
     @property
     def max_position_embeddings(self) -> int:
-        return self.hf_config.get("max_position_embeddings", 2048)
+        """The positions the model serves: config.json's max_position_embeddings, times the factor of
+        dynamic NTK rope scaling (which RotaryEmbedding's tables cover)."""
+        trained = self.hf_config.get("max_position_embeddings", 2048)
+        rope = self.hf_config.get("rope_scaling") or self.hf_config.get("rope_parameters") or {}
+        if (rope.get("rope_type") or rope.get("type")) == "dynamic" and rope.get("factor"):
+            return max(trained, int(trained * rope["factor"]))
+        return trained
 
     @property
     def eos_token_ids(self) -> list[int]:
