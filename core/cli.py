@@ -43,6 +43,36 @@ def _settings(config: EngineConfig, sel: Selection) -> dict[str, dict[str, Any]]
     out = {k: {"value": getattr(config, k), "source": config.source(k)} for k in EngineConfig.model_fields}
     for k, (value, why) in sel.fitted.items():
         out[k] = {"value": value, "source": f"fitted: {why}"}
+    for k, (value, why) in _resolved(config, sel).items():
+        raw = getattr(config, k)
+        out[k] = {"value": value, "source": f"{config.source(k)} {'unset' if raw is None else raw}: {why}"}
+    return out
+
+
+def _resolved(config: EngineConfig, sel: Selection) -> dict[str, tuple[Any, str]]:
+    """What the engine makes of each setting it resolves itself (left unset or "auto", or a graph mode it
+    downgrades), and why."""
+    info, device = sel.model_info, sel.platform.device_type
+    saved = info.hf_config.get("torch_dtype") or info.hf_config.get("dtype") or "unmarked"
+    dtype = _dtype_name(sel.dtype)
+    kept = f"the checkpoint's {saved}" + ("" if saved == dtype else f", run in {dtype} on {device}")
+    if device == "cpu" and saved == "bfloat16" != dtype:
+        kept += " (no native bf16 arithmetic here)"
+    out = {
+        "model": (str(info.path), "the embedded SmolLM2-135M-Instruct"),
+        "tokenizer": (str(config.model or info.path), "the model's own"),
+        "dtype": (dtype, kept),
+        "max_model_len": (
+            info.max_position_embeddings,
+            "the model's max_position_embeddings (lowered at start-up to what the KV cache holds, if less)",
+        ),
+        "moe_kernel": ("none", "a dense model") if sel.moe is None else (sel.moe.chosen.name, "selection"),
+        "attention_backend": (sel.attention.chosen.name, "selection (see above)"),
+        "executor": (sel.executor.chosen.name, "selection (see above)"),
+    }
+    out = {k: v for k, v in out.items() if getattr(config, k) in (None, "auto")}
+    if (graph := sel.effective_graph.name) != config.cudagraph_mode:
+        out["cudagraph_mode"] = (graph, f"downgraded, {sel.graph_note}")
     return out
 
 

@@ -62,3 +62,30 @@ def test_explain_shows_fitted_settings_and_why(tiny_llama, capsys):
     assert main(["explain", "--model", str(tiny_llama)]) == 0
     rows = _rows(capsys.readouterr().out, "engine settings")
     assert rows["block_size"].split()[1] == "16" and "fitted: cpu's preferred" in rows["block_size"]
+
+
+def test_explain_shows_what_the_engine_will_use(tiny_llama, capsys):
+    """Settings left to the engine (unset, "auto", a downgraded graph mode) show the value the engine built
+    from the same flags runs with, and where it came from."""
+    kv = ["--cpu-kv-cache-bytes", str(1 << 22)]
+    assert main(["explain", "--model", str(tiny_llama), *kv, "--json"]) == 0
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    llm = LLM(str(tiny_llama), cpu_kv_cache_bytes=1 << 22)
+    try:
+        weights = next(llm.engine.executor.worker.runner.model.parameters()).dtype
+        assert settings["max_model_len"]["value"] == llm.engine.max_model_len == 512
+    finally:
+        llm.shutdown()
+    hf = json.loads((tiny_llama / "config.json").read_text())
+    saved = hf.get("torch_dtype") or hf["dtype"]
+    assert settings["dtype"] == {"value": str(weights).removeprefix("torch."), "source": f"default auto: the "
+                                 f"checkpoint's {saved}"}  # fmt: skip
+    assert settings["max_model_len"]["source"].startswith(
+        "default unset: the model's max_position_embeddings"
+    )
+    assert settings["attention_backend"] == {"value": "cpu", "source": "default auto: selection (see above)"}
+    assert (
+        settings["cudagraph_mode"]["value"] == "NONE"
+        and "downgraded, " in settings["cudagraph_mode"]["source"]
+    )
+    assert settings["tokenizer"]["value"] == str(tiny_llama) and settings["moe_kernel"]["value"] == "none"
