@@ -5,13 +5,15 @@ experts split over the ranks by expert parallelism)."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from turnout import LLM, SamplingParams
+from turnout import LLM, SamplingParams, TurnoutError
 
 from tiny_models import TOKENIZER_VOCAB, _tokenizer
 
@@ -32,7 +34,6 @@ CONFIGS = {  # plugin -> (HF config class, its own keys): 2 layers each; Gemma 2
                                     attn_logit_softcapping=3.0, final_logit_softcapping=5.0)),
 }  # fmt: skip
 ARCH = {"mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM"}
-TP2 = {"mistral": {}, "mixtral": {"enable_expert_parallel": True}, "gemma2": {}}
 
 _rng = random.Random(7)
 PROMPTS = [[_rng.randrange(3, TOKENIZER_VOCAB) for _ in range(_rng.randrange(10, 40))] for _ in range(8)]
@@ -71,19 +72,28 @@ def _hf_greedy(path: Path) -> list[list[int]]:
     return outs
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    path = _write(tmp_path_factory.mktemp(request.param), request.param)
-    return request.param, path, _hf_greedy(path)
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """checkpoint(plugin) -> (its tiny checkpoint, HF's greedy tokens for PROMPTS), each written once."""
+    made: dict[str, tuple[Path, list[list[int]]]] = {}
+
+    def get(plugin: str) -> tuple[Path, list[list[int]]]:
+        if plugin not in made:
+            path = _write(tmp_path_factory.mktemp(plugin), plugin)
+            made[plugin] = path, _hf_greedy(path)
+        return made[plugin]
+
+    return get
 
 
 def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def test_greedy_matches_hf(model) -> None:
+@pytest.mark.parametrize("plugin", list(CONFIGS))
+def test_greedy_matches_hf(checkpoint, plugin: str) -> None:
     """Batched, then each prompt again alone (every one a prefix hit), then chunked by a 16-token budget."""
-    plugin, path, ref = model
+    path, ref = checkpoint(plugin)
     llm = LLM(str(path), **KW)
     assert (llm.selection.model.chosen.name, llm.selection.model.chosen.plugin) == (ARCH[plugin], plugin)
     assert _tokens(llm, PROMPTS) == ref
@@ -94,13 +104,38 @@ def test_greedy_matches_hf(model) -> None:
     assert max(map(len, PROMPTS)) > 16 and _tokens(chunked, PROMPTS) == ref
 
 
-def test_tp2_matches_hf(model) -> None:
+PARALLEL = [  # each model under the parallelism it declares
+    pytest.param("mistral", dict(tensor_parallel_size=2), id="mistral-tp2"),
+    pytest.param("mixtral", dict(tensor_parallel_size=2, enable_expert_parallel=True), id="mixtral-tp2-ep"),
+    pytest.param("gemma2", dict(tensor_parallel_size=2), id="gemma2-tp2"),
+    pytest.param("gemma2", dict(pipeline_parallel_size=2), id="gemma2-pp2"),
+]
+
+
+@pytest.mark.parametrize("plugin,parallel", PARALLEL)
+def test_parallel_matches_hf(checkpoint, plugin: str, parallel: dict) -> None:
     """Two ranks over gloo, chunked prefill, and the first four prompts again as prefix hits."""
-    plugin, path, ref = model
-    llm = LLM(str(path), tensor_parallel_size=2, max_num_batched_tokens=16, **TP2[plugin], **KW)
+    path, ref = checkpoint(plugin)
+    llm = LLM(str(path), max_num_batched_tokens=16, **parallel, **KW)
     try:
         assert _tokens(llm, PROMPTS) == ref
         again = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
         assert [o.token_ids for o in again] == ref[:4] and all(o.num_cached_tokens >= 8 for o in again)
     finally:
         llm.shutdown()
+
+
+WRONG = [  # config.json key, a value Gemma2ForCausalLM does not implement, the line that says so
+    ("hidden_activation", "relu", "sets hidden_activation = 'relu', which Gemma2ForCausalLM does not"),
+    ("rope_parameters", {"rope_type": "proportional"}, "config.json's rope_parameters: .*'proportional'"),
+]
+
+
+@pytest.mark.parametrize("key,value,why", WRONG, ids=[w[0] for w in WRONG])
+def test_gemma2_refuses_what_it_does_not_implement(checkpoint, tmp_path: Path, key, value, why) -> None:
+    """One line naming the config key, before any weight loads."""
+    path = Path(shutil.copytree(checkpoint("gemma2")[0], tmp_path / "ckpt"))
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, key: value}))
+    with pytest.raises(TurnoutError, match=why):
+        LLM(str(path), **KW)

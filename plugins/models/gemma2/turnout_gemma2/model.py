@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from turnout import TurnoutError
 from turnout.layers import (
     Attention,
     GeluAndMul,
@@ -41,9 +42,13 @@ class Gemma2Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, self.head_size, heads, kv_heads, bias=bias)
         self.o_proj = RowParallelLinear(heads * self.head_size, hidden, bias=bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+        rope = cfg.get(key) or {}
         base = cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)
-        self.rotary = RotaryEmbedding(self.head_size, cfg["max_position_embeddings"], base, rope or None)
+        try:
+            self.rotary = RotaryEmbedding(self.head_size, cfg["max_position_embeddings"], base, rope or None)
+        except ValueError as e:
+            raise TurnoutError(f"config.json's {key}: {e}; use a model plugin that implements it") from None
         sliding = layer_types(cfg)[layer] == "sliding_attention"
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_size, cfg["query_pre_attn_scalar"] ** -0.5,
@@ -63,7 +68,13 @@ class Gemma2MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg["hidden_size"], [cfg["intermediate_size"]] * 2)
         self.down_proj = RowParallelLinear(cfg["intermediate_size"], cfg["hidden_size"])
-        self.act = GeluAndMul(GELU[cfg.get("hidden_activation") or "gelu_pytorch_tanh"])
+        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+        if act not in GELU:
+            raise TurnoutError(
+                f"config.json sets hidden_activation = {act!r}, which Gemma2ForCausalLM does not implement "
+                f"({', '.join(GELU)} only); use a model plugin that does"
+            )
+        self.act = GeluAndMul(GELU[act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
