@@ -563,7 +563,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise TurnoutError(f"two models given ({args.model_tag} and --model {args.model}); pass one")
     args.model = args.model_tag or args.model
-    return run_server(args, engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    return run_server(args, config, lambda: _explain_of(config))
+
+
+def _explain_of(config: EngineConfig) -> dict[str, Any]:
+    """`turnout explain --json`'s document for config."""
+    from turnout.loader.default_model import model_info
+    from turnout.selection import select_all
+
+    return _explain_doc(select_all(config, model_info(config.model)), config)
 
 
 def _dtype_name(dtype: object) -> str:

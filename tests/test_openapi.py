@@ -111,7 +111,7 @@ def test_document_describes_every_body(doc: dict[str, Any]) -> None:
     ops = {(path, method): op for path, item in doc["paths"].items() for method, op in item.items()}
     assert set(ops) == {
         ("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
-        ("/health", "get"), ("/version", "get"), ("/metrics", "get"),
+        ("/health", "get"), ("/version", "get"), ("/metrics", "get"), ("/v1/explain", "get"),
     }  # fmt: skip
 
     def ref(content: dict[str, Any]) -> str:
@@ -134,6 +134,8 @@ def test_document_describes_every_body(doc: dict[str, Any]) -> None:
             assert ref(op["responses"][status]["content"]["application/json"]) == "ErrorResponse", status
     assert ref(ops["/v1/models", "get"]["responses"]["200"]["content"]["application/json"]) == "ModelList"
     assert ref(ops["/version", "get"]["responses"]["200"]["content"]["application/json"]) == "VersionResponse"
+    explain = ops["/v1/explain", "get"]["responses"]["200"]["content"]["application/json"]
+    assert ref(explain) == "ExplainResponse"
     assert ref(ops["/health", "get"]["responses"]["503"]["content"]["application/json"]) == "ErrorResponse"
     message = schemas["ChatCompletionMessage"]["properties"]
     assert "tool_calls" in message and "tool_calls" in schemas["ChatDelta"]["properties"]

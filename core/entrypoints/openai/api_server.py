@@ -4,6 +4,8 @@
 /metrics. A client that disconnects has its requests aborted; SIGINT/SIGTERM stop taking requests, give
 the running ones --shutdown-timeout seconds, end the rest with an error, and stop the engine's workers.
 /openapi.json documents every body, request and response, from the models in protocol.py.
+/v1/explain serves what selection chose and why (`turnout explain --json`); / serves the chat page
+(turnout.entrypoints.openai.web) unless --no-web-page.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
@@ -33,6 +35,7 @@ import turnout
 from turnout import envs
 from turnout.config import EngineConfig
 from turnout.engine.async_llm import AsyncLLM
+from turnout.entrypoints.openai.explain import ExplainResponse
 from turnout.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -48,6 +51,7 @@ from turnout.entrypoints.openai.protocol import (
 )
 from turnout.entrypoints.openai.serving_chat import OpenAIServingChat
 from turnout.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from turnout.entrypoints.openai.web import chat_page
 from turnout.errors import TurnoutError
 from turnout.loader.default_model import DEFAULT_MODEL_NAME
 from turnout.metrics import PrometheusStatLogger
@@ -63,6 +67,9 @@ def build_app(
     metrics: PrometheusStatLogger,
     tool_parser: type[ToolParser] | None = None,
     enable_auto_tool_choice: bool = False,
+    *,
+    explain: Callable[[], dict[str, Any]],
+    web_page: bool = True,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -123,6 +130,25 @@ def build_app(
     async def prometheus() -> Response:
         return Response(metrics.expose(), media_type=CONTENT_TYPE_LATEST)
 
+    # selection is a function of the config, which a server keeps
+    explained = functools.cache(lambda: ExplainResponse.model_validate(explain()))
+
+    @app.get(
+        "/v1/explain",
+        response_model=None,
+        responses={200: _json(ExplainResponse, "What selection chose and why"), **_errors(401, 500)},
+    )
+    async def explain_selection() -> Any:
+        """What selection chose for the served engine and why: `turnout explain --json`'s document."""
+        return await asyncio.to_thread(explained)
+
+    if web_page:
+        html, csp = chat_page()
+
+        @app.get("/", include_in_schema=False)
+        async def page() -> HTMLResponse:
+            return HTMLResponse(html, headers={"Content-Security-Policy": csp, "Cache-Control": "no-cache"})
+
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
         return JSONResponse(e.body(), e.status)
@@ -157,6 +183,7 @@ _MODES: dict[type[BaseModel], JsonSchemaMode] = {
             ChatCompletionStreamResponse,
             ModelList,
             VersionResponse,
+            ExplainResponse,
             ErrorResponse,
         ),
         "serialization",
@@ -309,8 +336,9 @@ def _check(args: argparse.Namespace) -> None:
         raise TurnoutError(f"--enable-auto-tool-choice needs --tool-call-parser NAME (installed: {names})")
 
 
-def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
-    """Serve until SIGINT/SIGTERM; the socket is bound before the model loads, so a taken port fails fast."""
+def run_server(args: argparse.Namespace, config: EngineConfig, explain: Callable[[], dict[str, Any]]) -> int:
+    """Serve until SIGINT/SIGTERM; the socket is bound before the model loads, so a taken port fails fast.
+    explain() returns `turnout explain --json`'s document for config."""
     _check(args)
     parser = get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None
     sock = _listen(args.host, args.port)
@@ -323,7 +351,10 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         raise
     try:
         key = args.api_key or envs.API_KEY.value or None
-        app = build_app(engine, names, key, metrics, parser, args.enable_auto_tool_choice)
+        app = build_app(
+            engine, names, key, metrics, parser, args.enable_auto_tool_choice,
+            explain=explain, web_page=args.web_page,
+        )  # fmt: skip
         uconfig = uvicorn.Config(
             app,
             log_level="warning",
@@ -339,6 +370,8 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             names[0], info.backend, info.model, info.architecture, info.executor, info.graph_mode,
             engine.core_location, host, port,
         )  # fmt: skip
+        if args.web_page:
+            logger.info("chat page: http://%s:%d/", host, port)
         server.run(sockets=[sock])
     finally:
         engine.shutdown()

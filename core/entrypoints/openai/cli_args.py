@@ -32,6 +32,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="on SIGINT/SIGTERM, seconds in-flight requests get to finish before they end with an error",
     )
     g.add_argument(
+        "--no-web-page",
+        dest="web_page",
+        action="store_false",
+        help="serve no chat page at / (the API is unchanged)",
+    )
+    g.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
