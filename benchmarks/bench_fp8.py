@@ -70,6 +70,18 @@ def measure(scheme, block, name, q, s, wb, ref_w, m: int) -> dict:
     return row
 
 
+def matmul_rates(n: int = 8192) -> dict:
+    """TFLOP/s of an n^3 matmul on random data: bf16 F.linear, and FP8 _scaled_mm with row-wise scales."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    aq, bq = a.to(kernels.FP8), b.to(kernels.FP8)
+    sa, sb = torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    ms_bf16 = triton.testing.do_bench(lambda: torch.nn.functional.linear(a, b), return_mode="median")
+    fp8 = lambda: torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    ms_fp8 = triton.testing.do_bench(fp8, return_mode="median")
+    return {"bf16_tflops": 2 * n**3 / ms_bf16 / 1e9, "fp8_tflops": 2 * n**3 / ms_fp8 / 1e9}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -87,6 +99,8 @@ def main() -> None:
         errs = max(v for key, v in r.items() if key.endswith("_err"))
         print(f"{r['scheme']:8} {r['layer']:13} {r['m']:5} {r['bf16_us']:9.1f} {gemv:9.1f} {gemm:9.1f} "
               f"{r['auto_us']:9.1f} {r['auto_us'] / r['bf16_us']:10.2f} {errs:8.4f}")  # fmt: skip
+    rates = matmul_rates()
+    print(f"8192^3 matmul: bf16 {rates['bf16_tflops']:.0f} TFLOP/s, fp8 {rates['fp8_tflops']:.0f} TFLOP/s")
     print(f"{time.time() - t0:.0f} s")
     if args.out:
         doc = {
@@ -95,6 +109,7 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "command": "python benchmarks/bench_fp8.py",
             "rows": rows,
+            "matmul_rates": rates,
         }
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ class Ceiling:
     bytes_per_s: float
     flops_per_s: float  # dense matmul in the engine's dtype
     where: str  # how and where the ceiling was measured
+    fp8_flops_per_s: float | None = None  # dense e4m3 matmul; None (not measured): at flops_per_s
 
 
 # One row per device, matched by substring of torch.cuda.get_device_name(). Only measured values go here.
@@ -39,13 +40,17 @@ class Shape:
     kv_bytes_per_token: int
     attn_flops_per_pair: int
     dtype_bytes: int
+    fp8_params: int = 0  # of weight_params, those read as one byte and multiplied in FP8
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str | Path, dtype_bytes: int) -> Shape:
+    def from_checkpoint(cls, model_dir: str | Path, dtype_bytes: int, fp8_linears: bool = False) -> Shape:
+        """fp8_linears: the decoder's linear weights run in FP8 (quantized at load); an FP8 checkpoint's
+        e4m3 tensors count as FP8 either way."""
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        params, embed = _safetensors_params(Path(model_dir))
+        params, embed, fp8, linear = _safetensors_params(Path(model_dir))
         tied = cfg.get("tie_word_embeddings", False)  # a tied embedding is read as the LM head
-        return cls.from_config(cfg, params if tied else params - embed, dtype_bytes)
+        shape = cls.from_config(cfg, params if tied else params - embed, dtype_bytes)
+        return replace(shape, fp8_params=linear if fp8_linears else fp8)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], weight_params: int, dtype_bytes: int) -> Shape:
@@ -61,18 +66,21 @@ class Shape:
         )
 
 
-def _safetensors_params(model_dir: Path) -> tuple[int, int]:
-    """(all parameters, embedding parameters), from the safetensors headers alone."""
-    total = embed = 0
+def _safetensors_params(model_dir: Path) -> tuple[int, int, int, int]:
+    """(all parameters, embedding parameters, FP8 e4m3 parameters, decoder linear weights), from the
+    safetensors headers alone; scales do not count."""
+    total = embed = fp8 = linear = 0
     for f in sorted(model_dir.glob("*.safetensors")):
         with open(f, "rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
         for name, t in header.items():
-            if name != "__metadata__":
+            if name != "__metadata__" and not name.endswith(("_scale", "_scale_inv")):
                 n = math.prod(t["shape"])
                 total += n
                 embed += n if name.endswith("embed_tokens.weight") else 0
-    return total, embed
+                fp8 += n if t["dtype"] == "F8_E4M3" else 0
+                linear += n if name.endswith("proj.weight") and len(t["shape"]) == 2 else 0
+    return total, embed, fp8, linear
 
 
 @dataclass(frozen=True)
@@ -92,13 +100,15 @@ def floor(shape: Shape, reqs: list[tuple[int, int, int]], ceiling: Ceiling, max_
     computed = sum(p - c + o - 1 for p, c, o in reqs)  # tokens that run through the model
     decode_reads = sum((o - 1) * p + (o - 1) * o // 2 for p, _, o in reqs)  # context p + j for j < o
     cached_reads = sum(c for _, c, _ in reqs)  # a cached prefix is read once by its prefill
-    nbytes = shape.dtype_bytes * shape.weight_params * steps + shape.kv_bytes_per_token * (
-        decode_reads + cached_reads + computed
-    )
+    weight_bytes = shape.dtype_bytes * (shape.weight_params - shape.fp8_params) + shape.fp8_params
+    nbytes = weight_bytes * steps + shape.kv_bytes_per_token * (decode_reads + cached_reads + computed)
     # a token at position t attends to t + 1 keys: prefill positions c..p-1, decode positions p..p+o-2
     pairs = sum(_sum_range(c + 1, p + o - 1) for p, c, o in reqs)
-    flops = 2 * shape.weight_params * computed + shape.attn_flops_per_pair * pairs
-    t_mem, t_compute = nbytes / ceiling.bytes_per_s, flops / ceiling.flops_per_s
+    fp8_flops = 2 * shape.fp8_params * computed
+    flops = 2 * (shape.weight_params - shape.fp8_params) * computed + shape.attn_flops_per_pair * pairs
+    t_mem = nbytes / ceiling.bytes_per_s
+    t_compute = flops / ceiling.flops_per_s + fp8_flops / (ceiling.fp8_flops_per_s or ceiling.flops_per_s)
+    flops += fp8_flops
     return Floor(max(t_mem, t_compute), nbytes, flops, steps, "memory" if t_mem >= t_compute else "compute")
 
 

@@ -98,7 +98,7 @@ class Bench:
             else Path(self.cfg.model).name if self.cfg.model else "SmolLM2-135M-Instruct (embedded)"
         )  # fmt: skip
         nbytes = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
-        self.shape = roofline.Shape.from_checkpoint(self.model_dir, nbytes)
+        self.shape = roofline.Shape.from_checkpoint(self.model_dir, nbytes, self.cfg.quantization == "fp8")
         self.prov = records.provenance()
         self.device = self.prov["device"]
         self.ceiling = roofline.ceiling_for(self.device)
