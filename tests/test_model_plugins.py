@@ -26,11 +26,11 @@ COMMON = dict(
     max_position_embeddings=512, bos_token_id=1, eos_token_id=2, sliding_window=WINDOW,
     tie_word_embeddings=False,
 )  # fmt: skip
-CONFIGS = {  # plugin -> (HF config class, its own keys): 2 layers each; Gemma 2's are sliding, then full
+CONFIGS = {  # plugin -> (HF config class, its own keys); Gemma 2's 3 layers: sliding, full, sliding
     "mistral": ("MistralConfig", dict(intermediate_size=128, num_hidden_layers=2)),
     "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
                                       num_experts_per_tok=2)),
-    "gemma2": ("Gemma2Config", dict(intermediate_size=128, num_hidden_layers=2, query_pre_attn_scalar=24,
+    "gemma2": ("Gemma2Config", dict(intermediate_size=128, num_hidden_layers=3, query_pre_attn_scalar=24,
                                     attn_logit_softcapping=3.0, final_logit_softcapping=5.0)),
 }  # fmt: skip
 ARCH = {"mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM"}
@@ -114,13 +114,13 @@ PARALLEL = [  # each model under the parallelism it declares
 
 @pytest.mark.parametrize("plugin,parallel", PARALLEL)
 def test_parallel_matches_hf(checkpoint, plugin: str, parallel: dict) -> None:
-    """Two ranks over gloo, chunked prefill, and the first four prompts again as prefix hits."""
+    """Two ranks over gloo, chunked prefill on four prompts, then two of them again as prefix hits."""
     path, ref = checkpoint(plugin)
     llm = LLM(str(path), max_num_batched_tokens=16, **parallel, **KW)
     try:
-        assert _tokens(llm, PROMPTS) == ref
-        again = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
-        assert [o.token_ids for o in again] == ref[:4] and all(o.num_cached_tokens >= 8 for o in again)
+        assert _tokens(llm, PROMPTS[:4]) == ref[:4]
+        again = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in again] == ref[:2] and all(o.num_cached_tokens >= 8 for o in again)
     finally:
         llm.shutdown()
 

@@ -9,8 +9,6 @@ scores (attn_logit_softcapping); and the final logits capped too (final_logit_so
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -126,67 +124,29 @@ class Gemma2Model(nn.Module):
         return self.norm(x, residual)[0]
 
 
-class Gemma2ForCausalLM(nn.Module):
-    """turnout.models.CausalLM for Gemma2ForCausalLM checkpoints: tensor and pipeline parallel."""
+class Gemma2ForCausalLM(DecoderForCausalLM):
+    """turnout.models.CausalLM for Gemma2ForCausalLM checkpoints, tensor and pipeline parallel. Its layers
+    are Gemma2Model's; the decoder's config check and its loader, which accounts for every checkpoint tensor
+    part by part, serve it unchanged: the parameters carry HF's names, q/k/v and gate/up fused as there."""
 
-    packed = DecoderForCausalLM.packed  # checkpoint name -> (our parameter, shard id): the same fused layers
+    implemented_keys = frozenset({
+        "sliding_window", "layer_types", "attn_logit_softcapping", "final_logit_softcapping", "hidden_act",
+        "hidden_activation", "query_pre_attn_scalar",
+    })  # fmt: skip
 
     def __init__(self, cfg: dict[str, Any]) -> None:
-        super().__init__()
-        self.model = Gemma2Model(cfg)
+        nn.Module.__init__(self)  # not the decoder's __init__: its layers are not Gemma 2's
+        self.check_config(cfg)
+        self.cfg, self.model = cfg, Gemma2Model(cfg)
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
-        self.tie = cfg.get("tie_word_embeddings", True)
+        self.tie = bool(cfg.get("tie_word_embeddings", True))
         if self.tie:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.final_soft_cap = cfg.get("final_logit_softcapping")
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden [T, hidden] after the final norm; between pipeline stages
-        (hidden, residual) stacked, as CausalLM.forward says."""
-        return self.model(input_ids, positions, intermediate)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab_size], capped to (-final_logit_softcapping, +...)."""
+        """hidden [N, hidden] -> logits [N, vocab_size], each l capped as cap * tanh(l / cap)."""
         logits = self.lm_head(hidden)
         if cap := self.final_soft_cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF's names, q/k/v and gate/up packed into one parameter each; returns the names loaded, a packed
-        parameter only once every one of its parts came."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded, parts = set(), defaultdict(set)
-        for name, tensor in weights:
-            if (name := self._local_name(name)) is None:
-                continue
-            ckpt = next((c for c in self.packed if f".{c}." in name), None)
-            if ckpt is not None:  # q, k, v and gate, up: one shard each of a fused parameter
-                ours, shard = self.packed[ckpt]
-                name = name.replace(ckpt, ours)
-                params[name].weight_loader(params[name], tensor, shard)
-                parts[name].add(shard)
-            else:  # turnout's parallel layers keep this rank's part; GemmaRMSNorm weights load as stored
-                getattr(params[name], "weight_loader", _copy)(params[name], tensor)
-                loaded.add(name)
-        return loaded | {n for n, got in parts.items() if len(got) == self._num_parts(n)}
-
-    def _num_parts(self, name: str) -> int:
-        return sum(ours == name.rsplit(".", 2)[1] for ours, _ in self.packed.values())
-
-    def _local_name(self, name: str) -> str | None:
-        """None for tensors this rank doesn't hold; layers renumbered to this pipeline stage's index."""
-        if self.tie and name == "lm_head.weight":
-            return None  # the embedding's, already
-        if name.startswith("model.layers."):
-            idx = int(name.split(".")[2])
-            if not self.model.start <= idx < self.model.end:
-                return None
-            name = name.replace(f"layers.{idx}.", f"layers.{idx - self.model.start}.", 1)
-        return name
-
-
-def _copy(param: nn.Parameter, tensor: torch.Tensor) -> None:
-    param.data.copy_(tensor)
