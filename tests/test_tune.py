@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import types
 
@@ -257,3 +258,63 @@ def test_a_pair_baseline_leads_the_attention_candidates_with_its_decode_half(tin
     assert names[0] == "cpu" and names[1].startswith("cpu+")
     assert names.index("naive") > max(i for i, n in enumerate(names) if n.startswith("cpu+"))
     search.close()
+
+
+def test_a_winner_needs_runs_that_agree():
+    """A candidate whose runs spread past MAX_NOISE measured a busy machine: even a median far ahead of the
+    default's does not win, and the decision says why."""
+    base = _cand("triton", [8000, 8010, 8020])
+    outlier = _cand("flash_attn", [8000, 30000, 30000], attention_backend="flash_attn")  # +274%, noise 73%
+    d = decide(_record(base, outlier), {})
+    assert d.settings == {} and d.winner is None and d.baseline is base
+    assert d.why == (
+        "measured: no decision: flash_attn's runs spread by 73.3% (over 25%), a busy machine; "
+        "tune again when it is quieter"
+    )
+
+
+def test_the_progress_bar_counts_runs_from_its_first_frame(tiny_llama):
+    from turnout.tuning.tuner import Search
+
+    config = EngineConfig(model=str(tiny_llama), dtype="float32", tuned="off")
+    search = Search(config, ModelInfo.from_dir(tiny_llama), SMALL, 2, 10.0, True)
+    try:
+        assert str(search.bar).startswith("tune: 0/0 runs ["), str(search.bar)
+        search.bar.total += 4
+        search.bar.update(1)
+        assert str(search.bar).startswith("tune: 1/4 runs ["), str(search.bar)
+    finally:
+        search.close()
+
+
+def test_tune_scores_no_warm_up_and_keeps_the_best_engine_across_axes(
+    tiny_llama, cache, monkeypatch, one_thread, capsys
+):
+    """Every engine runs once when built and once more when its axis's engines are all built, unscored;
+    then each of the rounds is scored. The current best's engine goes on to the next axis, not rebuilt.
+    The progress bar names the axis and counts the scored runs."""
+    runs: dict[int, int] = {}
+    builds, alive = [], []  # alive: no engine's id is reused by the next
+
+    class Counted(Load):
+        def run(self, llm, reqs):
+            alive.append(llm)
+            runs[id(llm)] = runs.get(id(llm), 0) + 1
+            return super().run(llm, reqs)
+
+    init = LLM.__init__
+    monkeypatch.setattr(LLM, "__init__", lambda self, *a, **k: (builds.append(1), init(self, *a, **k))[1])
+    load = Counted("throughput", 2, (8, 8), 4, vocab_size=512)
+    config = EngineConfig(model=str(tiny_llama), dtype="float32")
+    record = tune(config, budget=120, progress=True, load=load, axes=("max_num_batched_tokens", "block_size"))
+    frames = [f.strip() for f in capsys.readouterr().err.split("\r") if f.strip().startswith("tune")]
+    assert frames[-1].startswith("tune block_size: 10/10 runs [") and all(
+        re.fullmatch(r"tune( \w+)?: \d+/\d+ runs \[.*", f) for f in frames
+    ), frames
+    assert not record.skipped, record.skipped
+    by = {c.label: c for c in record.candidates}
+    assert sorted(by) == ["cpu", "cpu block=32", "cpu tokens=2048", "cpu tokens=8192"]
+    assert len(builds) == 4  # the default's engine measured on both axes, built once
+    kept = 1 + 2 * (1 + 2)  # its build's warm-up, then per axis an unscored round and 2 scored rounds
+    assert sorted(runs.values()) == [4, 4, 4, kept] and len(by["cpu"].runs) == 4
+    assert all(len(c.runs) == 2 for label, c in by.items() if label != "cpu")

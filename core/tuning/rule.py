@@ -10,6 +10,7 @@ from turnout.config import EngineConfig
 from turnout.tuning.record import TUNABLE, Measured, TuningRecord
 
 MARGIN = 0.03
+MAX_NOISE = 0.25  # runs that spread wider measured a busy machine, not the candidate: no winner from them
 MIN_RUNS = 2  # a candidate measured once has no noise figure, so it cannot be trusted
 UNSET = {
     "attention_backend": "auto",
@@ -51,9 +52,10 @@ def gain(best: Measured, base: Measured, higher_is_better: bool) -> float:
 
 
 def beats(best: Measured, base: Measured, margin: float, higher_is_better: bool) -> tuple[bool, float, float]:
-    """(best clears the bar, its gain, the bar = max(margin, best's noise, base's noise))."""
+    """(best clears the bar, its gain, the bar = max(margin, best's noise, base's noise)); neither one's
+    noise may pass MAX_NOISE."""
     g, bar = gain(best, base, higher_is_better), max(margin, best.noise, base.noise)
-    return best is not base and g > bar, g, bar
+    return best is not base and g > bar and max(best.noise, base.noise) <= MAX_NOISE, g, bar
 
 
 def rank(candidates: list[Measured], higher_is_better: bool) -> list[Measured]:
@@ -93,6 +95,12 @@ def decide(record: TuningRecord, fixed: dict[str, Any]) -> Decision:
     if not others:
         return Decision({}, None, base, f"measured: only the default {base.label} was measured")
     runner = others[0]
+    if (noisy := max(pool, key=lambda c: c.noise)).noise > MAX_NOISE:
+        why = (
+            f"measured: no decision: {noisy.label}'s runs spread by {pct(noisy.noise)} (over "
+            f"{pct(MAX_NOISE)}), a busy machine; tune again when it is quieter"
+        )
+        return Decision({}, None, base, why)
     g = gain(runner, base, record.higher_is_better)
     why = (
         f"measured: no candidate beats the default {base.label} by more than {pct(bar)} "

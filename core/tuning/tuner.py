@@ -2,8 +2,10 @@
 this machine, and write the figures as a tuning record.
 
 The search goes axis by axis from the static default (TUNABLE's order). Within an axis the current best
-and its alternatives run side by side, round-robin for `rounds` rounds, and the axis's best replaces the
-current one only where decide's rule (margin and noise) says it beats it."""
+and its alternatives run side by side: each engine runs once when built and once more after all are built
+(warm-ups, never scored), then round-robin for `rounds` rounds; the axis's best replaces the current one
+only where decide's rule (margin and noise) says it beats it. The current best's engine is kept from one
+axis to the next."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from turnout.tuning.workload import Load, load_for
 
 logger = logging.getLogger("turnout")
 BLOCK_SIZES = {"cuda": (16, 128), "cpu": (16, 32)}  # tried besides the backends' preferred sizes
+SETTLE_SEED = -1  # the unscored round once an axis's engines are built (seed 0 warms each one up as built)
 SHORT = {
     "cudagraph_mode": "graph",
     "max_num_batched_tokens": "tokens",
@@ -74,8 +77,10 @@ class Running:
     settings: dict[str, Any]
     label: str
     llm: Any
-    run_s: float  # its warm-up run's seconds: what one measured run will take
-    runs: list[float]
+    run_s: float  # its latest run's seconds: what one measured run will take
+    runs: list[float]  # this axis's scored figures
+    spent: float = 0.0  # seconds its build and runs took
+    cost: int = -1  # its entry in Search.costs; -1 once that holds what it took
     failed: str = ""  # why a measured run raised; its runs are then not recorded
 
 
@@ -101,9 +106,12 @@ class Search:
         self.backends = self._valid_backends()
         self.measured: dict[str, Measured] = {}  # by label, in the order first measured
         self.skipped: list[str] = []
-        self.costs: list[float] = []  # seconds per candidate: build, warm-up and its rounds
+        self.costs: list[float] = []  # seconds per candidate built: build, warm-ups and rounds (estimated
+        # from its first run until its rounds are done)
         self.engine_bytes: list[int] = []  # device memory each candidate's engine took (CUDA)
-        self.bar = tqdm(total=0, desc="tune", unit="run", disable=not progress)
+        self.kept: Running | None = None  # the current best's engine, measured again on the next axis
+        fmt = "{desc}: {n_fmt}/{total_fmt} runs [{elapsed}<{remaining}]{postfix}"
+        self.bar = tqdm(total=0, desc="tune", bar_format=fmt, disable=not progress)
 
     # ---- candidates ----
     def config_for(self, settings: dict[str, Any]) -> EngineConfig:
@@ -183,17 +191,25 @@ class Search:
         if len(options) < 2:
             return current
         est = self.estimate()
-        if est is not None and self.left() < 2 * est:
+        builds = 1 if self.kept is not None and self.kept.settings == current else 2
+        if est is not None and self.left() < builds * est:
             for s in options[1:]:
                 self.skip(s, f"over budget ({self.left():.0f} s left, ~{est:.1f} s a candidate)")
             return current
-        self.bar.set_description(f"tune {name}")
-        engines = self.start(options)
+        self.bar.set_description_str(f"tune {name}")
+        engines, chosen = self.start(options), current
         try:
             if len(engines) > 1:  # the baseline alone compares with nothing
                 self.measure(engines)
+            chosen = self.record(engines, current)
         finally:
-            self.stop(engines)
+            self.kept = next((e for e in engines if e.settings == chosen and not e.failed), None)
+            self.stop([e for e in engines if e is not self.kept])
+        return chosen
+
+    def record(self, engines: list[Running], current: dict[str, Any]) -> dict[str, Any]:
+        """Add the axis's runs to measured; the settings that beat current past the margin and the noise,
+        else current."""
         done = [Measured(e.label, e.settings, e.runs) for e in engines if e.runs and not e.failed]
         for m in done:
             self.measured.setdefault(m.label, Measured(m.label, m.settings, [])).runs.extend(m.runs)
@@ -205,7 +221,10 @@ class Search:
     def start(self, options: list[dict[str, Any]]) -> list[Running]:
         """An engine per option that is valid, builds and fits the budget; none if the baseline cannot."""
         engines: list[Running] = []
-        for i, s in enumerate(options):
+        if (kept := self.kept) is not None and kept.settings == options[0]:
+            kept.runs, kept.cost, engines = [], -1, [kept]
+            self.bar.total += self.rounds
+        for i, s in enumerate(options[len(engines) :], len(engines)):
             if engines and (why := self.unfit(engines)):
                 self.skip(s, why)
                 continue
@@ -237,25 +256,35 @@ class Search:
                 llm.shutdown()
             return self.skip(settings, f"failed: {type(e).__name__}: {e}".splitlines()[0])
         run_s = time.perf_counter() - t_run
-        self.costs.append(time.perf_counter() - t + self.rounds * run_s)
+        self.costs.append(time.perf_counter() - t + (1 + self.rounds) * run_s)
         if free is not None:  # the weights are shared (reuse_weights): no one engine's memory
             self.engine_bytes.append(free - self.free_bytes() - (kept_bytes() - kept))
-        return Running(settings, self.label(settings), llm, run_s, [])
+        return Running(
+            settings, self.label(settings), llm, run_s, [], time.perf_counter() - t, len(self.costs) - 1
+        )
 
     def measure(self, engines: list[Running]) -> None:
-        """rounds rounds; round r sends seed r's requests to every engine, starting one further along each
-        round so no candidate always runs first."""
-        for r in range(1, self.rounds + 1):
-            reqs = self.load.requests(r)
+        """One unscored round once every engine is built (another's build disturbs what ran before it),
+        then rounds rounds; round r sends seed r's requests to every engine, starting one further along
+        each round so no candidate always runs first. A candidate's cost becomes what it took."""
+        for r in range(self.rounds + 1):
+            reqs = self.load.requests(r or SETTLE_SEED)
             for e in engines[r % len(engines) :] + engines[: r % len(engines)]:
                 self.bar.set_postfix_str(e.label)
                 try:
                     if not e.failed:
-                        e.runs.append(self.load.run(e.llm, reqs))
+                        t = time.perf_counter()
+                        figure = self.load.run(e.llm, reqs)
+                        e.run_s = time.perf_counter() - t
+                        e.spent += e.run_s
+                        e.runs += [figure] if r else []
                 except Exception as ex:  # as in build: one candidate's failure is recorded, not raised
                     e.failed = f"failed: {type(ex).__name__}: {ex}".splitlines()[0]
                     self.skip(e.settings, e.failed)
-                self.bar.update(1)
+                self.bar.update(1 if r else 0)
+        for e in engines:
+            if e.cost >= 0:
+                self.costs[e.cost], e.cost = e.spent, -1
 
     def stop(self, engines: list[Running]) -> None:
         """Shut the axis's engines down and give their memory back before the next axis builds its own."""
@@ -281,7 +310,7 @@ class Search:
         """Why another candidate does not fit beside engines ("" where it does): the rounds of the engines
         already built and its own estimate must fit the time left; on CUDA, an engine as large as the
         largest so far must fit the free memory."""
-        pending = sum(self.rounds * e.run_s for e in engines)
+        pending = sum((1 + self.rounds) * e.run_s for e in engines)  # the unscored round and the rounds
         if self.left() - pending - (self.estimate() or 0.0) <= 0:
             return f"over budget ({self.left():.0f} s left, ~{self.estimate():.1f} s a candidate)"
         free = self.free_bytes()
@@ -307,7 +336,10 @@ class Search:
         self.skipped.append(f"{self.label(settings)}: {why}")
 
     def close(self) -> None:
-        """Close the progress bar."""
+        """Shut the kept engine down and close the progress bar."""
+        if self.kept is not None:
+            self.stop([self.kept])
+            self.kept = None
         self.bar.close()
 
 
