@@ -7,7 +7,9 @@ docs/images/ (the README shows the 1280x800 one)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -139,23 +141,32 @@ class Chromium:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    s = Server(tmp_path_factory.mktemp("web"), *SMOL)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory):
+def started(tmp_path_factory: pytest.TempPathFactory):
+    """The page's server; while it starts, Chromium and `turnout explain --json` with its engine flags."""
     assert not MISSING, MISSING  # in CI the browser tests run
-    b = Chromium(tmp_path_factory.mktemp("chromium"))
-    yield b
-    b.close()
+    server, browser = Server(tmp_path_factory.mktemp("web"), *SMOL, wait=False), None
+    try:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["explain", "--json", *[a for a in SMOL if a not in ("--api-key", KEY)]]) == 0
+        browser = Chromium(tmp_path_factory.mktemp("chromium"))
+        server.wait_ready()
+        yield server, browser, json.loads(out.getvalue())
+    finally:
+        if browser is not None:
+            browser.close()
+        server.stop()
 
 
 @pytest.fixture(scope="module")
-def page(browser: Chromium, server: Server) -> Chromium:
+def server(started) -> Server:
+    return started[0]
+
+
+@pytest.fixture(scope="module")
+def page(started, server: Server) -> Chromium:
     """The page, opened with the right key."""
+    browser = started[1]
     browser.goto(f"{server.url}/")
     browser.wait("document.getElementById('key-dialog').open")
     browser.type("#key", KEY)
@@ -261,16 +272,13 @@ def test_stop_ends_the_stream_and_the_request_mid_way(page: Chromium, server: Se
     page.wait("document.getElementById('m-running').textContent === '0'")
 
 
-def test_the_selection_panel_shows_what_the_engine_chose(
-    page: Chromium, server: Server, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_selection_panel_shows_what_the_engine_chose(page: Chromium, server: Server, started) -> None:
     line = re.search(r"backend (\S+), .*executor (\S+), graph mode (\S+),", server.log.read_text())
     backend, executor, graph = line.groups()  # the engine core's own report
     page.wait("document.getElementById('s-executor').textContent !== '–'")
     assert page.text("#s-attention").split()[0] == backend and page.text("#s-executor") == executor
     assert page.text("#s-graph").split()[0] == graph
-    assert main(["explain", "--json", *[a for a in SMOL if a not in ("--api-key", KEY)]]) == 0
-    doc = json.loads(capsys.readouterr().out)  # `turnout explain --json` with the server's engine flags
+    doc = started[2]  # `turnout explain --json` with the server's engine flags
     served = httpx.get(f"{server.url}/v1/explain", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert served.json() == doc
     why = page.text("#s-why")
