@@ -73,3 +73,23 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
         outs.append(ids[len(p) :])
     return outs
+
+
+def hf_greedy_cached(path: Path, prompts: list[list[int]], max_new_tokens: int, **load) -> list[list[int]]:
+    """HF's greedy tokens through its KV cache, float32, EOS not special: the prefill, then one token a
+    forward, prompts of one length as one batch. The reference where rope depends on the forward's last
+    position (dynamic NTK, LongRoPE); `load` goes to from_pretrained (attn_implementation=...)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load).eval()
+    outs: dict[int, list[int]] = {}
+    for n in sorted({len(p) for p in prompts}):
+        rows = [i for i, p in enumerate(prompts) if len(p) == n]
+        ids, cache, new = torch.tensor([prompts[i] for i in rows]), None, []
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                res = model(ids, cache=cache, use_cache=True)
+                cache, ids = res.past_key_values, res.logits[:, -1:].argmax(-1)
+                new.append(ids)
+        outs.update(zip(rows, torch.cat(new, 1).tolist()))
+    return [outs[i] for i in range(len(prompts))]
