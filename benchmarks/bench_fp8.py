@@ -22,7 +22,7 @@ SHAPES = {
     "gate_up_proj": (24576, 4096),
     "down_proj": (4096, 12288),
 }
-MS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096]
+MS = [1, 2, 4, 8, 16, 64, 256, 4096]
 
 
 def weights(n: int, k: int, block):
@@ -36,6 +36,10 @@ def weights(n: int, k: int, block):
 
 def routes(block):
     r = {"gemv": lambda x, q, s: kernels.fp8_gemv(x, q, s, block)}
+    for tile in ((2, 0, 4), (8, 0, 4), (16, 0, 8), (4, 512, 4)):
+        r[f"gemv{tile}"] = lambda x, q, s, t=tile: kernels.fp8_gemv(
+            x, q, s, block, (t[0], t[1] or kernels.gemv_tiles(*x.shape[:1], q.shape[0], q.shape[1])[1], t[2])
+        )
     if block:
         r["block_gemm"] = lambda x, q, s: kernels.block_gemm(
             *kernels.quant_fp8(x, block[1]), q, s, block, x.dtype
@@ -63,7 +67,7 @@ def measure(scheme, block, name, q, s, wb, ref_w, m: int) -> dict:
     row["bf16_us"] = bench(lambda: torch.nn.functional.linear(nxt(), wb))
     ref = xs[0].double() @ ref_w.t()
     for r, fn in routes(block).items():
-        if r == "gemv" and m > 16:
+        if r.startswith("gemv") and m > 16:
             continue
         row[f"{r}_err"] = float((fn(xs[0], q, s).double() - ref).norm() / ref.norm())
         row[f"{r}_us"] = bench(lambda fn=fn: fn(nxt(), q, s))
@@ -97,8 +101,11 @@ def main() -> None:
     for r in rows:
         gemm, gemv = r.get("scaled_mm_us", r.get("block_gemm_us")), r.get("gemv_us", float("nan"))
         errs = max(v for key, v in r.items() if key.endswith("_err"))
+        tiles = {key[4:-3]: v for key, v in r.items() if key.startswith("gemv(") and key.endswith("_us")}
+        best = min(tiles, key=tiles.get) if tiles else ""
         print(f"{r['scheme']:8} {r['layer']:13} {r['m']:5} {r['bf16_us']:9.1f} {gemv:9.1f} {gemm:9.1f} "
-              f"{r['auto_us']:9.1f} {r['auto_us'] / r['bf16_us']:10.2f} {errs:8.4f}")  # fmt: skip
+              f"{r['auto_us']:9.1f} {r['auto_us'] / r['bf16_us']:10.2f} {errs:8.4f} {best} "
+              f"{tiles.get(best, float('nan')):.1f}")  # fmt: skip
     rates = matmul_rates()
     print(f"8192^3 matmul: bf16 {rates['bf16_tflops']:.0f} TFLOP/s, fp8 {rates['fp8_tflops']:.0f} TFLOP/s")
     print(f"{time.time() - t0:.0f} s")

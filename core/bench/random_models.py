@@ -222,7 +222,7 @@ def _quantize(w: Any, block: tuple[int, int] | None) -> tuple[Any, Any]:
     w = w.to("cuda" if torch.cuda.is_available() else "cpu").double()
     n, k = w.shape
     bn, bk = block or (n, k)
-    pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, dtype=torch.float64)
+    pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, dtype=torch.float64, device=w.device)
     pad[:n, :k] = w
     tiles = pad.view(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk)
     scale = (tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448).float()

@@ -114,39 +114,47 @@ def _gemv_kernel(
     BLOCKED: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
     M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """Grid (cdiv(N, BLOCK_N),): output features [pid * BLOCK_N, +BLOCK_N) for all M rows; w read once."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, M_P2)
+    rm = tl.arange(0, M_P2)[:, None]
+    ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((M_P2, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        wm = (rn[:, None] < N) & (rk[None, :] < K)
-        wv = tl.load(w + rn[:, None] * stride_wn + rk[None, :], mask=wm, other=0.0).to(tl.float32)
-        if BLOCKED:  # BLOCK_K divides BK_SCALE: one scale a (row block, k tile)
-            sc = tl.load(s + (rn // BN_SCALE) * stride_sn + k0 // BK_SCALE, mask=rn < N, other=0.0)
-            wv = wv * sc[:, None]
-        xm = (rm[:, None] < M) & (rk[None, :] < K)
-        xv = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=xm, other=0.0).to(tl.float32)
-        acc += tl.sum(xv[:, None, :] * wv[None, :, :], axis=2)
+        kk = k0 + ks
+        wm = (rn[:, None] < N) & (kk[None, :] < K)
+        wv = tl.load(w + rn[:, None] * stride_wn + kk[None, :], mask=wm, other=0.0).to(tl.float32)
+        if BLOCKED:  # each weight times its (row block, column block) scale
+            sp = s + (rn[:, None] // BN_SCALE) * stride_sn + kk[None, :] // BK_SCALE
+            wv = wv * tl.load(sp, mask=wm, other=0.0)
+        xv = tl.load(x + rm * stride_xm + kk[None, :], mask=(rm < M) & (kk[None, :] < K), other=0.0)
+        acc += tl.sum(xv.to(tl.float32)[:, None, :] * wv[None, :, :], axis=2)
     if not BLOCKED:
         acc = acc * tl.load(s + rn, mask=rn < N, other=0.0)[None, :]
-    ym = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(y + rm[:, None] * stride_ym + rn[None, :], acc.to(y.dtype.element_ty), mask=ym)
+    tl.store(y + rm * stride_ym + rn[None, :], acc.to(y.dtype.element_ty), mask=(rm < M) & (rn[None, :] < N))
+
+
+def gemv_tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): a whole row of up to 4096 in one tile, else tiles of 2048 / M_P2;
+    few output features a program, so every SM gets programs (the core bf16 GEMV's sweep, layers/gemv.py,
+    at half the bytes a weight)."""
+    m_p2 = triton.next_power_of_2(m)
+    block_k = triton.next_power_of_2(k) if k * m_p2 <= 4096 else max(128, 2048 // m_p2)
+    return (4 if n <= 8192 else 8), block_k, 4
 
 
 def fp8_gemv(
-    x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int] | None
+    x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int] | None, tile=None
 ) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_M, compute dtype) @ dequant(w)^T -> [M, N] in x's dtype; ws [N] per row, or
-    [N / bn, K / bk] per block."""
+    """x [M, K] (compute dtype) @ dequant(w)^T -> [M, N] in x's dtype; ws [N] per row, or [N / bn, K / bk]
+    per block; tile overrides gemv_tiles."""
     (m, k), n = x.shape, w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    m_p2 = triton.next_power_of_2(max(m, 1))
-    block_k = min(block[1], 256 // m_p2) if block else 512 // m_p2
+    block_n, block_k, warps = tile or gemv_tiles(m, n, k)
     bn, bk = block or (1, 1)
-    _gemv_kernel[(triton.cdiv(n, 32),)](
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, ws, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), ws.stride(0),
-        BLOCKED=block is not None, BN_SCALE=bn, BK_SCALE=bk, M_P2=m_p2, BLOCK_N=32, BLOCK_K=block_k,
-        num_warps=4,
+        BLOCKED=block is not None, BN_SCALE=bn, BK_SCALE=bk, M_P2=triton.next_power_of_2(m), BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return y
 
