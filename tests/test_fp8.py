@@ -219,3 +219,15 @@ def test_every_method_is_a_candidate_with_its_reasons(
     assert sel.quantization.chosen.name == "fp8" and cands["fp8"].valid
     assert cands["cuda_fp8"].reasons == ["needs device cuda, have cpu"]
     assert "quantization fp8" in sel.summary()
+
+
+def test_fp8_block_scales_shard_over_tensor_parallel_ranks(tiny_bf16: Path, tmp_path: Path) -> None:
+    """TP 2 over gloo: each rank keeps its rows (columns for o_proj and down_proj) of every fused part's
+    weight and of its block scales; greedy tokens equal HF's on the checkpoint dequantized."""
+    fp8 = quantize_checkpoint(tiny_bf16, tmp_path / "fp8", **FORMATS["hf-block"])
+    ref = hf_greedy(dequantized_checkpoint(fp8, tmp_path / "ref"), PROMPTS[:2], MAX_NEW)
+    llm = LLM(str(fp8), dtype="float32", cpu_kv_cache_bytes=1 << 22, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] == ref
+    finally:
+        llm.shutdown()
