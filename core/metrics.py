@@ -25,7 +25,7 @@ ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "error")  # error: the engine died, or the drain's deadline cut it
 
 
 class BulkHistogram:
@@ -81,7 +81,10 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.success = Counter(
-            "turnout:request_success", "Requests finished.", ["model_name", "finished_reason"], registry=r
+            "turnout:request_success",
+            "Requests finished: stop, length, or error where the engine ended them with one.",
+            ["model_name", "finished_reason"],
+            registry=r,
         )
         for reason in FINISH_REASONS:  # both series exist from the start, at 0
             self.success.labels(model_name, reason)
@@ -115,6 +118,8 @@ class PrometheusStatLogger:
         for x in it.time_to_first_tokens:
             self.ttft.observe(x)
         self.itl.observe_many(it.inter_token_latencies)
+        if it.num_failed:
+            self.success.labels(self.model_name, "error").inc(it.num_failed)
         for reason, e2e, tpot in it.finished:
             self.success.labels(self.model_name, reason).inc()
             self.e2e.observe(e2e)

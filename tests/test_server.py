@@ -710,6 +710,9 @@ def test_killed_worker_fails_requests_and_health(tmp_path: Path, tiny_llama: Pat
 
         ends = asyncio.run(go())
         assert all("worker rank 1 died" in e for e in ends), ends
+        m = server.metrics()  # the dead engine runs nothing and holds no KV; every request failed
+        assert (m["turnout:num_requests_running"], m["turnout:kv_cache_usage_perc"]) == (0, 0), m
+        assert m[f'turnout:request_success_total{{finished_reason="error",model_name="{tiny_llama}"}}'] == 8
         r = httpx.get(f"{server.url}/health", timeout=10)
         _check_error(r, 503, None, "engine_dead")
         _check_error(

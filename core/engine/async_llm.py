@@ -7,6 +7,7 @@ timing; it hears from the core only through CoreBatches, delivered on its event 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -17,7 +18,14 @@ from typing import Any, Protocol
 
 from turnout import envs
 from turnout.config import EngineConfig
-from turnout.engine.core import CoreBatch, EngineDeadError, EngineOutput, EngineRequest, SchedulerStats
+from turnout.engine.core import (
+    CoreBatch,
+    EngineDeadError,
+    EngineOutput,
+    EngineRequest,
+    EngineShutdownError,
+    SchedulerStats,
+)
 from turnout.engine.core_client import CoreProcClient, CoreThreadClient
 from turnout.engine.llm_engine import load_tokenizer, require_tokenizer
 from turnout.errors import TurnoutError
@@ -34,6 +42,7 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[tuple[str, float, float | None]] = field(default_factory=list)  # reason, e2e, TPOT
+    num_failed: int = 0  # requests the engine ended with an error (it died, or the drain's deadline passed)
 
 
 class StatLogger(Protocol):
@@ -136,6 +145,8 @@ class AsyncLLM:
         self._acks: dict[int, asyncio.Future] = {}
         self._keys = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stats = SchedulerStats()  # the core's last
+        self.draining = False  # begin_shutdown was called: new requests are refused
 
     def need_tokenizer(self, what: str) -> Any:
         """The front's tokenizer, or RequestError: `what` needs one, why this engine has none, and the fix."""
@@ -161,6 +172,8 @@ class AsyncLLM:
         assert self._loop is not None, "AsyncLLM.start() first"
         if self.client.dead:
             raise EngineDeadError(self.client.dead)
+        if self.draining:
+            raise EngineShutdownError("the server is shutting down; retry elsewhere")
         sink = OutputStream(self, [r.req_id for r in reqs], per_token)
         fut = self._loop.create_future()
         key = next(self._keys)
@@ -190,7 +203,14 @@ class AsyncLLM:
     def begin_shutdown(self, grace: float) -> None:
         """Refuse new requests; end those still running after `grace` seconds with an error.
         Safe in a signal handler."""
+        self.draining = True
         self.client.drain(time.monotonic() + grace)
+
+    @property
+    def drained(self) -> bool:
+        """Draining, and no request is left: each has finished or ended with an error (so has each of a
+        dead core)."""
+        return self.draining and (not (self._timings or self._acks) or self.client.dead is not None)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the core and its workers; safe to call any number of times."""
@@ -227,13 +247,17 @@ class AsyncLLM:
                 it.finished.append((o.finish_reason, e2e, tpot))
             t.sink.put(o)
         if b.fail is not None:
+            it.num_failed = len(self._timings)
             for t in self._timings.values():
                 t.sink.fail(b.fail)
             self._timings.clear()
+        stats = self._stats = b.stats or self._stats
         if isinstance(b.fail, EngineDeadError):  # adds the core never read: nobody else will answer them
             for fut in self._acks.values():
                 if not fut.done():
                     fut.set_exception(b.fail)
             self._acks.clear()
+            # a dead engine runs nothing and holds no KV; the counters keep their totals
+            stats = dataclasses.replace(stats, num_running=0, num_waiting=0, kv_cache_usage=0.0)
         for sl in self.stat_loggers:
-            sl.record(b.stats, it)
+            sl.record(stats, it)

@@ -33,7 +33,13 @@ class EngineDeadError(TurnoutError):
 
 
 class EngineBusyError(TurnoutError):
-    """The waiting queue is full, or the server is shutting down; the request was not run."""
+    """The waiting queue is full, or the server is shutting down; the request was not run (or not run to
+    its end)."""
+
+
+class EngineShutdownError(EngineBusyError):
+    """The server is shutting down: it takes no new request, and ends those still running at the drain's
+    deadline."""
 
 
 @dataclass
@@ -179,14 +185,15 @@ class EngineCore:
             elif cmd[0] == "drain":
                 self.deadline = cmd[1]
             elif cmd[0] == "stop":
-                self._close("the server shut down", EngineBusyError)
+                self._close("the server shut down", EngineShutdownError)
                 return False
         return True
 
     def _add(self, reqs: list[EngineRequest], key: int) -> None:
         waiting = sum(len(e.scheduler.waiting) for e in self.engines)
         if self.deadline is not None:
-            return self.acks.append((key, EngineBusyError("the server is shutting down; retry elsewhere")))
+            refusal = EngineShutdownError("the server is shutting down; retry elsewhere")
+            return self.acks.append((key, refusal))
         if waiting + len(reqs) > self.max_waiting:
             msg = (
                 f"the waiting queue is full ({waiting} requests, max_waiting_requests {self.max_waiting}); "
@@ -212,7 +219,7 @@ class EngineCore:
         for req_id in self.live:
             self.engine.abort_request(req_id)
         self.live.clear()
-        return EngineBusyError("the server shut down before the request finished; retry elsewhere")
+        return EngineShutdownError("the server shut down before the request finished; retry elsewhere")
 
     def _step(self) -> list[EngineOutput]:
         outputs = []

@@ -1,8 +1,10 @@
 """`turnout serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over AsyncLLM.
 
 /v1/completions, /v1/chat/completions, /v1/models (behind --api-key when given), /health, /version,
-/metrics. A client that disconnects has its requests aborted; SIGINT/SIGTERM stop taking requests, give
-the running ones --shutdown-timeout seconds, end the rest with an error, and stop the engine's workers.
+/metrics. A client that disconnects has its requests aborted; SIGINT/SIGTERM start a drain: the socket
+keeps accepting, and answers new requests 503 (code server_shutting_down), while the running ones get
+--shutdown-timeout seconds to finish; the rest end with that code, then the server stops the engine's
+workers and exits. A second signal ends the drain at once.
 /openapi.json documents every body, request and response, from the models in protocol.py.
 /v1/explain serves what selection chose and why (`turnout explain --json`); / serves the chat page
 (turnout.entrypoints.openai.web) unless --no-web-page.
@@ -58,6 +60,7 @@ from turnout.metrics import PrometheusStatLogger
 from turnout.tool_parsers import ToolParser, get_tool_parser, tool_parser_names
 
 logger = logging.getLogger("turnout")
+DRAIN_BACKSTOP_S = 5.0  # past the drain's deadline, the server stops even if the engine has not answered
 
 
 def build_app(
@@ -119,6 +122,10 @@ def build_app(
     async def health() -> Response:
         if engine.dead:
             err = OpenAIError(503, engine.dead, "service_unavailable_error", code="engine_dead")
+            return JSONResponse(err.body(), err.status)
+        if engine.draining:
+            why = "the server is shutting down; retry elsewhere"
+            err = OpenAIError(503, why, "service_unavailable_error", code="server_shutting_down")
             return JSONResponse(err.body(), err.status)
         return Response(status_code=200)
 
@@ -196,7 +203,8 @@ _ERRORS = {
     413: "The prompt and max_tokens do not fit in the context (code context_length_exceeded)",
     422: "A field of the wrong JSON type, an unknown field or a missing one",
     500: "A bug: an internal error",
-    503: "The engine is dead (code engine_dead) or its waiting queue is full (code server_busy)",
+    503: "The engine is dead (code engine_dead), its waiting queue is full (code server_busy), or the server "
+    "is shutting down (code server_shutting_down)",
 }
 _METRICS = {
     "description": "Prometheus metrics",
@@ -284,16 +292,27 @@ class ApiKeyMiddleware:
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, whose first SIGINT/SIGTERM also starts the engine's drain."""
+    """uvicorn's server, whose first SIGINT/SIGTERM starts the engine's drain and keeps listening: uvicorn's
+    own shutdown (which closes the socket) begins once the engine holds no request, or DRAIN_BACKSTOP_S
+    after the drain's deadline. A second signal moves the deadline to now; a third SIGINT is uvicorn's."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace: float) -> None:
         super().__init__(config)
         self.engine, self.grace = engine, grace
+        self.stop_at: float | None = None  # set by the first signal
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self.should_exit:
-            self.engine.begin_shutdown(self.grace)
-        super().handle_exit(sig, frame)
+        if self.stop_at is None or not self.should_exit:
+            grace = self.grace if self.stop_at is None else 0.0
+            self.stop_at = time.monotonic() + grace + DRAIN_BACKSTOP_S
+            self.engine.begin_shutdown(grace)
+        else:
+            super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.stop_at is not None and (self.engine.drained or time.monotonic() > self.stop_at):
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

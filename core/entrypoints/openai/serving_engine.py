@@ -10,7 +10,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from turnout.engine.async_llm import AsyncLLM
-from turnout.engine.core import EngineBusyError, EngineDeadError, EngineOutput, EngineRequest
+from turnout.engine.core import (
+    EngineBusyError,
+    EngineDeadError,
+    EngineOutput,
+    EngineRequest,
+    EngineShutdownError,
+)
 from turnout.engine.detokenizer import Detokenizer
 from turnout.entrypoints.openai.protocol import OpenAIError
 from turnout.errors import RequestError, TurnoutError
@@ -38,6 +44,8 @@ def engine_error(e: TurnoutError) -> OpenAIError:
     """The HTTP answer to an error the engine raised for a request."""
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), "service_unavailable_error", code="engine_dead")
+    if isinstance(e, EngineShutdownError):
+        return OpenAIError(503, str(e), "service_unavailable_error", code="server_shutting_down")
     if isinstance(e, EngineBusyError):
         return OpenAIError(503, str(e), "service_unavailable_error", code="server_busy")
     return OpenAIError(400, str(e), param=_param_of(str(e)))

@@ -1,7 +1,8 @@
 """The multi-process executor: one worker process per rank on this node."""
 
-from turnout import Priority, hookimpl
+from turnout import EnvVar, Priority, hookimpl
 from turnout.executor import ExecutorContext, ExecutorSpec
+from turnout_multiproc.envs import ENV_VARS
 
 
 def _check(ctx: ExecutorContext) -> list[str]:
@@ -17,3 +18,8 @@ def _check(ctx: ExecutorContext) -> list[str]:
 def turnout_executors() -> list[ExecutorSpec]:
     target = "turnout_multiproc.executor:MultiprocExecutor"
     return [ExecutorSpec("multiproc", target, Priority.THIRD, _check, in_process=False)]
+
+
+@hookimpl
+def turnout_env_vars() -> list[EnvVar]:
+    return ENV_VARS

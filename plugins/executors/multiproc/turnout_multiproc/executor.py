@@ -3,7 +3,10 @@
 Every message is broadcast to all ranks and every rank answers each one, in order. execute_model only
 sends; its answers are read with the next sample_tokens or collective_rpc. Each read waits on the pipes and
 on the process sentinels together, under a deadline (config.rpc_timeout seconds), so a rank that dies or
-hangs ends the engine with a TurnoutError instead of a hang.
+never answers ends the engine with a TurnoutError instead of a hang. Each rank also beats every
+TURNOUT_MULTIPROC_HEARTBEAT_INTERVAL_S from a thread of its own, into shared memory; a rank whose beat is
+HEARTBEAT_MISSES intervals old is hung (stopped, or stuck where no thread runs), and ends the engine
+naming it, within seconds and whether or not a step is under way.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, NoReturn
 
 from turnout import EngineConfig, TurnoutError
 from turnout.executor import Executor, ModelRunnerOutput, SchedulerOutput, Selection, free_port, plan_ranks
+from turnout_multiproc.envs import HEARTBEAT_INTERVAL, HEARTBEAT_MISSES
 from turnout_multiproc.worker import run_worker
 
 logger = logging.getLogger("turnout")
@@ -30,6 +34,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, selection: Selection) -> None:
         self.world_size = config.world_size
         self.timeout = float(config.rpc_timeout)
+        self.interval = HEARTBEAT_INTERVAL.value
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
         self._owed: list[str] = []  # the methods every rank still owes an answer to, oldest first
@@ -46,10 +51,12 @@ class MultiprocExecutor(Executor):
         infos = plan_ranks(config, selection, f"tcp://127.0.0.1:{free_port()}")
         self.init_method = infos[0].init_method  # replicas that share expert parallelism share one
         self.output_rank = infos[0].output_rank
-        for info in infos:
+        self.beats = ctx.RawArray("d", len(infos))  # each rank's last beat; 0: not started yet
+        for i, info in enumerate(infos):
             parent, child = ctx.Pipe()
             name = f"turnout-rank{info.rank}"
-            p = ctx.Process(target=run_worker, args=(info, child), name=name, daemon=True)
+            args = (info, child, self.beats, i, self.interval)
+            p = ctx.Process(target=run_worker, args=args, name=name, daemon=True)
             p.start()
             child.close()
             self.procs.append(p)
@@ -74,6 +81,7 @@ class MultiprocExecutor(Executor):
             raise TurnoutError("executor multiproc is shut down; start a new engine")
         if any(not p.is_alive() for p in self.procs):
             self._fail(self._death())
+        self._check_beats()
 
     def shutdown(self, grace: float = 5.0) -> None:
         """Ask every rank to stop, then terminate, then kill; safe to call any number of times."""
@@ -116,14 +124,30 @@ class MultiprocExecutor(Executor):
         return results
 
     def _wait(self, owed: dict[int, int], deadline: float, what: str) -> list[Any]:
-        """The pipes and sentinels that became ready; fails once the deadline passes."""
+        """The pipes and sentinels that became ready; fails once the deadline passes or a rank hangs."""
+        self._check_beats()
         left = deadline - time.monotonic()
         if left <= 0:
             self._fail(
                 f"worker rank(s) {sorted(owed)} did not answer {what} within {self.timeout:.0f}s "
                 "(raise rpc_timeout to wait longer); the engine is shut down"
             )
-        return wait([*(self.conns[r] for r in owed), *(p.sentinel for p in self.procs)], timeout=left)
+        waitables = [*(self.conns[r] for r in owed), *(p.sentinel for p in self.procs)]
+        return wait(waitables, timeout=min(left, self.interval))
+
+    def _check_beats(self) -> None:
+        """Fail naming the first live rank whose heartbeat is HEARTBEAT_MISSES intervals old; it is killed
+        first, as a stopped process ignores the SIGTERM of the shutdown."""
+        now = time.monotonic()
+        for rank, beat in enumerate(self.beats):
+            p = self.procs[rank]
+            if beat and now - beat > HEARTBEAT_MISSES * self.interval and p.exitcode is None:
+                p.kill()
+                self._fail(
+                    f"worker rank {rank} (pid {p.pid}) hung: no heartbeat for {now - beat:.1f}s, one was "
+                    f"due every {self.interval:g}s (TURNOUT_MULTIPROC_HEARTBEAT_INTERVAL_S); the engine is "
+                    "shut down"
+                )
 
     def _receive(self, rank: int, method: str) -> Any:
         """One answer of rank to method; a rank that failed ends the engine."""
