@@ -1,3 +1,4 @@
+import functools
 import json
 import subprocess
 import sys
@@ -456,3 +457,139 @@ def test_a_declared_key_is_one_the_layers_use() -> None:
     Windowed(cfg).check_layers()
     with pytest.raises(TurnoutError, match="names sliding_windows, not among"):
         Typo(cfg)
+
+
+@functools.cache
+def _state(arch: str, **overrides) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A tiny random model as transformers writes it: (config.json, its checkpoint's tensors)."""
+    import tempfile
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = _hf_config(arch, **overrides)
+    hf = AutoModelForCausalLM.from_config(type(AutoConfig.for_model(arch))(**cfg))
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)  # per-expert tensors, as checkpoints hold them
+        return cfg, load_file(f"{d}/model.safetensors")
+
+
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1)
+# each fused parameter of each bundled model: (plugin class, HF model type, config, the part's tensor)
+_LLAMA, _QWEN3, _MOE_CLS = (
+    "turnout_llama.model:LlamaForCausalLM", "turnout_qwen3.model:Qwen3ForCausalLM",
+    "turnout_qwen3_moe.model:Qwen3MoeForCausalLM",
+)  # fmt: skip
+FUSED = [
+    (_LLAMA, "llama", {}, "model.layers.1.self_attn.k_proj.weight"),
+    (_LLAMA, "llama", {}, "model.layers.0.mlp.up_proj.weight"),
+    (_QWEN3, "qwen3", {}, "model.layers.0.self_attn.v_proj.weight"),
+    (_QWEN3, "qwen3", {}, "model.layers.1.mlp.gate_proj.weight"),
+    ("turnout_qwen3.model:Qwen2ForCausalLM", "qwen2", {}, "model.layers.1.self_attn.q_proj.bias"),
+    (_MOE_CLS, "qwen3_moe", _MOE, "model.layers.1.mlp.experts.3.up_proj.weight"),
+    (_MOE_CLS, "qwen3_moe", _MOE, "model.layers.0.mlp.experts.0.down_proj.weight"),
+]  # fmt: skip
+
+
+def _surplus(name: str) -> str:
+    """A tensor beside `name` that no parameter takes: a bias config.json has none of, an expert past the
+    last."""
+    if ".experts." in name:
+        return name.replace(".experts.3.", ".experts.4.").replace(".experts.0.", ".experts.4.")
+    return (
+        name.replace(".weight", ".bias")
+        if name.endswith(".weight")
+        else name.replace(".bias", ".weight_extra")
+    )
+
+
+def _load(target: str, cfg: dict, state: dict[str, torch.Tensor]) -> str:
+    from turnout.models import ModelArchitecture
+
+    model = ModelArchitecture("x", target).load()(cfg)
+    with pytest.raises(WeightLoadError) as e:
+        model.load_weights(state.items())
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("target, arch, extra, part", FUSED)
+def test_a_fused_part_is_loaded_whole_or_refused_by_name(target, arch, extra, part) -> None:
+    """A checkpoint lacking one part of a fused parameter, holding a tensor no parameter takes, or one
+    part of a shape other than config.json's: one line naming that checkpoint tensor, nothing loaded."""
+    cfg, state = _state(arch, **extra)
+    assert part in state
+    lacking = {k: v for k, v in state.items() if k != part}
+    assert _load(target, cfg, lacking).startswith(f"the checkpoint lacks {part}, which fills ")
+    surplus = _surplus(part)
+    assert surplus not in state
+    msg = _load(target, cfg, state | {surplus: state[part]})
+    assert msg.startswith(f"the checkpoint's {surplus} is used by no parameter of ")
+    wide = torch.cat([state[part], state[part][:1]])
+    msg = _load(target, cfg, state | {part: wide})
+    assert msg.startswith(f"the checkpoint's {part} has shape {list(wide.shape)}, where ")
+
+
+def test_a_whole_checkpoint_loads_every_parameter() -> None:
+    """The accounting takes a checkpoint as transformers writes it, and fills every parameter with it."""
+    for target, arch, extra, _ in FUSED[::2]:
+        cfg, state = _state(arch, **extra)
+        from turnout.models import ModelArchitecture
+
+        model = ModelArchitecture("x", target).load()(cfg)
+        assert model.load_weights(state.items()) == {n for n, _ in model.named_parameters()}
+        qkv = model.model.layers[1].self_attn.qkv_proj.weight
+        q, k, v = (state[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
+        assert torch.equal(qkv, torch.cat([q, k, v]))
+
+
+class _ForgetsOne:
+    """A model plugin whose load_weights fills everything but does not report one parameter."""
+
+    @staticmethod
+    def cls():
+        from turnout_llama.model import LlamaForCausalLM
+
+        class ForgetsOne(LlamaForCausalLM):
+            def load_weights(self, weights):
+                return super().load_weights(weights) - {"model.layers.1.self_attn.qkv_proj.weight"}
+
+        return ForgetsOne
+
+
+ForgetsOne = None
+
+
+def test_start_up_tells_a_checkpoint_problem_from_a_plugin_bug(tiny_llama, tmp_path, register_plugin) -> None:
+    """Through LLM(...): the checkpoint that lacks k_proj names that tensor; a plugin that never reports a
+    parameter it owns is named as the culprit, with the parameter."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from turnout import hookimpl
+    from turnout.llm import LLM
+    from turnout.models import ModelArchitecture
+
+    path = shutil.copytree(tiny_llama, tmp_path / "model")
+    state = load_file(path / "model.safetensors")
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(
+        WeightLoadError, match=r"^the checkpoint lacks model\.layers\.1\.self_attn\.k_proj\.weight,"
+    ):
+        LLM(model=str(path), dtype="float32", attention_backend="cpu")
+
+    global ForgetsOne
+    ForgetsOne = _ForgetsOne.cls()
+
+    class Plugin:
+        @hookimpl
+        def turnout_model_architectures(self):
+            return [ModelArchitecture("LlamaForCausalLM", f"{__name__}:ForgetsOne", priority=50)]
+
+    register_plugin(Plugin(), "forgets_one")
+    with pytest.raises(WeightLoadError) as e:
+        LLM(model=str(tiny_llama), dtype="float32", attention_backend="cpu")
+    want = "the model plugin forgets_one never filled its parameter model.layers.1.self_attn.qkv_proj.weight"
+    assert str(e.value).startswith(want + " (1 in all)")

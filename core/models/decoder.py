@@ -10,17 +10,23 @@ GEMV with the norm or SiLU-and-mul in its prologue); the model only says which o
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from turnout.distributed import get_parallel_state
-from turnout.errors import ConfigError, TurnoutError
+from turnout.errors import ConfigError, TurnoutError, WeightLoadError
 from turnout.layers.activation import SiluAndMul
 from turnout.layers.attention import Attention
 from turnout.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from turnout.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from turnout.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from turnout.layers.moe import FusedMoE
 from turnout.layers.norm import RMSNorm
 from turnout.layers.rotary import RotaryEmbedding
 
@@ -180,6 +186,7 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    expert_packed: dict[str, int] = {}  # a FusedMoE's checkpoint projection -> its weight_loader shard
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
@@ -210,7 +217,10 @@ class DecoderForCausalLM(nn.Module):
 
     def check_layers(self) -> None:
         """The layers as built use what implemented_keys claims for this config: a declared sliding_window
-        or attn_logit_softcapping that no Attention layer carries would answer silently wrong."""
+        or attn_logit_softcapping that no Attention layer carries would answer silently wrong. Checked
+        where this rank holds every layer: one pipeline stage may hold none of the layers a key touches."""
+        if (self.model.start, self.model.end) != (0, self.cfg["num_hidden_layers"]):
+            return
         for key, attr in _LAYER_KEYS.items():
             if key not in self.implemented_keys or MATH_KEYS[key](self.cfg) is None:
                 continue
@@ -239,27 +249,93 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Feed checkpoint tensors through each parameter's weight_loader; returns the names loaded."""
+        """Feed each checkpoint tensor through its parameter's weight_loader (its part of a fused one);
+        returns the parameters filled, each whole. A checkpoint that lacks a tensor this rank reads, holds
+        one that no parameter takes, or one of another shape than config.json gives is refused with one line
+        naming that tensor (WeightLoadError)."""
         self.check_layers()
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
+        parts, params, seen = self.checkpoint_parts(), dict(self.named_parameters()), set()
         for name, tensor in weights:
-            name = self._local_name(name)
-            if name is None:
-                continue
-            for ckpt, (ours, shard) in self.packed.items():
-                if f".{ckpt}." in name:
-                    target = name.replace(ckpt, ours)
-                    if target in params:
-                        params[target].weight_loader(params[target], tensor, shard)
-                        loaded.add(target)
-                    break
-            else:
-                if name in params:
-                    p = params[name]
-                    getattr(p, "weight_loader", _default_loader)(p, tensor)
-                    loaded.add(name)
-        return loaded
+            if name in seen:
+                raise WeightLoadError(f"the checkpoint holds {name} twice; remove one from its files")
+            seen.add(name)
+            if name not in parts:
+                if self._local_name(name) is None:  # another stage's layer, a tied lm_head, rotary tables
+                    continue
+                raise WeightLoadError(
+                    f"the checkpoint's {name} is used by no parameter of {self._who()}; re-convert the model "
+                    "to match config.json, or use a model plugin that implements the layer it belongs to"
+                )
+            if (part := parts[name]) is not None:
+                self._load_part(name, tensor, params[part.param], part)
+        if missing := sorted(parts.keys() - seen):
+            part, more = parts[missing[0]], f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            whose = _part_of(part.shard) if part else ""
+            raise WeightLoadError(
+                f"the checkpoint lacks {missing[0]}{more}, which fills {whose}{self._who()}'s "
+                f"{part.param if part else 'experts on another rank'}; re-download or re-convert the model: "
+                "its weights do not match config.json"
+            )
+        return {part.param for part in parts.values() if part is not None}
+
+    def checkpoint_parts(self) -> dict[str, Part | None]:
+        """Every checkpoint tensor this stage reads -> the part of a parameter it fills (None: an expert that
+        another expert-parallel rank holds). The parts of fused layers are named per shard through packed
+        (and expert_packed for FusedMoE), for every parameter of the layer: weight, bias, scales alike."""
+        owned, parts = dict(self.named_parameters()), {}
+        unpack = {(ours, shard): ckpt for ckpt, (ours, shard) in self.packed.items()}
+        for path, m in self.named_modules():
+            for leaf, p in m.named_parameters(recurse=False):
+                name = f"{path}.{leaf}" if path else leaf
+                if owned.get(name) is p:
+                    parts |= self._parts_of(m, path, leaf, name, p, unpack)
+        return parts
+
+    def _parts_of(
+        self, m: nn.Module, path: str, leaf: str, name: str, p: nn.Parameter, unpack: dict[tuple, str]
+    ) -> dict[str, Part | None]:
+        """The checkpoint names (global layer index) that fill parameter `name` of module m at `path`."""
+        parent, _, ours = self._global_name(path).rpartition(".")
+        if isinstance(m, FusedMoE):
+            kind, _, rest = leaf.partition("_")  # w13_weight: shards 0 and 1; w2_weight: shard 2
+            return {
+                f"{parent}.{ours}.{e}.{proj}.{rest}": (
+                    Part(name, (e, s), _full_shape(m, leaf, p, s)) if e in m.local_experts else None
+                )
+                for proj, s in self.expert_packed.items()
+                if (s < 2) == (kind == "w13")
+                for e in range(m.num_experts)
+            }
+        shards = _shard_ids(m)
+        if shards is None:
+            return {self._global_name(name): Part(name, (), _full_shape(m, leaf, p, None))}
+        return {
+            f"{parent}.{unpack[ours, s]}.{leaf}": Part(name, (s,), _full_shape(m, leaf, p, s)) for s in shards
+        }
+
+    def _load_part(self, name: str, tensor: torch.Tensor, p: nn.Parameter, part: Part) -> None:
+        if part.shape is not None and tuple(tensor.shape) != part.shape:
+            raise WeightLoadError(
+                f"the checkpoint's {name} has shape {list(tensor.shape)}, where {self._who()} expects "
+                f"{list(part.shape)} from config.json; re-download or re-convert the model to match it"
+            )
+        try:
+            getattr(p, "weight_loader", _default_loader)(p, tensor, *part.shard)
+        except (RuntimeError, IndexError) as e:  # a loader's own check, of a tensor without a known shape
+            raise WeightLoadError(
+                f"the checkpoint's {name} (shape {list(tensor.shape)}) does not fit {self._who()}'s "
+                f"{part.param}: {' '.join(str(e).split())}; re-download or re-convert the model"
+            ) from None
+
+    def _who(self) -> str:
+        return f"{type(self).__qualname__} ({type(self).__module__})"
+
+    def _global_name(self, name: str) -> str:
+        """Our parameter's name with its layer's index in the checkpoint (this stage's layers are local)."""
+        if not name.startswith("model.layers."):
+            return name
+        idx = name.split(".")[2]
+        return name.replace(f"layers.{idx}", f"layers.{int(idx) + self.model.start}", 1)
 
     def _local_name(self, name: str) -> str | None:
         """Drop tensors this rank doesn't hold; renumber layers to this stage's local index."""
@@ -271,6 +347,56 @@ class DecoderForCausalLM(nn.Module):
                 return None
             name = name.replace(f"layers.{idx}.", f"layers.{idx - self.model.start}.", 1)
         return name
+
+
+def _part_of(shard: tuple) -> str:
+    if len(shard) == 2:  # a FusedMoE's (expert, shard)
+        return f"expert {shard[0]}'s part {shard[1]} of "
+    return f"part {shard[0]!r} of " if shard else ""
+
+
+class Part(NamedTuple):
+    """What one checkpoint tensor fills: our parameter, the shard arguments of its weight_loader (() for
+    the whole parameter), and the tensor's shape (None where the layer does not say, e.g. a scale)."""
+
+    param: str
+    shard: tuple
+    shape: tuple[int, ...] | None
+
+
+def _shard_ids(m: nn.Module) -> tuple | None:
+    """The shard ids of a fused layer's parameters, each filled by its own checkpoint tensor; None: a
+    parameter filled whole."""
+    if isinstance(m, QKVParallelLinear):
+        return ("q", "k", "v")
+    if isinstance(m, MergedColumnParallelLinear):
+        return tuple(range(len(m.output_sizes)))
+    return None
+
+
+def _full_shape(m: nn.Module, leaf: str, p: nn.Parameter, shard: Any) -> tuple[int, ...] | None:
+    """The checkpoint tensor's shape for part `shard` of m's parameter `leaf` (p: this rank's); None for
+    a parameter whose layer does not give it, e.g. a quantization scale (its loader checks it)."""
+    rest = tuple(p.shape[1:])
+    if not hasattr(p, "weight_loader"):  # replicated
+        return tuple(p.shape)
+    if leaf not in ("weight", "bias", "w13_weight", "w2_weight"):
+        return None
+    if isinstance(m, VocabParallelEmbedding):
+        return (m.vocab_size, *rest)
+    if isinstance(m, QKVParallelLinear):
+        heads = m.num_heads * m.tp_size if shard == "q" else m.num_kv_heads * m.tp_size // m.kv_replicas
+        return (heads * m.head_size, *rest)
+    if isinstance(m, MergedColumnParallelLinear):
+        return (m.output_sizes[shard], *rest)
+    if isinstance(m, ColumnParallelLinear):
+        return (p.shape[0] * m.tp_size, *rest)
+    if isinstance(m, RowParallelLinear):
+        return tuple(p.shape) if leaf == "bias" else (p.shape[0], p.shape[1] * m.tp_size)
+    if isinstance(m, FusedMoE):  # w13 [E, 2I, H] per expert (gate | up), w2 [E, H, I]
+        e, rows, cols = p.shape
+        return (rows // 2 * m.tp_size, cols) if leaf == "w13_weight" else (rows, cols * m.tp_size)
+    return None
 
 
 def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -168,11 +168,13 @@ class ModelRunner:
         rank = (ps.tp_rank, ps.tp_size, ps.pp_rank, ps.pp_size, ps.ep_rank, ps.ep_size)
         key = (cls, str(self.info.path), self.dtype, str(self.device), rank, kernel, method and method.name)
         loaded = load_checkpoint(model, self.info.path, key)
-        missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
-        if missing:
+        # load_weights names what the checkpoint lacks itself; a parameter it does not return is its bug
+        if unfilled := sorted(n for n, _ in model.named_parameters() if n not in loaded):
+            plugin = self.selection.model.chosen.plugin
             raise WeightLoadError(
-                f"checkpoint {self.info.path} lacks {len(missing)} tensors (e.g. {missing[0]}); "
-                "the weights do not match config.json: re-download or re-convert the model"
+                f"the model plugin {plugin} never filled its parameter {unfilled[0]} ({len(unfilled)} in "
+                f"all): {cls.__qualname__}.load_weights did not return it; a bug in the plugin, report it to "
+                "its authors"
             )
         quantization.process_weights_after_loading(model)
         if self.device.type == "cpu" and (n := pack_linears_for_cpu(model)):
