@@ -37,45 +37,53 @@ HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A
 
 
 def _create(server: Server, stream: bool, **kw):
+    """(content, calls, finish_reason); a call is (name, arguments, id, the deltas its arguments came in)."""
     client = server.client()
-    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=96, **kw)
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=96) | kw
     if not stream:
         r = client.chat.completions.create(**kw)
         c = r.choices[0]
-        calls = [(t.function.name, t.function.arguments, t.id) for t in c.message.tool_calls or []]
+        calls = [(t.function.name, t.function.arguments, t.id, 1) for t in c.message.tool_calls or []]
         return c.message.content, calls, c.finish_reason
     content, calls, finish = "", {}, None
-    for ch in client.chat.completions.create(**kw, stream=True):
+    for i, ch in enumerate(client.chat.completions.create(**kw, stream=True)):
         if not ch.choices:
             continue
         d = ch.choices[0].delta
+        assert i == 0 or d.content or d.tool_calls or ch.choices[0].finish_reason, ch  # no empty chunks
         content += d.content or ""
         for t in d.tool_calls or []:
             if t.index not in calls:
                 assert t.id and t.function.name, t  # a call's first delta names it
-                calls[t.index] = [t.function.name, "", t.id]
+                calls[t.index] = [t.function.name, "", t.id, 0]
             calls[t.index][1] += t.function.arguments or ""
+            calls[t.index][3] += 1
         finish = ch.choices[0].finish_reason or finish
     return content or None, [tuple(calls[i]) for i in sorted(calls)], finish
 
 
 def _valid(calls: list[tuple]) -> None:
     assert calls
-    for name, arguments, call_id in calls:
+    for name, arguments, call_id, _ in calls:
         jsonschema.validate(json.loads(arguments), PARAMS[name])
         assert call_id.startswith("call_")
 
 
 @pytest.mark.parametrize(
-    "tool_choice, extra",
+    "tool_choice, extra, cut",
     [
-        ("auto", {"structured_outputs": {"regex": HERMES_CALL}}),
-        ("required", {}),
-        ({"type": "function", "function": {"name": "get_time"}}, {}),
+        ("auto", {"structured_outputs": {"regex": HERMES_CALL}}, 24),
+        ("required", {}, 18),
+        ({"type": "function", "function": {"name": "get_time"}}, {}, 5),
     ],
     ids=["auto", "required", "named"],
 )
-def test_tool_calls_validate_and_stream_into_the_same_calls(agent_server: Server, tool_choice, extra) -> None:
+def test_tool_calls_validate_and_stream_into_the_same_calls(
+    agent_server: Server, tool_choice, extra, cut: int
+) -> None:
+    """Whole and streamed calls agree, the streamed arguments arriving in pieces as they are generated;
+    `cut` tokens end the output inside the arguments, where both answers give the partial call with
+    finish_reason "length"."""
     whole = _create(agent_server, False, tool_choice=tool_choice, extra_body=extra)
     streamed = _create(agent_server, True, tool_choice=tool_choice, extra_body=extra)
     for content, calls, finish in (whole, streamed):
@@ -83,10 +91,22 @@ def test_tool_calls_validate_and_stream_into_the_same_calls(agent_server: Server
         _valid(calls)
     strip_ids = lambda calls: [c[:2] for c in calls]
     assert strip_ids(streamed[1]) == strip_ids(whole[1])
+    assert all(c[3] > 1 for c in streamed[1]), streamed
     if isinstance(tool_choice, dict):
         assert [c[0] for c in whole[1]] == ["get_time"]
     if tool_choice == "auto":
         assert json.loads(whole[1][0][1])["unit"] == "c"
+    complete = whole[1][0][:2]
+    cut_calls = []
+    for stream in (False, True):
+        content, calls, finish = _create(
+            agent_server, stream, tool_choice=tool_choice, extra_body=extra, max_tokens=cut
+        )
+        assert finish == "length" and not content and len(calls) == 1, (content, calls)
+        cut_calls += strip_ids(calls)
+    (name, partial), streamed_cut = cut_calls
+    assert streamed_cut == (name, partial) and name == complete[0], (cut_calls, complete)
+    assert complete[1].startswith(partial) and partial != complete[1], (partial, complete)
 
 
 def test_tool_choice_none_never_calls(agent_server: Server) -> None:

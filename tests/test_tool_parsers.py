@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnout import hookimpl
+from turnout.entrypoints.openai.tool_choice import RequiredCalls
 from turnout.errors import ConfigError
 from turnout.tool_parsers import (
     ParsedToolCall,
@@ -278,6 +279,58 @@ def test_a_call_that_fails_after_its_arguments_opened(cls, text, parsed, streame
     want = ParsedToolCalls(streamed[0], calls(*streamed[1:]))
     for size in (len(text), 1, 2, 5):
         assert stream(cls, [text[i : i + size] for i in range(0, len(text), size)]) == want
+
+
+REQUIRED_CASES = [
+    ('[{"name": "f", "parameters": {"a": 1}}]', "", calls(("f", '{"a": 1}'))),
+    (
+        '[ {"name": "f", "parameters": {}} ,\n{"name": "g", "parameters": {"b": "]"}}]',
+        "",
+        calls(("f", "{}"), ("g", '{"b": "]"}')),
+    ),
+    ('[{"name": "f", "parameters": {"a": "x', "", calls(("f", '{"a": "x'))),  # cut in the arguments
+    ('[{"name": "f", "parameters": {"a": 1}}, {"name": "g', ', {"name": "g', calls(("f", '{"a": 1}'))),
+    ('[{"name": "f", "param', '[{"name": "f", "param', []),  # cut before the arguments opened
+    ("[", "[", []),
+]
+
+
+@pytest.mark.parametrize("text, content, tool_calls", REQUIRED_CASES)
+def test_required_calls_keep_a_cut_call_and_no_text_vanishes(text, content, tool_calls):
+    want = ParsedToolCalls(content, tool_calls)
+    for size in (len(text), 1, 3):
+        assert stream(RequiredCalls, [text[i : i + size] for i in range(0, len(text), size)]) == want
+
+
+def required_texts() -> st.SearchStrategy[str]:
+    """tool_choice "required" outputs: a JSON list of calls, laid out as a JSON writer may."""
+    args = st.sampled_from(['{"city": "Paris"}', TRICKY_ARGS, END_TAG_ARGS, "{}"])
+    listed = st.lists(st.tuples(st.sampled_from(["get_weather", "f"]), args), min_size=1, max_size=3)
+    layout = st.sampled_from([{}, {"indent": 2}, {"separators": (",", ":")}])
+    dump = lambda cs, kw: json.dumps([{"name": n, "parameters": json.loads(a)} for n, a in cs], **kw)
+    return st.builds(dump, listed, layout)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_required_calls_stream_as_written_and_a_cut_list_gives_its_calls_so_far(data):
+    text = data.draw(required_texts())
+    whole = stream(RequiredCalls, [text])
+    assert whole.content == ""
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [
+        (c["name"], c["parameters"]) for c in json.loads(text)
+    ]
+    assert (
+        stream(RequiredCalls, cut(text, data.draw(st.lists(st.integers(0, len(text)), max_size=12)))) == whole
+    )
+    prefix = text[: data.draw(st.integers(0, len(text)))]  # an output cut at max_tokens
+    got = stream(RequiredCalls, [prefix]).tool_calls
+    assert all(g == w for g, w in zip(got[:-1], whole.tool_calls))  # the calls before the cut one, whole
+    assert all(
+        g.name == w.name and w.arguments.startswith(g.arguments) for g, w in zip(got, whole.tool_calls)
+    )
+    if not got:
+        assert stream(RequiredCalls, [prefix]).content == prefix.strip()
 
 
 def test_builtin_parsers_come_through_the_entry_point(plugin_manager):

@@ -54,7 +54,7 @@ class OpenAIServingChat(OpenAIServing):
         await self.collect(outputs, choices)
         out = []
         for c in sorted(choices.values(), key=lambda c: c.index):
-            message, called = tools.message(c.text, self.tokenizer)
+            message, called = tools.message(c.text, self.tokenizer, c.finish_reason)
             out.append(
                 {
                     "index": c.index,
@@ -93,12 +93,14 @@ class OpenAIServingChat(OpenAIServing):
             {c.index: tools.stream(self.tokenizer) for c in choices.values()} if tools.mode != "none" else {}
         )
 
-        def chunk(c: Choice, delta: str, k: int, finish: str | None) -> dict[str, Any]:
+        def chunk(c: Choice, delta: str, k: int, finish: str | None) -> dict[str, Any] | None:
             lp = self._logprobs(c.logprobs[-k:]) if k else None
             if (ts := streams.get(c.index)) is None:
                 d = {"content": delta} if delta or finish is None else {}
             else:
                 d, finish = _tool_delta(ts, delta, finish)
+            if not (d or lp or finish):
+                return None  # a parser holding text back: nothing to send yet
             choice = {"index": c.index, "delta": d, "logprobs": lp, "finish_reason": finish}
             return {**base, "choices": [choice], **u}
 

@@ -216,15 +216,15 @@ class OpenAIServing:
         self,
         outputs: Any,
         choices: dict[str, Choice],
-        chunk: Callable[[Choice, str, int, str | None], dict[str, Any]],
+        chunk: Callable[[Choice, str, int, str | None], dict[str, Any] | None],
         head: list[dict[str, Any]],
         usage_base: dict[str, Any] | None,
         n_prompt: int,
     ) -> AsyncIterator[str]:
         """head chunks; then per choice, for what arrived since the last chunk, one chunk that adds
-        text or logprobs or ends the choice: chunk(choice, text, new logprobs, finish_reason); with a
-        usage_base (stream_options.include_usage), a last chunk of no choices and the usage; [DONE]. An
-        engine error becomes an error event before [DONE]."""
+        text or logprobs or ends the choice: chunk(choice, text, new logprobs, finish_reason), or None where
+        it has nothing to send yet; with a usage_base (stream_options.include_usage), a last chunk of no
+        choices and the usage; [DONE]. An engine error becomes an error event before [DONE]."""
         try:
             with outputs:
                 for h in head:
@@ -236,7 +236,8 @@ class OpenAIServing:
                         delta = c.advance(outs)
                         k = sum(o.logprobs is not None for o in outs)
                         if delta or k or outs[-1].finish_reason:
-                            events.append(sse(chunk(c, delta, k, outs[-1].finish_reason)))
+                            if (ev := chunk(c, delta, k, outs[-1].finish_reason)) is not None:
+                                events.append(sse(ev))
                     if events:
                         yield "".join(events)  # one write for the batch
             if usage_base is not None:

@@ -5,18 +5,21 @@
 - "auto": the server's tool-call parser (`--tool-call-parser`) reads calls out of the output.
 - "required": a JSON schema holds the output to a list of at least one call, [{"name", "parameters"}].
 - a named function: a JSON schema holds the output to that function's arguments object.
+
+An output cut at max_tokens keeps the call it was writing, its arguments as far as they got, with
+finish_reason "length" (a complete call ends with "tool_calls"); streamed or not, the calls are the same.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from turnout.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIError
 from turnout.structured_outputs import StructuredOutputsParams
-from turnout.tool_parsers import ToolParser
+from turnout.tool_parsers import DeltaMessage, ParsedToolCalls, ToolParser, join_deltas
+from turnout.tool_parsers.json_calls import JSON_WS, JsonCallParser
 
 ANY_OBJECT = {"type": "object"}
 
@@ -104,69 +107,124 @@ class ToolChoice:
             )
         return e
 
-    def message(self, text: str, tokenizer: Any) -> tuple[dict[str, Any], bool]:
+    def message(self, text: str, tokenizer: Any, finish_reason: str | None) -> tuple[dict[str, Any], bool]:
         """The assistant message of a finished output, and whether it holds calls."""
-        content, calls = self._calls(text, tokenizer)
+        content, calls = self._calls(text, tokenizer, finish_reason)
         msg: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
         if calls:
             msg["tool_calls"] = [tool_call(n, a) for n, a in calls]
         return msg, bool(calls)
 
-    def _calls(self, text: str, tokenizer: Any) -> tuple[str, list[tuple[str, str]]]:
+    def _calls(self, text: str, tokenizer: Any, finish: str | None) -> tuple[str, list[tuple[str, str]]]:
         if self.mode == "named":
             return "", [(self.name, text)]  # type: ignore[list-item]
+        if self.mode == "none":
+            return text, []
         if self.mode == "required":
-            return "", _required_calls(text)
-        if self.mode == "auto":
+            parsed = streamed(RequiredCalls(tokenizer), text)
+        elif finish == "length":  # what a stream gave out: the cut call, kept
+            parsed = streamed(self.parser(tokenizer), text)  # type: ignore[misc]
+        else:
             parsed = self.parser(tokenizer).parse(text)  # type: ignore[misc]
-            return parsed.content, [(c.name, c.arguments) for c in parsed.tool_calls]
-        return text, []
+        return parsed.content, [(c.name, c.arguments) for c in parsed.tool_calls]
 
     def stream(self, tokenizer: Any) -> ToolStream:
         return ToolStream(self, tokenizer)
 
 
-def _required_calls(text: str) -> list[tuple[str, str]]:
-    """The calls of a "required" output; [] where the output stopped before the list was complete."""
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return []
-    return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
+def streamed(parser: ToolParser, text: str) -> ParsedToolCalls:
+    """What `parser` gives out when `text` streams through it."""
+    return join_deltas([parser.feed(text), parser.finish()])
+
+
+class RequiredCalls(JsonCallParser):
+    """The "required" constraint's output, `[{"name": "fn", "parameters": {...}}, ...]`, as it streams: a
+    call goes out once its parameters open (the schema puts "name" first), then its parameters as they
+    arrive. Text that forms no call, as an output cut before a call's parameters open, is content."""
+
+    arg_keys = ("parameters",)
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        self._next = "["  # the characters that may come next between calls; "" once the list closed
+        self._held = ""  # the list's text since the last call: content only if no call follows it
+        self._rest = False  # the output left the list's shape: the rest is content
+
+    def feed(self, delta: str) -> DeltaMessage:
+        """Read the text added since the last call."""
+        while delta:
+            if self._rest:
+                self._out.content(delta)
+                break
+            delta = self._read_call(delta) if self._call else self._read_between(delta)
+        return self._out.take()
+
+    def finish(self) -> DeltaMessage:
+        """A call cut before its parameters opened, and the list's text around it, are content."""
+        if self._call is not None:
+            self._end_call()
+        self._out.content(self._held)
+        self._held = ""
+        return self._out.take(final=True)
+
+    def _read_between(self, text: str) -> str:
+        for i, ch in enumerate(text):
+            if ch in JSON_WS:
+                continue
+            if ch not in self._next:
+                self._out.content(self._held + text[:i])
+                self._held, self._rest = "", True
+                return text[i:]
+            if ch == "{":
+                self._held += text[:i]
+                self._open_call()
+                return text[i:]
+            if ch == "]":  # the list is whole: its text is no content
+                self._held, self._next = "", ""
+                return text[i + 1 :]
+            self._next = "{"
+        self._held += text
+        return ""
+
+    def _read_call(self, text: str) -> str:
+        rest = text[self._call.advance(text) :]
+        if self._call.done:
+            self._close_call()
+            self._held, self._next = "", ",]"
+        elif self._call.failed:
+            self._end_call()
+            self._rest = True
+        return rest
+
+    def _end_call(self) -> None:
+        call = self._close_call()
+        self._out.content(call.leftover if call.emitted else self._held + call.leftover)
+        self._held = ""
 
 
 class ToolStream:
     """One streamed choice: its text deltas in, (content, tool-call deltas in OpenAI's shape) out."""
 
     def __init__(self, choice: ToolChoice, tokenizer: Any) -> None:
-        self.choice, self.tokenizer = choice, tokenizer
-        self.parser = choice.parser(tokenizer) if choice.mode == "auto" else None  # type: ignore[misc]
+        self.choice = choice
+        parsers = {"auto": choice.parser, "required": RequiredCalls}
+        self.parser = parsers[choice.mode](tokenizer) if choice.mode in parsers else None  # type: ignore[misc]
         self.calls: dict[int, ToolCallState] = {}
-        self.text = ""  # "required": held until the list is complete
 
     @property
     def called(self) -> bool:
         return bool(self.calls)
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
-        mode = self.choice.mode
-        if mode == "named":
+        if self.choice.mode == "named":
             return "", [self._delta(0, self.choice.name, delta)]
-        if mode == "required":
-            self.text += delta
-            return "", []
-        if self.parser is not None:
-            d = self.parser.feed(delta)
-            return d.content, [self._delta(t.index, t.name, t.arguments) for t in d.tool_calls]
-        return delta, []
+        return self._deltas(self.parser.feed(delta)) if self.parser is not None else (delta, [])
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        if self.choice.mode == "required":
-            return "", [self._delta(i, n, a) for i, (n, a) in enumerate(_required_calls(self.text))]
-        if self.parser is not None:
-            d = self.parser.finish()
-            return d.content, [self._delta(t.index, t.name, t.arguments) for t in d.tool_calls]
-        return "", []
+        return self._deltas(self.parser.finish()) if self.parser is not None else ("", [])
+
+    def _deltas(self, d: DeltaMessage) -> tuple[str, list[dict[str, Any]]]:
+        return d.content, [self._delta(t.index, t.name, t.arguments) for t in d.tool_calls]
 
     def _delta(self, index: int, name: str | None, arguments: str) -> dict[str, Any]:
         state = self.calls.setdefault(index, ToolCallState())
