@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
+from turnout_llama.model import LlamaForCausalLM
 
 from turnout.errors import TurnoutError, WeightLoadError
 from turnout.loader import default_model
@@ -393,8 +394,6 @@ def _hf_config(arch: str = "llama", **overrides) -> dict:
 
 
 def _decoder(cfg: dict):
-    from turnout_llama.model import LlamaForCausalLM
-
     return LlamaForCausalLM(cfg)
 
 
@@ -543,21 +542,11 @@ def test_a_whole_checkpoint_loads_every_parameter() -> None:
         assert torch.equal(qkv, torch.cat([q, k, v]))
 
 
-class _ForgetsOne:
-    """A model plugin whose load_weights fills everything but does not report one parameter."""
+class ForgetsOne(LlamaForCausalLM):
+    """A model plugin's class that fills every parameter but does not report one."""
 
-    @staticmethod
-    def cls():
-        from turnout_llama.model import LlamaForCausalLM
-
-        class ForgetsOne(LlamaForCausalLM):
-            def load_weights(self, weights):
-                return super().load_weights(weights) - {"model.layers.1.self_attn.qkv_proj.weight"}
-
-        return ForgetsOne
-
-
-ForgetsOne = None
+    def load_weights(self, weights):
+        return super().load_weights(weights) - {"model.layers.1.self_attn.qkv_proj.weight"}
 
 
 def test_start_up_tells_a_checkpoint_problem_from_a_plugin_bug(tiny_llama, tmp_path, register_plugin) -> None:
@@ -579,9 +568,6 @@ def test_start_up_tells_a_checkpoint_problem_from_a_plugin_bug(tiny_llama, tmp_p
         WeightLoadError, match=r"^the checkpoint lacks model\.layers\.1\.self_attn\.k_proj\.weight,"
     ):
         LLM(model=str(path), dtype="float32", attention_backend="cpu")
-
-    global ForgetsOne
-    ForgetsOne = _ForgetsOne.cls()
 
     class Plugin:
         @hookimpl
