@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -138,4 +139,22 @@ def test_gemma2_refuses_what_it_does_not_implement(checkpoint, tmp_path: Path, k
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, key: value}))
     with pytest.raises(TurnoutError, match=why):
+        LLM(str(path), **KW)
+
+
+MISSING = [  # a checkpoint tensor that fills part of a fused parameter: taken out, start-up names it
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.2.w3.weight"),
+    ("gemma2", "model.layers.0.self_attn.k_proj.weight"),
+]
+
+
+@pytest.mark.parametrize("plugin,tensor", MISSING, ids=[m[0] for m in MISSING])
+def test_a_checkpoint_missing_a_part_is_refused_naming_it(checkpoint, tmp_path: Path, plugin, tensor) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = Path(shutil.copytree(checkpoint(plugin)[0], tmp_path / "ckpt"))
+    tensors = load_file(path / "model.safetensors")
+    del tensors[tensor]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TurnoutError, match=f"the checkpoint lacks {re.escape(tensor)}, "):
         LLM(str(path), **KW)

@@ -5,9 +5,6 @@ config.json's sliding_window where it sets one."""
 
 from __future__ import annotations
 
-import re
-from collections import Counter
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -15,11 +12,6 @@ from torch import nn
 
 from turnout.layers import Attention, FusedMoE, num_experts
 from turnout.models import DecoderForCausalLM
-
-# one expert's projection in the checkpoint -> (FusedMoE parameter, shard id of its weight_loader)
-_EXPERT = re.compile(r"(.+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
-_TARGET = {"w1": ("w13_weight", 0), "w3": ("w13_weight", 1), "w2": ("w2_weight", 2)}
-_SHARDS = {"w13_weight": 2, "w2_weight": 1}  # checkpoint tensors per expert
 
 
 class MixtralSparseMoeBlock(nn.Module):
@@ -36,9 +28,12 @@ class MixtralSparseMoeBlock(nn.Module):
 
 
 class MixtralForCausalLM(DecoderForCausalLM):
-    """Mistral's decoder (its sliding_window included) with MixtralSparseMoeBlock as every layer's mlp."""
+    """Mistral's decoder (its sliding_window included) with MixtralSparseMoeBlock as every layer's mlp,
+    which the checkpoint names block_sparse_moe; each expert's w1 / w3 / w2 goes into the stacked FusedMoE
+    weights of the experts this rank holds, accounted for one by one."""
 
     implemented_keys = frozenset({"sliding_window"})
+    expert_packed = {"w1": 0, "w3": 1, "w2": 2}  # FusedMoE.weight_loader's shards
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__(cfg)
@@ -52,25 +47,6 @@ class MixtralForCausalLM(DecoderForCausalLM):
     def make_mlp(self, layer: int) -> nn.Module:
         return MixtralSparseMoeBlock(self.cfg)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Per-expert tensors go into the stacked w13 / w2 of the experts this rank holds (the others are
-        skipped), the router as mlp.gate; the rest load as in the dense decoder. A stacked weight counts as
-        loaded once every expert it holds got all its tensors."""
-        params = dict(self.named_parameters())
-        copied: Counter[str] = Counter()
-
-        def not_experts() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                m = _EXPERT.fullmatch(name)
-                if m is None:
-                    yield name.replace(".block_sparse_moe.gate.", ".mlp.gate."), tensor
-                    continue
-                prefix = self._local_name(m[1])  # None: a layer of another pipeline stage
-                target, shard = _TARGET[m[3]]
-                p = params.get(f"{prefix}.mlp.experts.{target}")
-                if p is not None and p.weight_loader(p, tensor, int(m[2]), shard):
-                    copied[f"{prefix}.mlp.experts.{target}"] += 1
-
-        loaded = super().load_weights(not_experts())
-        full = {n for n, c in copied.items() if c == params[n].shape[0] * _SHARDS[n.rsplit(".", 1)[1]]}
-        return loaded | full
+    def checkpoint_parts(self) -> dict[str, Any]:
+        """The decoder's, with each layer's mlp under the checkpoint's name for it, block_sparse_moe."""
+        return {k.replace(".mlp.", ".block_sparse_moe.", 1): v for k, v in super().checkpoint_parts().items()}
