@@ -309,6 +309,11 @@ class DecoderForCausalLM(nn.Module):
         shards = _shard_ids(m)
         if shards is None:
             return {self._global_name(name): Part(name, (), _full_shape(m, leaf, p, None))}
+        if lost := [s for s in shards if (ours, s) not in unpack]:
+            raise TurnoutError(
+                f"{type(self).__qualname__}.packed names no checkpoint tensor for shard {lost[0]!r} of "
+                f"{name}; a bug in the model plugin {type(self).__module__}"
+            )
         return {
             f"{parent}.{unpack[ours, s]}.{leaf}": Part(name, (s,), _full_shape(m, leaf, p, s)) for s in shards
         }
@@ -335,7 +340,7 @@ class DecoderForCausalLM(nn.Module):
         if not name.startswith("model.layers."):
             return name
         idx = name.split(".")[2]
-        return name.replace(f"layers.{idx}", f"layers.{int(idx) + self.model.start}", 1)
+        return name.replace(f"layers.{idx}.", f"layers.{int(idx) + self.model.start}.", 1)
 
     def _local_name(self, name: str) -> str | None:
         """Drop tensors this rank doesn't hold; renumber layers to this stage's local index."""
