@@ -224,6 +224,9 @@ class Search:
         if (kept := self.kept) is not None and kept.settings == options[0]:
             kept.runs, kept.cost, engines = [], -1, [kept]
             self.bar.total += self.rounds
+        elif kept is not None:  # not this axis's baseline: its memory goes back first
+            self.stop([kept])
+        self.kept = None
         for i, s in enumerate(options[len(engines) :], len(engines)):
             if engines and (why := self.unfit(engines)):
                 self.skip(s, why)
