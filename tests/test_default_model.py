@@ -1,6 +1,5 @@
-"""The embedded SmolLM2-135M-Instruct: our converted checkpoint through the engine against HF transformers
-loading the same GGUF file (its weights rounded to the converted bfloat16), greedy, float32, on chat
-prompts."""
+"""The embedded SmolLM2-135M-Instruct through the engine against HF transformers loading the same GGUF file,
+both in float32 from its dequantized weights, greedy, on chat prompts."""
 
 from __future__ import annotations
 
@@ -15,45 +14,37 @@ from turnout.loader.default_model import default_gguf_path
 
 from hf_gguf import hf_llama_from_gguf
 
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about trains.",
-    "List three prime numbers.",
-    "Explain what a railway switch does, briefly.",
+CHATS = [  # no other test asks these
+    "Translate 'good morning' into French.",
+    "Give me two tips for sleeping better.",
+    "What does a signal box on a railway do?",
+    "Suggest a name for a grey cat.",
 ]
-MAX_NEW = 24
+MAX_NEW = 32
 
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = LLM(max_model_len=512, dtype="float32")  # no model: the embedded default; HF runs float32
+    engine = LLM(max_model_len=512, dtype="float32")  # no model: the embedded default
     yield engine
     engine.shutdown()
 
 
 @pytest.mark.slow
-def test_default_model_matches_hf_gguf(llm):
-    from transformers import AutoTokenizer
-
-    gguf = default_gguf_path()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf = hf_llama_from_gguf(gguf)
-    with torch.no_grad():  # the conversion stores config.json's bfloat16: the same weights, run in float32
-        for p in hf.parameters():
-            p.copy_(p.to(torch.bfloat16))
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
-        for c in CHATS
-    ]
+def test_float32_greedy_matches_hf_on_the_gguf(llm):
+    """float32 computes with the GGUF's float32-dequantized weights, bit for bit transformers' own: the
+    same greedy tokens on chat prompts whose top two tokens can lie a few hundredths of a nat apart."""
+    hf = hf_llama_from_gguf(default_gguf_path())
+    prompts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    ids = [llm.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
     refs = []
-    for p in prompts:
-        ids = tok(p, return_tensors="pt").input_ids
+    for i in ids:
         with torch.no_grad():
-            gen = hf.generate(ids, max_new_tokens=MAX_NEW, do_sample=False)
-        refs.append(gen[0, ids.shape[1] :].tolist())
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+            gen = hf.generate(torch.tensor([i]), max_new_tokens=MAX_NEW, do_sample=False)
+        refs.append(gen[0, len(i) :].tolist())
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], sp, use_tqdm=False)
     assert [o.token_ids for o in outs] == refs
-    assert "Paris" in outs[0].text
 
 
 @pytest.mark.slow

@@ -187,9 +187,11 @@ def llm():
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM
+    from turnout.loader.default_model import default_gguf_path
 
-    return AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    from hf_gguf import hf_llama_from_gguf
+
+    return hf_llama_from_gguf(default_gguf_path())
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -440,10 +442,10 @@ def test_damaged_conversion_is_rebuilt(tiny_gguf: Path, caplog: pytest.LogCaptur
     from turnout.loader.default_model import conversion_problem, gguf_model_path
 
     folder = gguf_model_path(tiny_gguf)
-    weights, config = folder / "model.safetensors", folder / "config.json"
-    good = {f.name: f.read_bytes() for f in (weights, config)}
+    generation, config = folder / "generation_config.json", folder / "config.json"
+    good = {f.name: f.read_bytes() for f in (generation, config)}
     damage = [
-        (lambda: weights.write_bytes(good[weights.name][:-100]), "model.safetensors has"),
+        (lambda: generation.write_bytes(good[generation.name][:-10]), "generation_config.json has"),
         (
             lambda: config.write_text(config.read_text().replace('"hidden_size": 64', '"hidden_size": 65')),
             "config.json does not match its checksum",
@@ -457,7 +459,7 @@ def test_damaged_conversion_is_rebuilt(tiny_gguf: Path, caplog: pytest.LogCaptur
         caplog.clear()
         assert gguf_model_path(tiny_gguf) == folder
         assert why in caplog.text and "converting it again" in caplog.text
-        assert {f.name: f.read_bytes() for f in (weights, config)} == good
+        assert {f.name: f.read_bytes() for f in (generation, config)} == good
 
 
 def test_unrebuildable_cache_names_the_folder(tiny_gguf: Path) -> None:

@@ -1,10 +1,12 @@
-"""The embedded default model and any other GGUF file: converted once into a cached HF-style folder named
-by the file's content, whose completion marker lists every file; a folder that no longer matches it is
-converted again. Processes that need one folder at once convert it once: the first holds a lock beside it,
-the others wait and take its conversion."""
+"""The embedded default model and any other GGUF file: its config and tokenizer converted once into a
+cached HF-style folder named by the file's content, whose completion marker names the GGUF and lists every
+file; the weights stay in the GGUF, dequantized at each load into the engine's dtype. A folder that no
+longer matches its marker is converted again. Processes that need one folder at once convert it once: the
+first holds a lock beside it, the others wait and take its conversion."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import importlib.metadata
 import json
@@ -62,10 +64,12 @@ def conversion_problem(model_dir: Path, gguf_path: Path) -> str | None:
         return f"its {CONVERT_MARKER} is unreadable"
     if not isinstance(marker, dict) or marker.get("version") != CONVERT_VERSION:
         return "it was made by another version of the converter"
-    if marker.get("source_size") != gguf_path.stat().st_size or marker.get("source_digest") != source_digest(
-        gguf_path
-    ):
+    digest = source_digest(gguf_path)
+    if marker.get("source_size") != gguf_path.stat().st_size or marker.get("source_digest") != digest:
         return f"it was made from another file than {gguf_path}"
+    source = Path(str(marker.get("source")))
+    if source != gguf_path and not (source.is_file() and source_digest(source) == digest):
+        return f"the GGUF file it reads its weights from, {source}, is gone or has changed"
     files = marker.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, list) and len(v) == 2 for v in files.values()):
         return "its marker lists no files to check"
@@ -99,9 +103,10 @@ def cached_conversion(gguf_path: Path, model_dir: Path) -> Path:
                 return model_dir
             convert_gguf(gguf_path, model_dir)
     except OSError as e:
+        fix = "free some disk space" if e.errno == errno.ENOSPC else "delete that folder"
         raise TurnoutError(
             f"cannot write the converted model to {model_dir} ({e.strerror or e}); "
-            "delete that folder or set TURNOUT_CACHE_DIR to a writable one"
+            f"{fix} or set TURNOUT_CACHE_DIR to a writable one"
         ) from None
     return model_dir
 

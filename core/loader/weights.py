@@ -51,6 +51,12 @@ def weight_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors; a GGUF's cached folder takes them from its GGUF, dequantized as read."""
+    from turnout.loader.gguf import gguf_weights
+
+    if (tensors := gguf_weights(model_dir)) is not None:
+        yield from tensors
+        return
     for path in weight_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
