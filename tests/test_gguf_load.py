@@ -76,6 +76,7 @@ def tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_weights_are_transformers_float32_bit_for_bit(tiny: Path) -> None:
+    from turnout.bench.roofline import Shape
     from turnout.loader.weights import iter_safetensors
 
     folder = gguf_model_path(tiny)
@@ -84,6 +85,8 @@ def test_weights_are_transformers_float32_bit_for_bit(tiny: Path) -> None:
     for name, w in want.items():
         assert ours[name].dtype == torch.float32 and ours[name].shape == w.shape, name
         assert torch.equal(ours[name].view(torch.int32), w.float().contiguous().view(torch.int32)), name
+    matmuls = sum(w.numel() for w in want.values()) - VOCAB * HIDDEN  # the untied embedding is a gather
+    assert Shape.from_checkpoint(folder, dtype_bytes=4).weight_params == matmuls
     kinds = {t.kind for t in gguf_module.read_tensors(tiny)[0]}
     assert kinds == set(KINDS)
     assert sorted(f.name for f in folder.iterdir()) == [

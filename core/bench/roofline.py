@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -70,9 +71,7 @@ def _safetensors_params(model_dir: Path) -> tuple[int, int, int, int]:
     """(all parameters, embedding parameters, FP8 e4m3 parameters, decoder linear weights), from the
     safetensors headers alone; scales do not count."""
     total = embed = fp8 = linear = 0
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+    for header in _headers(model_dir):
         for name, t in header.items():
             if name != "__metadata__" and not name.endswith(("_scale", "_scale_inv")):
                 n = math.prod(t["shape"])
@@ -81,6 +80,18 @@ def _safetensors_params(model_dir: Path) -> tuple[int, int, int, int]:
                 fp8 += n if t["dtype"] == "F8_E4M3" else 0
                 linear += n if name.endswith("proj.weight") and len(t["shape"]) == 2 else 0
     return total, embed, fp8, linear
+
+
+def _headers(model_dir: Path) -> Iterator[dict[str, Any]]:
+    """Each weight file's safetensors header; a GGUF's cached folder gives its GGUF's table in that form."""
+    from turnout.loader.gguf import gguf_shapes
+
+    if (shapes := gguf_shapes(model_dir)) is not None:
+        yield {name: {"shape": list(shape), "dtype": "GGUF"} for name, shape in shapes}
+        return
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            yield json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
 
 
 @dataclass(frozen=True)

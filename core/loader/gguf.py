@@ -22,7 +22,7 @@ HASH_LIMIT = 64 << 20  # files up to this size are hashed whole
 SAMPLE = 1 << 20  # source_digest reads a larger file's head and SAMPLES chunks of this size spread over it
 SAMPLES = 32
 CONFIG_DTYPE = "bfloat16"  # config.json's torch_dtype, what dtype="auto" resolves to: the released SmolLM2's
-RUN_VALUES = 1 << 25  # tensors of one type are dequantized together, this many values at most at once
+RUN_VALUES = 1 << 22  # values dequantized together: 16 MiB of float32, which malloc reuses run to run
 _GGUF_VERSIONS = (2, 3)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -230,10 +230,8 @@ def iter_gguf(gguf_path: Path, n_head: int, n_kv_head: int) -> Iterator[tuple[st
             yield names[t.name], w
 
 
-def gguf_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]] | None:
-    """The tensors of a GGUF's cached folder, read from the GGUF its marker names (the folder holds no
-    weights); None for a folder without a marker of this converter."""
-    model_dir = Path(model_dir)
+def _marked_source(model_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """(the GGUF a cached folder reads its weights from, its config.json); None for another folder."""
     try:
         marker = json.loads((model_dir / CONVERT_MARKER).read_text())
         config = json.loads((model_dir / "config.json").read_text())
@@ -249,8 +247,24 @@ def gguf_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]] | 
             f"{model_dir} reads its weights from {source}, which is gone or has changed; "
             "load that .gguf file again to re-convert it"
         )
+    return source, config
+
+
+def gguf_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """The tensors of a GGUF's cached folder, read from the GGUF its marker names (the folder holds no
+    weights); None for a folder without a marker of this converter."""
+    if (marked := _marked_source(Path(model_dir))) is None:
+        return None
+    source, config = marked
     n_head = config["num_attention_heads"]
     return iter_gguf(source, n_head, config.get("num_key_value_heads", n_head))
+
+
+def gguf_shapes(model_dir: str | Path) -> list[tuple[str, tuple[int, ...]]] | None:
+    """(HF name, shape) of each tensor gguf_weights would read, from the GGUF's table alone; None likewise."""
+    if (marked := _marked_source(Path(model_dir))) is None:
+        return None
+    return [(_llama_name(t.name, marked[0]), t.shape) for t in read_tensors(marked[0])[0]]
 
 
 def _config(reader: gguf.GGUFReader) -> dict[str, Any]:
