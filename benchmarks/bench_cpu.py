@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import print_table, write_json  # noqa: E402
 
-MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF -> bfloat16)"
+MODEL = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized at load)"
 TOPICS = ["rivers", "trains", "bread", "stars", "music", "chess", "rain", "cats", "tea", "maps", "glass",
           "bees", "salt", "clocks", "paper", "bridges"]  # fmt: skip
 
@@ -35,9 +35,12 @@ TOPICS = ["rivers", "trains", "bread", "stars", "music", "chess", "rain", "cats"
 def hf_model(dtype: str) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from turnout.loader.default_model import default_model_path
+    from turnout.loader.default_model import default_gguf_path
 
-    return AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=getattr(torch, dtype)).eval()
+    gguf = default_gguf_path()  # transformers reads the GGUF itself: the cached folder holds no weights
+    return AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
+    ).eval()
 
 
 def timed(fn) -> tuple[float, float]:
