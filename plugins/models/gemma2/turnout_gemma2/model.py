@@ -33,6 +33,9 @@ GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_activation -> Gel
 
 
 class Gemma2Attention(nn.Module):
+    """q/k/v, rotary, and one Attention of scale query_pre_attn_scalar ** -0.5, capped scores and, on a
+    sliding layer, the window; positions [T], x [T, hidden] -> [T, hidden]."""
+
     def __init__(self, cfg: dict[str, Any], layer: int) -> None:
         super().__init__()
         hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -62,6 +65,8 @@ class Gemma2Attention(nn.Module):
 
 
 class Gemma2MLP(nn.Module):
+    """The GELU-gated feed-forward block: x [T, hidden] -> [T, hidden]."""
+
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg["hidden_size"], [cfg["intermediate_size"]] * 2)
@@ -79,6 +84,8 @@ class Gemma2MLP(nn.Module):
 
 
 class Gemma2Layer(nn.Module):
+    """One decoder layer, each sub-block normed before and after, then added to the residual."""
+
     def __init__(self, cfg: dict[str, Any], layer: int) -> None:
         super().__init__()
         norm = lambda: GemmaRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
@@ -101,6 +108,8 @@ class Gemma2Layer(nn.Module):
 
 
 class Gemma2Model(nn.Module):
+    """This pipeline stage's layers between the scaled embedding and the final norm."""
+
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         self.start, self.end = layer_range(cfg["num_hidden_layers"])

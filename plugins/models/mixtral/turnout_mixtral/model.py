@@ -15,6 +15,8 @@ from turnout.models import DecoderForCausalLM
 
 
 class MixtralSparseMoeBlock(nn.Module):
+    """The router and the experts: x [T, hidden] -> [T, hidden], every rank's tokens through their top-k."""
+
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         hidden, n = cfg["hidden_size"], num_experts(cfg)
