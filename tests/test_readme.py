@@ -1,6 +1,8 @@
-"""The README's examples, run as written on the embedded model: the `turnout` lines of its bash blocks (with
-a small --max-tokens), its Python snippets, and its serve blocks with their curl request and the openai
-client (only the port substituted), and its promise about engines built at a script's top level."""
+"""The examples of the README and of its reference pages (docs/cli.md, python-api.md, server.md,
+configuration.md), run as written on the embedded model: the `turnout` lines of their bash blocks (with a
+small --max-tokens, each distinct line once), their Python snippets, their serve blocks with the curl
+requests and the openai client (only the port substituted), and the promise about engines built at a
+script's top level."""
 
 from __future__ import annotations
 
@@ -17,18 +19,23 @@ from test_server import Server
 
 pytestmark = pytest.mark.slow
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ("cli", "python-api", "server", "configuration")  # the pages under docs/ whose examples run here
+PAGES = {p: (ROOT / p).read_text() for p in ("README.md", *(f"docs/{n}.md" for n in REFERENCE))}
+README = PAGES["README.md"]
 BIN = Path(sys.executable).with_name("turnout")
 README_URL = "http://127.0.0.1:8000"
 MAX_TOKENS = "4"
 
 
-def blocks(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", README, re.S | re.M)
+def blocks(lang: str, page: str | None = None) -> list[str]:
+    """The `lang` blocks of one page, or of every page."""
+    texts = [PAGES[page]] if page else PAGES.values()
+    return [b for t in texts for b in re.findall(rf"^```{lang}\n(.*?)^```", t, re.S | re.M)]
 
 
-def block_with(lang: str, needle: str) -> str:
-    (block,) = [b for b in blocks(lang) if needle in b]
+def block_with(lang: str, needle: str, page: str | None = None) -> str:
+    (block,) = [b for b in blocks(lang, page) if needle in b]
     return block
 
 
@@ -58,7 +65,8 @@ def runnable(argv: list[str]) -> list[str]:
 
 def turnout_lines() -> list[list[str]]:
     lines = [runnable(a) for b in blocks("bash") for a in commands(b) if a[0] == ".venv/bin/turnout"]
-    return [a for a in lines if a[1] in ("generate", "plugins", "explain")]
+    distinct = dict.fromkeys(tuple(a) for a in lines if a[1] in ("generate", "plugins", "explain"))
+    return [list(a) for a in distinct]
 
 
 def run(argv: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -100,7 +108,9 @@ def test_use_line_runs(argv: list[str], tmp_path: Path) -> None:
 
 def test_llm_snippet_runs(tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
-    script.write_text(block_with("python", "from turnout import LLM, SamplingParams\n"))
+    snippet = block_with("python", "from turnout import LLM, SamplingParams\n", "docs/python-api.md")
+    assert snippet in blocks("python", "README.md")  # the README shows the reference page's first example
+    script.write_text(snippet)
     p = run([sys.executable, str(script)], tmp_path)
     assert p.returncode == 0, p.stderr
     first, logprobs = p.stdout.splitlines()[:2]
@@ -117,8 +127,8 @@ def test_structured_outputs_snippet_runs(tmp_path: Path) -> None:
 
 
 def serve_block(needle: str) -> tuple[list[str], list[str]]:
-    """The serve and curl commands of the bash block holding `needle`."""
-    serve, curl = commands(block_with("bash", needle))
+    """The serve and curl commands of docs/server.md's bash block holding `needle`."""
+    serve, curl = commands(block_with("bash", needle, "docs/server.md"))
     assert serve[:2] == [".venv/bin/turnout", "serve"] and curl[0] == "curl"
     return serve[2:], curl
 
@@ -149,6 +159,8 @@ def test_plain_serve_and_its_curl(tmp_path: Path) -> None:
 
 def test_serve_with_a_key_its_curl_and_the_openai_snippet(tmp_path: Path) -> None:
     args, request = serve_block("--served-model-name")
+    (readme_serve,) = commands(block_with("bash", "turnout serve", "README.md"))
+    assert args[: len(readme_serve) - 2] == readme_serve[2:]  # the README's line, without the tuning flags
     server = start(tmp_path, args)
     try:
         assert curl(request, server.url)["model"] == "my-model"
@@ -177,7 +189,7 @@ TP_BUILD = "llm = LLM(tensor_parallel_size=3, max_model_len=64)"  # the embedded
 
 
 def test_tp_engine_at_a_scripts_top_level_is_one_line(tmp_path: Path) -> None:
-    assert "refused with one line saying so" in README
+    assert "refused with one line saying so" in PAGES["docs/python-api.md"]
     script = tmp_path / "top.py"
     script.write_text(TP_SCRIPT.format(build=TP_BUILD))
     p = run([sys.executable, str(script)], tmp_path)
