@@ -72,8 +72,8 @@ def _valid(calls: list[tuple]) -> None:
 @pytest.mark.parametrize(
     "tool_choice, extra, cut",
     [
-        ("auto", {"structured_outputs": {"regex": HERMES_CALL}}, 24),
-        ("required", {}, 18),
+        ("auto", {"structured_outputs": {"regex": HERMES_CALL}}, 22),
+        ("required", {}, 16),
         ({"type": "function", "function": {"name": "get_time"}}, {}, 5),
     ],
     ids=["auto", "required", "named"],
