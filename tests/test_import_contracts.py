@@ -9,9 +9,8 @@ import tomllib
 
 ROOT = Path(__file__).parents[1]
 # and `turnout` itself
-FACADES = {
-    "attention", "executor", "graphs", "layers", "models", "quantization", "structured_outputs", "tool_parsers"
-}  # fmt: skip
+FACADES = {"attention", "executor", "graphs", "layers", "models", "quantization", "structured_outputs"}
+FACADES |= {"tool_parsers"}
 LINTER = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
 CONTRACTS = {c["id"]: c for c in LINTER["contracts"]}
 

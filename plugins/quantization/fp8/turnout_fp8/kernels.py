@@ -19,7 +19,7 @@ import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-GEMV_MAX_M = 4
+GEMV_MAX_M = 2  # on an H200 at the Qwen3-8B shapes _scaled_mm wins from M = 4 (benchmarks/bench_fp8.py)
 
 
 @triton.jit
@@ -135,11 +135,11 @@ def _gemv_kernel(
 
 def gemv_tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps): a whole row of up to 4096 in one tile, else tiles of 2048 / M_P2;
-    few output features a program, so every SM gets programs (the core bf16 GEMV's sweep, layers/gemv.py,
-    at half the bytes a weight)."""
+    few output features a program, so every SM gets programs: 4 at M = 1 up to N = 8192, else 8, the
+    fastest of bench_fp8.py's tile sweep on an H200 at the Qwen3-8B shapes."""
     m_p2 = triton.next_power_of_2(m)
     block_k = triton.next_power_of_2(k) if k * m_p2 <= 4096 else max(128, 2048 // m_p2)
-    return (4 if n <= 8192 else 8), block_k, 4
+    return (4 if n <= 8192 and m_p2 == 1 else 8), block_k, 4
 
 
 def fp8_gemv(
