@@ -132,11 +132,15 @@ MALFORMED = {
 def test_a_malformed_quantization_config_fails_start_up_with_one_line(
     case: str, tiny_bf16: Path, tmp_path: Path
 ) -> None:
-    edit, needle = MALFORMED[case]
+    _assert_refused(tiny_bf16, tmp_path, _edit_config, *MALFORMED[case])
+
+
+def _assert_refused(tiny_bf16: Path, tmp_path: Path, edit_copy, edit, needle: str) -> None:
+    """An HF block-FP8 checkpoint, copied with edit applied by edit_copy, fails start-up with one line
+    holding needle."""
     src = quantize_checkpoint(tiny_bf16, tmp_path / "fp8", **FORMATS["hf-block"])
-    bad = _edit_config(src, tmp_path / "bad", edit)
     with pytest.raises(TurnoutError) as e:
-        LLM(str(bad), dtype="float32", cpu_kv_cache_bytes=1 << 22)
+        LLM(str(edit_copy(src, tmp_path / "bad", edit)), dtype="float32", cpu_kv_cache_bytes=1 << 22)
     assert "\n" not in str(e.value) and needle in str(e.value), str(e.value)
 
 
@@ -170,12 +174,7 @@ BAD_TENSORS = {
 def test_a_checkpoint_that_does_not_match_its_fp8_config_fails_with_the_tensor_named(
     case: str, tiny_bf16: Path, tmp_path: Path
 ) -> None:
-    edit, needle = BAD_TENSORS[case]
-    src = quantize_checkpoint(tiny_bf16, tmp_path / "fp8", **FORMATS["hf-block"])
-    bad = _edit_tensors(src, tmp_path / "bad", edit)
-    with pytest.raises(TurnoutError) as e:
-        LLM(str(bad), dtype="float32", cpu_kv_cache_bytes=1 << 22)
-    assert "\n" not in str(e.value) and needle in str(e.value), str(e.value)
+    _assert_refused(tiny_bf16, tmp_path, _edit_tensors, *BAD_TENSORS[case])
 
 
 def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused(tiny_bf16: Path, tmp_path: Path) -> None:
