@@ -1,6 +1,6 @@
 """Async scheduling (step N+1 scheduled before step N's tokens reach the host) against the sync engine as the
 reference: the same tokens, finish and stop reasons, text and logprobs with their ranks, request by request,
-under EOS and stop tokens, stop strings, max_tokens and max_model_len, chunked prefill, preemption,
+under EOS and stop tokens, stop strings, max_tokens, chunked prefill, preemption,
 prefix-cache hits, seeded sampling, penalties, min_tokens, bad words, logit_bias, prompt logprobs and aborts.
 On the CPU nothing overlaps, but every step of the logic is the same."""
 
@@ -21,11 +21,12 @@ from turnout.engine.request import Request
 from turnout.engine.scheduler import Scheduler, placeholder
 from turnout.errors import ConfigError
 
-# Chunked prefill (16-token budget over 4-token blocks), preemption (26 blocks for 6 requests of up to 64
-# tokens) and requests that run into max_model_len.
+# Chunked prefill (16-token budget over 4-token blocks) and preemption (26 blocks for 6 requests of up to
+# 99 tokens); max_model_len is the cache's 104 tokens, which every request fits, since one that does not is
+# refused before it runs.
 SMALL = dict(
     attention_backend="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=6,
-    num_gpu_blocks_override=26, max_model_len=64,
+    num_gpu_blocks_override=26, max_model_len=104,
 )  # fmt: skip
 
 
@@ -111,7 +112,7 @@ def _mixed_params(free: list[list[int]], tok) -> list[SamplingParams]:
             sp = SamplingParams(
                 temperature=0.9, top_p=0.95, seed=i, max_tokens=15, ignore_eos=True, logprobs=2
             )
-        else:  # runs into max_model_len
+        else:  # the longest: prompt + 60 tokens, up to 99 of the cache's 104
             sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=0)
         params.append(sp)
     return params
@@ -126,7 +127,7 @@ def eos_model(request, tmp_path_factory):
     shutil.copytree(src, path, dirs_exist_ok=True)
     prompts = _prompts()
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm = LLM(str(path), attention_backend="cpu", max_model_len=64)
+    llm = LLM(str(path), attention_backend="cpu", max_model_len=104)
     free = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     tok = llm.tokenizer
     llm.shutdown()
