@@ -196,9 +196,9 @@ def test_rotary_scaling_forms_it_takes(scaling: dict | None) -> None:
     RotaryEmbedding(8, 128, 10000.0, scaling)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "longrope", "proportional"])
+@pytest.mark.parametrize("kind", ["proportional", "mrope"])
 def test_rotary_scaling_forms_it_refuses(kind: str) -> None:
-    supported = r"\(supported: default, linear, llama3, yarn\)"
+    supported = r"\(supported: default, linear, dynamic, llama3, yarn, longrope, su\)"
     with pytest.raises(ValueError, match=f"'{kind}' is not supported {supported}"):
         RotaryEmbedding(8, 128, 10000.0, {"rope_type": kind, "factor": 2.0})
 
