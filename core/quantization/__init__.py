@@ -26,12 +26,7 @@ from torch import nn
 
 from turnout.errors import ConfigError, WeightLoadError
 from turnout.hookspecs import Priority
-from turnout.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
+from turnout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from turnout.platform import Platform
 
 LinearLayer = ColumnParallelLinear | RowParallelLinear
@@ -143,8 +138,6 @@ def linear_layers(model: nn.Module) -> Iterator[tuple[str, LinearLayer, list[str
             continue
         prefix, _, leaf = name.rpartition(".")
         parts = [f"{prefix}.{ckpt}" for ckpt, (ours, _) in packed.items() if ours == leaf]
-        if not parts and isinstance(m, (MergedColumnParallelLinear, QKVParallelLinear)):
-            parts = [name]
         yield name, m, parts or [name]
 
 

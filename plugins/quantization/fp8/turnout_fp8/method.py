@@ -74,6 +74,11 @@ def full_rows(layer: LinearLayer, shard: Any) -> int:
     return layer.shard_rows(shard)[1] * layer.tp_size
 
 
+def full_cols(layer: LinearLayer) -> int:
+    """Columns of the checkpoint's whole weight (all ranks)."""
+    return layer.weight.shape[1] * (layer.tp_size if isinstance(layer, RowParallelLinear) else 1)
+
+
 def _param(data: torch.Tensor, loader) -> nn.Parameter:
     p = nn.Parameter(data, requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]
@@ -146,8 +151,7 @@ class Fp8LinearMethod(LinearMethod):
                     f"{self._where(shard, 'weight')} is {str(loaded.dtype).removeprefix('torch.')}, but "
                     "quantization_config says FP8 (float8_e4m3fn); the checkpoint does not match it"
                 )
-            k = layer.weight.shape[1] * (layer.tp_size if isinstance(layer, RowParallelLinear) else 1)
-            self._expect(loaded, (full_rows(layer, shard), k), shard, "weight")
+            self._expect(loaded, (full_rows(layer, shard), full_cols(layer)), shard, "weight")
             self._call_layer_loader(layer, param, loaded, shard)
 
         return load
@@ -167,8 +171,8 @@ class Fp8LinearMethod(LinearMethod):
             rows = full_rows(layer, shard)
             if s.block:
                 bn, bk = s.block
-                k = layer.weight.shape[1] * (layer.tp_size if isinstance(layer, RowParallelLinear) else 1)
-                self._expect(loaded, (math.ceil(rows / bn), math.ceil(k / bk)), shard, s.scale_name)
+                shape = (math.ceil(rows / bn), math.ceil(full_cols(layer) / bk))
+                self._expect(loaded, shape, shard, s.scale_name)
                 if isinstance(layer, RowParallelLinear):
                     start, n = layer.shard_cols()
                     param.data.copy_(loaded.narrow(1, start // bk, math.ceil(n / bk)))
