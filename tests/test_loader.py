@@ -434,17 +434,15 @@ def test_a_declared_key_is_one_the_layers_use() -> None:
 
     from turnout.layers import Attention
 
-    class Declares(LlamaForCausalLM):
+    class Windowed(LlamaForCausalLM):  # the shared layers apply a declared window
         implemented_keys = frozenset({"sliding_window"})
 
-    class Windowed(Declares):
+    class Declares(Windowed):  # a plugin that rebuilds its layers' Attention and drops the window
         def __init__(self, cfg: dict) -> None:
             super().__init__(cfg)
             for layer in self.model.layers:
                 a = layer.self_attn.attn
-                layer.self_attn.attn = Attention(
-                    a.num_heads, a.num_kv_heads, a.head_size, a.scale, sliding_window=16
-                )
+                layer.self_attn.attn = Attention(a.num_heads, a.num_kv_heads, a.head_size, a.scale)
 
     class Typo(LlamaForCausalLM):
         implemented_keys = frozenset({"sliding_windows"})

@@ -84,7 +84,11 @@ class DecoderAttention(nn.Module):
             raise ConfigError(f"config.json's {key}: {e}; use a model plugin that implements it") from None
         self.q_norm = RMSNorm(self.head_size, cfg["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, cfg["rms_norm_eps"]) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5)
+        # a set window reaches here only where the class implements it (check_config refuses it otherwise)
+        window = MATH_KEYS["sliding_window"](cfg) or None
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5, sliding_window=window
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]

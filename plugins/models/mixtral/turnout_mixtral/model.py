@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from turnout.layers import Attention, FusedMoE, num_experts
+from turnout.layers import FusedMoE, num_experts
 from turnout.models import DecoderForCausalLM
 
 
@@ -36,15 +36,6 @@ class MixtralForCausalLM(DecoderForCausalLM):
 
     implemented_keys = frozenset({"sliding_window"})
     expert_packed = {"w1": 0, "w3": 1, "w2": 2}  # FusedMoE.weight_loader's shards
-
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        super().__init__(cfg)
-        if window := cfg.get("sliding_window"):
-            for layer in self.model.layers:
-                a = layer.self_attn.attn
-                layer.self_attn.attn = Attention(
-                    a.num_heads, a.num_kv_heads, a.head_size, a.scale, sliding_window=window
-                )
 
     def make_mlp(self, layer: int) -> nn.Module:
         return MixtralSparseMoeBlock(self.cfg)

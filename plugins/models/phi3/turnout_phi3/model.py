@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from turnout import TurnoutError
-from turnout.layers import Attention, RotaryEmbedding
+from turnout.layers import RotaryEmbedding
 from turnout.models import DecoderForCausalLM
 
 
@@ -66,15 +66,8 @@ class Phi3ForCausalLM(DecoderForCausalLM):
                 f"config.json's rope_scaling: {e}; fix config.json or use a model plugin that implements it"
             ) from None
         rotary = rope if rot == head_size else PartialRotary(rope, rot)  # one table for every layer
-        window = cfg.get("sliding_window")
         for layer in self.model.layers:
-            attn = layer.self_attn
-            attn.rotary = rotary
-            if window:
-                a = attn.attn
-                attn.attn = Attention(
-                    a.num_heads, a.num_kv_heads, a.head_size, a.scale, sliding_window=window
-                )
+            layer.self_attn.rotary = rotary
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The shared loader over the checkpoint with qkv_proj split into q/k/v_proj and gate_up_proj into
