@@ -1,10 +1,15 @@
-"""The bundled Mistral, Mixtral and Gemma 2 plugins generate like HF transformers (float32, each prompt alone,
-eager attention): greedy tokens exactly, over prompts longer than every sliding window, batched and one at
-a time, with and without chunked prefill, on prefix-cache hits, and under tensor parallelism (Mixtral's
-experts split over the ranks by expert parallelism)."""
+"""The bundled Mistral, Mixtral, Gemma 2 and Gemma 3 plugins generate like HF transformers (float32, each
+prompt alone, eager attention): greedy tokens exactly, over prompts longer than every sliding window, batched
+and one at a time, with and without chunked prefill, on prefix-cache hits, under tensor parallelism
+(Mixtral's experts split over the ranks by expert parallelism) and, for Gemma 3, with the Triton backend in
+Triton's interpreter. Gemma 3 is checked from both spellings of its config.json: transformers 5's layer_types
+and rope_parameters nested by layer type, and the older sliding_window_pattern, rope_theta, rope_scaling and
+rope_local_base_freq. A checkpoint missing a part of a fused parameter, holding a tensor no parameter takes,
+or one of the wrong shape is refused naming the checkpoint tensor."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import re
@@ -27,34 +32,59 @@ COMMON = dict(
     max_position_embeddings=512, bos_token_id=1, eos_token_id=2, sliding_window=WINDOW,
     tie_word_embeddings=False,
 )  # fmt: skip
-CONFIGS = {  # plugin -> (HF config class, its own keys); Gemma 2's 3 layers: sliding, full, sliding
+# Gemma 3's 3 layers: local, local, global; each layer type its own rope base, the global one scaled
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}  # fmt: skip
+CONFIGS = {  # case -> (HF config class, its own keys); Gemma 2's 3 layers: sliding, full, sliding
     "mistral": ("MistralConfig", dict(intermediate_size=128, num_hidden_layers=2)),
     "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
                                       num_experts_per_tok=2)),
     "gemma2": ("Gemma2Config", dict(intermediate_size=128, num_hidden_layers=3, query_pre_attn_scalar=24,
                                     attn_logit_softcapping=3.0, final_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", dict(intermediate_size=128, num_hidden_layers=3, query_pre_attn_scalar=24,
+                                        layer_types=["sliding_attention"] * 2 + ["full_attention"],
+                                        rope_parameters=GEMMA3_ROPE)),
 }  # fmt: skip
-ARCH = {"mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+CONFIGS["gemma3-older-keys"] = CONFIGS["gemma3"]  # written, then config.json respelled
+ARCH = {"mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM", "gemma2": "Gemma2ForCausalLM",
+        "gemma3": "Gemma3ForCausalLM"}  # fmt: skip
+
+
+def _older_keys(cfg: dict) -> dict:
+    """The same Gemma 3 config as transformers 4 spelled it: no layer_types, rope not nested."""
+    rope = cfg.pop("rope_parameters")
+    del cfg["layer_types"], cfg["_sliding_window_pattern"]
+    full, local = dict(rope["full_attention"]), rope["sliding_attention"]
+    older = {
+        "rope_theta": full.pop("rope_theta"),
+        "rope_scaling": full,
+        "rope_local_base_freq": local["rope_theta"],
+    }
+    return {**cfg, "sliding_window_pattern": 3, **older}
+
 
 _rng = random.Random(7)
 PROMPTS = [[_rng.randrange(3, TOKENIZER_VOCAB) for _ in range(_rng.randrange(10, 40))] for _ in range(8)]
 assert min(map(len, PROMPTS)) > WINDOW
 
 
-def _write(path: Path, plugin: str) -> Path:
+def _write(path: Path, case: str) -> Path:
     """A tiny random checkpoint, weights (and Gemma's norms) widened so that logits are far from ties."""
     import transformers
 
-    cls, own = CONFIGS[plugin]
+    cls, own = CONFIGS[case]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**COMMON, **own))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
-            elif plugin == "gemma2":  # GemmaRMSNorm scales by 1 + w, w initialised to 0
+            elif case.startswith("gemma"):  # GemmaRMSNorm scales by 1 + w, w initialised to 0
                 p.normal_(0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
+    if case.endswith("older-keys"):
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(_older_keys(cfg), indent=2))
     _tokenizer(path)
     return path
 
@@ -75,28 +105,41 @@ def _hf_greedy(path: Path) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    """checkpoint(plugin) -> (its tiny checkpoint, HF's greedy tokens for PROMPTS), each written once."""
+    """checkpoint(case) -> (its tiny checkpoint, HF's greedy tokens for PROMPTS), each written once."""
     made: dict[str, tuple[Path, list[list[int]]]] = {}
 
-    def get(plugin: str) -> tuple[Path, list[list[int]]]:
-        if plugin not in made:
-            path = _write(tmp_path_factory.mktemp(plugin), plugin)
-            made[plugin] = path, _hf_greedy(path)
-        return made[plugin]
+    def get(case: str) -> tuple[Path, list[list[int]]]:
+        if case not in made:
+            path = _write(tmp_path_factory.mktemp(case), case)
+            made[case] = path, _hf_greedy(path)
+        return made[case]
 
     return get
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The triton attention backend, off CUDA in Triton's interpreter (conftest imports triton under
+    TRITON_INTERPRET=1; the backend reads the variable when it is built)."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(importlib.import_module("triton.language").cdiv, InterpretedFunction):
+            pytest.skip("triton was first imported without TRITON_INTERPRET=1")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("plugin", list(CONFIGS))
-def test_greedy_matches_hf(checkpoint, plugin: str) -> None:
+@pytest.mark.parametrize("case", list(ARCH))
+def test_greedy_matches_hf(checkpoint, case: str) -> None:
     """Batched, then each prompt again alone (every one a prefix hit), then chunked by a 16-token budget."""
-    path, ref = checkpoint(plugin)
+    path, ref = checkpoint(case)
     llm = LLM(str(path), **KW)
-    assert (llm.selection.model.chosen.name, llm.selection.model.chosen.plugin) == (ARCH[plugin], plugin)
+    assert (llm.selection.model.chosen.name, llm.selection.model.chosen.plugin) == (ARCH[case], case)
     assert _tokens(llm, PROMPTS) == ref
     for p, r in zip(PROMPTS, ref):
         out = llm.generate([p], GREEDY, use_tqdm=False)[0]
@@ -105,17 +148,28 @@ def test_greedy_matches_hf(checkpoint, plugin: str) -> None:
     assert max(map(len, PROMPTS)) > 16 and _tokens(chunked, PROMPTS) == ref
 
 
+def test_gemma3_from_the_older_config_keys_matches_hf(checkpoint) -> None:
+    """The same checkpoint with config.json in transformers 4's spelling (sliding_window_pattern, rope_theta,
+    rope_scaling, rope_local_base_freq): HF reads the same model from it, and so does turnout."""
+    path, ref = checkpoint("gemma3-older-keys")
+    cfg = json.loads((path / "config.json").read_text())
+    assert "layer_types" not in cfg and "rope_parameters" not in cfg and ref == checkpoint("gemma3")[1]
+    assert _tokens(LLM(str(path), max_num_batched_tokens=16, **KW), PROMPTS) == ref
+
+
 PARALLEL = [  # the parallelism each model adds to the shared decoder's (test_multiproc runs its TP 2)
     pytest.param("mixtral", dict(tensor_parallel_size=2, enable_expert_parallel=True), id="mixtral-tp2-ep"),
     pytest.param("gemma2", dict(tensor_parallel_size=2), id="gemma2-tp2"),
     pytest.param("gemma2", dict(pipeline_parallel_size=2), id="gemma2-pp2"),
+    pytest.param("gemma3", dict(tensor_parallel_size=2), id="gemma3-tp2"),
+    pytest.param("gemma3", dict(pipeline_parallel_size=2), id="gemma3-pp2"),
 ]
 
 
-@pytest.mark.parametrize("plugin,parallel", PARALLEL)
-def test_parallel_matches_hf(checkpoint, plugin: str, parallel: dict) -> None:
+@pytest.mark.parametrize("case,parallel", PARALLEL)
+def test_parallel_matches_hf(checkpoint, case: str, parallel: dict) -> None:
     """Two ranks over gloo, chunked prefill on four prompts, then two of them again as prefix hits."""
-    path, ref = checkpoint(plugin)
+    path, ref = checkpoint(case)
     llm = LLM(str(path), max_num_batched_tokens=16, **parallel, **KW)
     try:
         assert _tokens(llm, PROMPTS[:4]) == ref[:4]
@@ -125,35 +179,88 @@ def test_parallel_matches_hf(checkpoint, plugin: str, parallel: dict) -> None:
         llm.shutdown()
 
 
-WRONG = [  # config.json key, a value Gemma2ForCausalLM does not implement, the line that says so
-    ("hidden_activation", "relu", "sets hidden_activation = 'relu', which Gemma2ForCausalLM does not"),
-    ("rope_parameters", {"rope_type": "proportional"}, "config.json's rope_parameters: .*'proportional'"),
-]
+def test_gemma3_on_triton_in_the_interpreter_matches_hf(checkpoint, triton_interpreter) -> None:
+    """Triton's kernels (in the interpreter off CUDA) with Gemma 3's window: two prompts past it, chunked by
+    a 16-token budget, then one again as a prefix hit; HF's first three tokens (the interpreter is slow)."""
+    path, ref = checkpoint("gemma3")
+    llm = LLM(str(path), max_num_batched_tokens=16, attention_backend="triton", **KW)
+    assert llm.selection.attention.chosen.name == "triton"
+    three = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    two = [PROMPTS[0], PROMPTS[3]]  # 20 and 28 tokens
+    outs = llm.generate(two + [PROMPTS[0]], three, use_tqdm=False)
+    assert min(map(len, two)) > 16 and [o.token_ids for o in outs] == [ref[0][:3], ref[3][:3], ref[0][:3]]
+    assert outs[2].num_cached_tokens >= len(PROMPTS[0]) - 4, outs[2].num_cached_tokens
 
 
-@pytest.mark.parametrize("key,value,why", WRONG, ids=[w[0] for w in WRONG])
-def test_gemma2_refuses_what_it_does_not_implement(checkpoint, tmp_path: Path, key, value, why) -> None:
+WRONG = [  # case, config.json key, a value the class does not implement, the line that says so
+    ("gemma2", "hidden_activation", "relu",
+     "sets hidden_activation = 'relu', which Gemma2ForCausalLM does not"),
+    ("gemma2", "rope_parameters", {"rope_type": "proportional"},
+     "config.json's rope_parameters: .*'proportional'"),
+    ("gemma3", "rope_parameters", {"full_attention": {"rope_type": "proportional"}},
+     "config.json's rope for full_attention: rope scaling 'proportional' is not supported"),
+    ("gemma3", "rope_parameters", {"rope_type": "linear", "factor": 8.0},
+     "config.json's rope for .*: rope_parameters is one flat dict, which HF's Gemma3TextConfig ignores"),
+    ("gemma3", "use_bidirectional_attention", True,
+     "sets use_bidirectional_attention = True, which changes the model's math and Gemma3ForCausalLM"),
+    ("gemma3", "layer_types", ["sliding_attention", "chunked_attention", "full_attention"],
+     "config.json's layer_types give kinds chunked_attention for 3 layers"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case,key,value,why", WRONG, ids=[f"{w[0]}-{w[1]}" for w in WRONG])
+def test_what_a_plugin_does_not_implement_is_refused(
+    checkpoint, tmp_path: Path, case, key, value, why
+) -> None:
     """One line naming the config key, before any weight loads."""
-    path = Path(shutil.copytree(checkpoint("gemma2")[0], tmp_path / "ckpt"))
+    path = Path(shutil.copytree(checkpoint(case)[0], tmp_path / "ckpt"))
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, key: value}))
     with pytest.raises(TurnoutError, match=why):
         LLM(str(path), **KW)
 
 
-MISSING = [  # a checkpoint tensor that fills part of a fused parameter: taken out, start-up names it
-    ("mixtral", "model.layers.1.block_sparse_moe.experts.2.w3.weight"),
-    ("gemma2", "model.layers.0.self_attn.k_proj.weight"),
+def _missing(tensors: dict, name: str) -> str:
+    del tensors[name]
+    return f"the checkpoint lacks {re.escape(name)}, which fills "
+
+
+def _surplus(tensors: dict, name: str) -> str:
+    extra = f"{name.rsplit('.', 2)[0]}.extra_proj.weight"
+    tensors[extra] = tensors[name].clone()
+    return f"the checkpoint's {re.escape(extra)} is used by no parameter of "
+
+
+def _wrong_shape(tensors: dict, name: str) -> str:
+    tensors[name] = tensors[name][:-1].clone()
+    return f"the checkpoint's {re.escape(name)} has shape "
+
+
+FUSED_PART = {  # a checkpoint tensor that fills one part of a fused parameter
+    "mistral": "model.layers.1.mlp.up_proj.weight",
+    "mixtral": "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+    "gemma2": "model.layers.0.self_attn.k_proj.weight",
+    "gemma3": "model.layers.2.self_attn.k_proj.weight",
+}
+BROKEN = [
+    pytest.param(c, f, id=f"{c}-{f.__name__[1:]}")
+    for c in FUSED_PART
+    for f in (_missing, _surplus, _wrong_shape)
 ]
 
 
-@pytest.mark.parametrize("plugin,tensor", MISSING, ids=[m[0] for m in MISSING])
-def test_a_checkpoint_missing_a_part_is_refused_naming_it(checkpoint, tmp_path: Path, plugin, tensor) -> None:
+@pytest.mark.parametrize("case,breaks", BROKEN)
+def test_a_checkpoint_off_by_one_tensor_is_refused_naming_it(
+    checkpoint, tmp_path: Path, case, breaks
+) -> None:
+    """Without one part of a fused parameter, with a tensor no parameter takes, or with a part one row short:
+    one line naming the checkpoint tensor, and no start."""
     from safetensors.torch import load_file, save_file
 
-    path = Path(shutil.copytree(checkpoint(plugin)[0], tmp_path / "ckpt"))
+    path = Path(shutil.copytree(checkpoint(case)[0], tmp_path / "ckpt"))
     tensors = load_file(path / "model.safetensors")
-    del tensors[tensor]
+    why = breaks(tensors, FUSED_PART[case])
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(TurnoutError, match=f"the checkpoint lacks {re.escape(tensor)}, "):
+    with pytest.raises(TurnoutError, match=why) as e:
         LLM(str(path), **KW)
+    assert "\n" not in str(e.value)

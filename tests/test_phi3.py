@@ -2,7 +2,8 @@
 cache): greedy tokens exactly, from a checkpoint holding fused qkv_proj and gate_up_proj, with LongRoPE whose
 generation runs past original_max_position_embeddings (HF switches to the long factors there), a sliding
 window shorter than the prompts, and Phi-4-mini's partial rotary and tied embeddings; batched and one at a
-time (prefix hits), with and without chunked prefill, and under tensor parallelism."""
+time (prefix hits), with and without chunked prefill, under tensor parallelism, and with the Triton backend
+in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_model_plugins import triton_interpreter  # noqa: F401 - a fixture
 
 from turnout import LLM, SamplingParams, TurnoutError
 
@@ -55,8 +57,8 @@ def phi3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]
     return path, hf_greedy_cached(path, PROMPTS, MAX_NEW, attn_implementation="eager")
 
 
-def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+def _tokens(llm: LLM, prompts: list[list[int]], sp: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
 def test_greedy_matches_hf(phi3) -> None:
@@ -81,6 +83,18 @@ def test_tp2_matches_hf(phi3) -> None:
         assert _tokens(llm, PROMPTS) == ref
     finally:
         llm.shutdown()
+
+
+def test_triton_in_the_interpreter_matches_hf(phi3, triton_interpreter) -> None:  # noqa: F811
+    """Triton's kernels (in the interpreter off CUDA) with Phi-3's window: two prompts past it, chunked by a
+    16-token budget, the second one's tokens past original_max_position_embeddings; HF's first three tokens
+    (the interpreter is slow)."""
+    path, ref = phi3
+    llm = LLM(str(path), max_num_batched_tokens=16, attention_backend="triton", **KW)
+    assert llm.selection.attention.chosen.name == "triton"
+    three = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    assert min(map(len, PROMPTS[:2])) > WINDOW and len(PROMPTS[1]) == ORIGINAL
+    assert _tokens(llm, PROMPTS[:2], three) == [r[:3] for r in ref[:2]]
 
 
 def test_a_fused_tensor_of_the_wrong_size_is_refused_naming_it(phi3, tmp_path: Path) -> None:

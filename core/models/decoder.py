@@ -55,6 +55,7 @@ MATH_KEYS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "mlp_bias": lambda c: c.get("mlp_bias") or None,
     "query_pre_attn_scalar": lambda c: _not(c.get("head_dim"))(c.get("query_pre_attn_scalar")),
     "use_qk_norm": lambda c: c.get("use_qk_norm") or None,
+    "use_bidirectional_attention": lambda c: c.get("use_bidirectional_attention") or None,
     "no_rope_layers": lambda c: c["no_rope_layers"] if 0 in (c.get("no_rope_layers") or ()) else None,
     "attention_multiplier": lambda c: _not(1.0)(c.get("attention_multiplier")),
     "embedding_multiplier": lambda c: _not(1.0)(c.get("embedding_multiplier")),
