@@ -264,3 +264,32 @@ def test_a_checkpoint_off_by_one_tensor_is_refused_naming_it(
     with pytest.raises(TurnoutError, match=why) as e:
         LLM(str(path), **KW)
     assert "\n" not in str(e.value)
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=TOKENIZER_VOCAB)  # fmt: skip
+BENCH_SHAPES = {  # `turnout bench --random-model` shape -> its architecture's layers at a tiny scale
+    "mistral-7b": dict(num_hidden_layers=2),
+    "gemma-3-12b": dict(num_hidden_layers=6, sliding_window=4, query_pre_attn_scalar=16),  # 5 local, 1 global
+}
+
+
+@pytest.mark.parametrize("shape", list(BENCH_SHAPES))
+def test_bench_random_shapes_write_what_hf_and_turnout_load_alike(tmp_path, monkeypatch, shape: str) -> None:
+    """The random checkpoint `turnout bench --random-model` writes for the shape, its dimensions cut down
+    (every other key its own): HF transformers reads the architecture from config.json, and turnout's greedy
+    tokens are HF's, over prompts past Gemma 3's window. Its FP8 variants are listed beside it."""
+    from turnout.bench import random_models
+
+    from tiny_models import hf_greedy
+
+    arch, kw = random_models.SHAPES[shape]
+    monkeypatch.setitem(random_models.SHAPES, "tiny", (arch, {**kw, **TINY, **BENCH_SHAPES[shape]}))
+    path = random_models.make_random_model(tmp_path / "tiny", "tiny")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == [{"mistral": "MistralForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]]
+    prompts = [list(range(5, 17)), list(range(40, 50))]
+    llm = LLM(str(path), dtype="float32", max_model_len=64, cpu_kv_cache_bytes=1 << 22)
+    assert llm.selection.model.chosen.plugin == arch
+    assert _tokens(llm, prompts) == hf_greedy(path, prompts, MAX_NEW)
+    assert {f"{shape}-{v}" for v in random_models.FP8_VARIANTS} <= set(random_models.RANDOM_MODELS)

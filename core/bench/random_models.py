@@ -26,7 +26,22 @@ SHAPES = {
     "llama-360m": ("llama", dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
                                  num_attention_heads=15, num_key_value_heads=5, vocab_size=49152,
                                  tie_word_embeddings=True, rope_theta=1e5)),
+    # Mistral-7B-v0.3: 32 layers, hidden 4096, 32 q heads / 8 kv heads of 128, vocab 32768, untied, no window
+    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,
+                                   tie_word_embeddings=False, rope_theta=1e6, sliding_window=None,
+                                   rms_norm_eps=1e-5)),
+    # Gemma-3-12B's language model: 48 layers, hidden 3840, 16 q heads / 8 kv heads of 256, vocab 262208,
+    # tied; five local layers (window 1024, rope base 10000) to one global (base 1e6, linear scaling by 8)
+    "gemma-3-12b": ("gemma3", dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                                   num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                                   vocab_size=262208, tie_word_embeddings=True, query_pre_attn_scalar=256,
+                                   sliding_window=1024, sliding_window_pattern=6, rope_theta=1e6,
+                                   rope_local_base_freq=1e4,
+                                   rope_scaling={"rope_type": "linear", "factor": 8.0})),
 }  # fmt: skip
+CONFIG_CLASSES = {"qwen3": "Qwen3Config", "llama": "LlamaConfig", "mistral": "MistralConfig",
+                  "gemma3": "Gemma3TextConfig"}  # fmt: skip
 # FP8 variants of every shape ("qwen3-8b-fp8"): the shape's bf16 checkpoint quantized by quantize_checkpoint
 FP8_VARIANTS = {
     "fp8": dict(fmt="fp8", block=(128, 128)),  # HF's fine-grained FP8: 128x128 block scales
@@ -50,21 +65,21 @@ def random_model(shape: str) -> Path:
 
 
 def random_config(shape: str) -> Any:
-    """The HF config of a shape, with MAX_POSITIONS positions."""
-    from transformers import LlamaConfig, Qwen3Config
+    """The HF config of a shape, with MAX_POSITIONS positions and the ids of write_tokenizer's <s> and </s>;
+    transformers writes it as it writes that architecture's (Gemma 3's layer_types and nested rope)."""
+    import transformers
 
     arch, kw = SHAPES[shape]
-    return (Qwen3Config if arch == "qwen3" else LlamaConfig)(
-        max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **kw
-    )
+    defaults = dict(max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    return getattr(transformers, CONFIG_CLASSES[arch])(**{**defaults, **kw})
 
 
 def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
-    """bf16 weights: matrices N(0, 0.02) like HF's init, norms 1. Written tensor by tensor as safetensors
-    shards, then a word-level tokenizer over the whole vocabulary, then config.json last: a folder with a
-    config.json is complete, and is reused (a folder with fewer positions has them raised to MAX_POSITIONS
-    in its config: positions carry no weights; one whose tokenizer cannot spell JSON gets write_tokenizer's,
-    its weights untouched)."""
+    """bf16 weights: matrices N(0, 0.02) like HF's init, norms 1 (Gemma's 0, applied as 1 + w). Written
+    tensor by tensor as safetensors shards, then a word-level tokenizer over the whole vocabulary, then
+    config.json last: a folder with a config.json is complete, and is reused (a folder with fewer positions
+    has them raised to MAX_POSITIONS in its config: positions carry no weights; one whose tokenizer cannot
+    spell JSON gets write_tokenizer's, its weights untouched)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -89,12 +104,13 @@ def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device).manual_seed(seed)
+    norm = 0.0 if cfg.model_type.startswith("gemma") else 1.0
     shards: list[dict] = [{}]
     for name, shp in names.items():
         if len(shp) > 1:
             t = torch.empty(shp, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=gen)
         else:
-            t = torch.ones(shp, dtype=torch.bfloat16, device=device)
+            t = torch.full(shp, norm, dtype=torch.bfloat16, device=device)
         if shards[-1] and sum(x.nbytes for x in shards[-1].values()) + t.nbytes > SHARD_BYTES:
             shards.append({})
         shards[-1][name] = t.cpu()
