@@ -104,7 +104,21 @@ BENCH_COLUMNS = {
         "ratio_vs_static": "x static",
         "ratio_vs_peer": "x HF generate_batch",
         "ratio_vs_hf_generate": "x HF generate",
-        "fraction_of_floor": "of floor",
+        "over_floor": "x floor",
+        "prefix_cache_hit_rate": "prefix-cache hits",
+        "startup_s": "start-up (s)",
+    },
+    "wide": {
+        "engine": "engine",
+        "run": "run",
+        "requests": "requests",
+        "output_tokens_per_s": "output tok/s",
+        "seconds": "seconds",
+        "ratio_vs_vllm": "x vLLM",
+        "ratio_vs_nano_vllm": "x nano-vllm",
+        "ratio_vs_static": "x static",
+        "floor_s": "floor (s)",
+        "over_floor": "x floor",
         "prefix_cache_hit_rate": "prefix-cache hits",
         "startup_s": "start-up (s)",
     },
@@ -118,6 +132,8 @@ BENCH_COLUMNS = {
         "tpot_ratio_vs_static": "TPOT / static's",
         "ttft_ratio_vs_static": "TTFT / static's by prompt",
         "tpot_floor_ms": "TPOT floor (ms)",
+        "tpot_over_floor": "TPOT x floor",
+        "ttft_over_floor": "TTFT x floor by prompt",
         "startup_s": "start-up (s)",
     },
     "prefix": {
@@ -125,7 +141,8 @@ BENCH_COLUMNS = {
         "output_tokens_per_s": "output tok/s, cache on",
         "no_cache_output_tokens_per_s": "cache off",
         "speedup_vs_no_cache": "speedup",
-        "fraction_of_floor": "of floor",
+        "over_floor": "x floor",
+        "no_cache_over_floor": "cache off x floor",
         "startup_s": "start-up (s)",
     },
     "structured": {
@@ -136,9 +153,16 @@ BENCH_COLUMNS = {
         "output_tokens_per_s": "output tok/s, constrained",
         "unconstrained_output_tokens_per_s": "unconstrained",
         "structured_cost": "cost",
+        "over_floor": "x floor",
+        "unconstrained_over_floor": "unconstrained x floor",
         "startup_s": "start-up (s)",
     },
 }
+FLOOR_LEGEND = (
+    "x floor: each engine's time over its run's roofline floor, the least time the run's work takes at the "
+    "device's ceilings (the weights read once a step, every token's KV written once and its context read "
+    "once, the FLOPs at the matmul ceiling; a repeat's with its prompts in the prefix cache); 1 is the floor."
+)
 
 
 def settings(cfg: dict[str, Any]) -> str:
@@ -164,19 +188,57 @@ def bench_section(suite: str) -> list[str]:
         if key in seen or not isinstance(recs, list):
             continue
         seen.add(key)
-        floor = next(
-            (r.get("floor_output_tokens_per_s") for r in recs if r.get("floor_output_tokens_per_s")), 0
-        )
-        floor_note = f" Roofline floor: {num(floor)} output tok/s." if floor else ""
-        out += ["", f"{ours['model']}, {key[1]}. {caption(path, recs)}{floor_note}", ""]
-        rows = [{**r, "ttft_ms": _ttft(r.get("ttft_ms")), "requests": r.get("subset") or r.get("num_prompts")}
-                for r in recs]  # fmt: skip
-        for r in rows:
-            for k in ("ttft_ratio_vs_vllm", "ttft_ratio_vs_static"):
-                if k in r:
-                    r[k] = _ratios(r[k])
+        out += ["", f"{ours['model']}, {key[1]}. {caption(path, recs)}{floor_note(recs)}", ""]
+        floors = {r["run"]: r for r in recs if _whole(r) and (_floor(r) or r.get("tpot_floor_ms"))}
+        rows = [_row(r, floors.get(r["run"])) for r in recs]
         out += table(*columns(rows, BENCH_COLUMNS[ours["workload"]]))
+    if out and any("x floor" in line for line in out):
+        out = ["", FLOOR_LEGEND, *out]
     return out or missing(suite)
+
+
+def _row(r: dict[str, Any], floor: dict[str, Any] | None) -> dict[str, Any]:
+    """A record as its table shows it: TTFTs and ratios by prompt as text, and its time over its run's
+    floor where it carries the floor alone or, a peer beside turnout, none (floor: the file's record of
+    that run with a floor)."""
+    row = {**r, "requests": r.get("subset") or r.get("num_prompts")}
+    rate, floor = r.get("output_tokens_per_s"), floor or {}
+    if "over_floor" not in r and r.get("fraction_of_floor"):  # the inverse alone
+        row["over_floor"] = 1 / r["fraction_of_floor"]
+    elif "over_floor" not in r and _whole(r) and _floor(floor) and rate:
+        row["over_floor"] = _floor(floor) / rate
+    if "tpot_over_floor" not in r and r.get("tpot_ms") and floor.get("tpot_floor_ms"):
+        row["tpot_over_floor"] = r["tpot_ms"] / floor["tpot_floor_ms"]
+    ttft, by_len = r.get("ttft_ms") or {}, floor.get("ttft_floor_ms") or {}
+    if "ttft_over_floor" not in r and (got := {n: ms / by_len[n] for n, ms in ttft.items() if by_len.get(n)}):
+        row["ttft_over_floor"] = got
+    row["ttft_ms"] = _ttft(r.get("ttft_ms"))
+    for k in ("ttft_ratio_vs_vllm", "ttft_ratio_vs_static", "ttft_over_floor"):
+        if isinstance(row.get(k), dict):
+            row[k] = _ratios(row[k])
+    return row
+
+
+def _whole(r: dict[str, Any]) -> bool:
+    """The record ran the file's whole workload (not the HF peers' subset)."""
+    return not r.get("subset")
+
+
+def _floor(r: dict[str, Any]) -> float | None:
+    return r.get("floor_output_tokens_per_s")
+
+
+def floor_note(recs: list[dict[str, Any]]) -> str:
+    """The floor of turnout's runs, where the records have one: one figure, or one per run."""
+    ours = [r for r in recs if r["engine"] == "turnout" and not r.get("subset")]
+    by_run = {r["run"]: r["floor_output_tokens_per_s"] for r in ours if r.get("floor_output_tokens_per_s")}
+    if not by_run:
+        return ""
+    if len(set(by_run.values())) == 1:
+        return f" Roofline floor: {num(next(iter(by_run.values())))} output tok/s."
+    return (
+        " Roofline floor: " + ", ".join(f"{num(v)} output tok/s ({run})" for run, v in by_run.items()) + "."
+    )
 
 
 def _ttft(ttft: dict[str, float] | None) -> str | None:
@@ -487,6 +549,7 @@ def render() -> str:
     ]
     sections = [
         ("throughput", "Throughput: nano-vllm's bench", lambda: bench_section("throughput")),
+        ("wide", "Wide decode", lambda: bench_section("wide")),
         ("latency", "Latency at batch 1", lambda: bench_section("latency")),
         ("prefix", "Prefix caching", lambda: bench_section("prefix")),
         ("structured", "Structured outputs", lambda: bench_section("structured")),
@@ -615,7 +678,7 @@ def headline() -> list[str]:
 def vllm_headline() -> list[str]:
     """Per model, the newest throughput and latency runs beside vLLM: turnout's figures over vLLM's."""
     newest: dict[str, dict[str, tuple[Path, list[dict]]]] = {}  # model -> workload -> (file, records)
-    for suite in ("throughput", "latency", "llama-3-8b"):  # a file's records name their workload
+    for suite in ("throughput", "wide", "latency", "llama-3-8b"):  # a file's records name their workload
         for path, recs in files(suite):
             if isinstance(recs, list) and any(r["engine"] == "vllm" for r in recs):
                 newest.setdefault(recs[0]["model"], {}).setdefault(recs[0]["workload"], (path, recs))
@@ -630,6 +693,14 @@ def vllm_headline() -> list[str]:
                 figs.append(f"output tok/s {ours['first']['ratio_vs_vllm']:.2f}x and "
                             f"{ours['repeat']['ratio_vs_vllm']:.2f}x vLLM's on the first run and a repeat "
                             f"({cite(path, '')})")  # fmt: skip
+        if "wide" in by:
+            path, recs = by["wide"]
+            ours = {r["run"]: r for r in recs if r["engine"] == "turnout" and r.get("ratio_vs_vllm")}
+            if {"first", "repeat"} <= set(ours):
+                over = ours["first"].get("over_floor")
+                near = f", its first run {over:.2f}x the floor's time" if over else ""
+                first, repeat = ours["first"]["ratio_vs_vllm"], ours["repeat"]["ratio_vs_vllm"]
+                figs.append(f"wide decode {first:.2f}x and {repeat:.2f}x vLLM's{near} ({cite(path, '')})")
         if "latency" in by:
             path, recs = by["latency"]
             first = next((r for r in recs if r["engine"] == "turnout" and r["run"] == "first"), {})

@@ -36,6 +36,15 @@ SUITES = {
             "turnout bench throughput --random-model qwen3-8b --peers vllm --out {out}",
         ],
     ),
+    "wide": Suite(
+        "Wide decode: 1,024 requests of 16-64 prompt tokens, each decoding 256-512 (temperature 0.6, EOS "
+        "ignored), the first run and a repeat, beside vLLM and nano-vllm on the Qwen3-0.6B shape and beside "
+        "vLLM on the Qwen3-8B shape",
+        [
+            f"turnout bench wide {QWEN3} --peers vllm,nano-vllm --out {{out}}",
+            "turnout bench wide --random-model qwen3-8b --peers vllm --out {out}",
+        ],
+    ),
     "latency": Suite(
         "Batch-1 decode time per token (TPOT) and time to first token (TTFT) at 512- and 4096-token prompts, "
         "Qwen3-0.6B shape, against nano-vllm and HF generate; then TTFT up to 32,768 tokens at the Qwen3-8B "

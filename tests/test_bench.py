@@ -31,6 +31,20 @@ def test_throughput_prompts_are_nano_vllms():
     assert workloads.throughput(4) == reqs[:4]  # a shrunk workload is the same workload's first requests
 
 
+def test_wide_prompts_are_short_and_outputs_long():
+    # the documented draw: per request after Random(0), its prompt length, its ids, then its output length
+    rng = random.Random(0)
+    want = []
+    for _ in range(1024):
+        prompt = [rng.randint(0, 10000) for _ in range(rng.randint(16, 64))]
+        want.append((prompt, rng.randint(256, 512)))
+    reqs = workloads.wide()
+    assert [(r.prompt, r.max_tokens) for r in reqs] == want
+    assert all(r.temperature == 0.6 and r.ignore_eos for r in reqs)
+    assert workloads.wide(4) == reqs[:4]  # shrunk, the same workload's first requests
+    assert {len(r.prompt) for r in workloads.wide(8, (3, 3), (2, 2))} == {3}
+
+
 def test_roofline_floor_by_hand():
     shape = roofline.Shape(weight_params=1000, kv_bytes_per_token=10, attn_flops_per_pair=4, dtype_bytes=2)
     ceiling = roofline.Ceiling(bytes_per_s=1e3, flops_per_s=1e4, where="test")
@@ -112,6 +126,9 @@ def test_record_schema():
         (["latency", "--peers", "hf-generate-batch"], "no batch-1 latency mode"),
         (["structured", "--peers", "vllm"], "the structured workload compares turnout with itself"),
         (["structured", "--num-prompts", "2", "--structured-output-ratio", "0.2"], "constrains none of 2"),
+        (["wide", "--peers", "hf-generate"], "hf-generate runs the throughput workload's subset only"),
+        (["wide", "--min-output-len", "9", "--max-output-len", "8"], "need 1 <= min <= max"),
+        (["wide", "--num-prompts", "0"], "--num-prompts 0: need at least 1"),
     ],
 )
 def test_bad_bench_options_are_one_line_errors(argv, error, capsys):
@@ -271,7 +288,18 @@ class LLM:
 
     def generate(self, prompts, params, use_tqdm=True):
         time.sleep(sum(len(p["prompt_token_ids"]) for p in prompts if isinstance(p, dict)) * 1e-4)
-        return []
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if os.environ.get("FAKE_VLLM_GENERATE_LOG"):
+            with open(os.environ["FAKE_VLLM_GENERATE_LOG"], "a") as f:
+                pairs = zip(params, prompts)
+                asked = [dict(p.kw, prompt=q["prompt_token_ids"]) for p, q in pairs if isinstance(q, dict)]
+                f.write(json.dumps(asked) + "\\n")
+        return [Output(p.kw.get("max_tokens", 16)) for p in params]
+
+
+class Output:
+    def __init__(self, n):
+        self.outputs = [type("Completion", (), {"token_ids": [0] * n})()]
 """
 
 
@@ -306,6 +334,95 @@ def test_vllm_runs_with_its_site_as_its_whole_pythonpath(fake_vllm, tmp_path):
         peers.find_peers_dir(str(tmp_path), "vllmbench.py")
 
 
+@pytest.fixture
+def cpu_ceiling(monkeypatch):
+    """A stand-in ceiling for this CPU, so that the floors are worked out here (CEILINGS holds measured GPUs
+    only): at 1e10 B/s and 1e11 FLOP/s, the tiny models' steps are bound by their weight reads."""
+    ceiling = roofline.Ceiling(bytes_per_s=1e10, flops_per_s=1e11, where="a stand-in")
+    monkeypatch.setitem(roofline.CEILINGS, "cpu", ceiling)
+    return ceiling
+
+
+def _floor_s(model: Path, shapes: list[tuple[int, int, int]], ceiling, max_num_seqs: int) -> float:
+    """The floor of float32 requests of (prompt, cached, output) tokens on model, as the roofline works it."""
+    return roofline.floor(roofline.Shape.from_checkpoint(model, 4), shapes, ceiling, max_num_seqs).seconds
+
+
+def _assert_near_floor(rec: dict, floor_s: float) -> None:
+    """rec carries floor_s and its time over it: seconds over the floor's, the floor's rate the inverse."""
+    assert rec["floor_s"] == pytest.approx(floor_s)
+    assert rec["floor_output_tokens_per_s"] == pytest.approx(rec["output_tokens"] / floor_s)
+    assert rec["over_floor"] == pytest.approx(rec["output_tokens"] / rec["output_tokens_per_s"] / floor_s)
+    assert rec["fraction_of_floor"] == pytest.approx(1 / rec["over_floor"])
+
+
+WIDE = ["--num-prompts", "6", "--min-input-len", "4", "--max-input-len", "8", "--min-output-len", "3",
+        "--max-output-len", "5", "--max-model-len", "128"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> Path:
+    """A tiny qwen3 whose vocabulary holds the bench prompts' ids."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("wide"), "qwen3", vocab_size=10240, max_position_embeddings=1024
+    )
+
+
+@pytest.mark.slow
+def test_wide_runs_beside_vllm_on_the_same_requests_with_each_runs_floor(
+    wide_model, fake_vllm, cpu_ceiling, tmp_path, monkeypatch, capsys
+):
+    peers_dir, site, _ = fake_vllm
+    asked = tmp_path / "asked.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_GENERATE_LOG", str(asked))
+    out = tmp_path / "r.json"
+    argv = ["bench", "wide", "--model", str(wide_model), *WIDE, "--peers", "vllm", "--vllm-site", str(site),
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    recs = {(r["engine"], r["run"]): r for r in json.loads(out.read_text())}
+    assert sorted(recs) == [(e, run) for e in ("turnout", "vllm") for run in ("first", "repeat")]
+    reqs = workloads.wide(6, (4, 8), (3, 5))
+    # vLLM ran these requests, every run: same prompts, lengths and sampling
+    want = [dict(temperature=0.6, ignore_eos=True, max_tokens=r.max_tokens, prompt=r.prompt) for r in reqs]
+    assert [json.loads(line) for line in asked.read_text().splitlines()][-2:] == [want, want]
+    tokens = sum(r.max_tokens for r in reqs)
+    seqs = recs["turnout", "first"]["config"]["max_num_seqs"]
+    assert seqs == 256  # fitted for the CPU
+    first = _floor_s(wide_model, [(len(r.prompt), 0, r.max_tokens) for r in reqs], cpu_ceiling, seqs)
+    repeat = _floor_s(wide_model, [(len(r.prompt), len(r.prompt) - 1, r.max_tokens) for r in reqs],
+                      cpu_ceiling, seqs)  # fmt: skip
+    for run, floor_s in (("first", first), ("repeat", repeat)):
+        ours, vllm = recs["turnout", run], recs["vllm", run]
+        records.check(ours), records.check(vllm)
+        assert ours["output_tokens"] == vllm["output_tokens"] == tokens and ours["num_prompts"] == 6
+        _assert_near_floor(ours, floor_s)
+        _assert_near_floor(vllm, floor_s)
+        assert ours["ratio_vs_vllm"] == pytest.approx(
+            ours["output_tokens_per_s"] / vllm["output_tokens_per_s"]
+        )
+        assert (
+            vllm["config"]["runner"] == "turnout.bench.peers vllm" and vllm["config"]["max_model_len"] == 128
+        )
+    assert recs["turnout", "first"]["config"]["workload"]["max_output_len"] == 5
+    assert "prefix_cache_hit_rate" in recs["turnout", "repeat"]
+    assert f"floor first {first:.3g} s" in printed and f"repeat {repeat:.3g} s" in printed
+
+
+@pytest.mark.slow
+def test_wide_with_an_absent_peer_keeps_turnouts_records(wide_model, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["bench", "wide", "--model", str(wide_model), *WIDE, "--peers", "vllm", "--vllm-site",
+            str(tmp_path / "nowhere"), "--out", str(out)]  # fmt: skip
+    assert main(argv) == 1  # the exit status says a peer did not run
+    assert "vllm peer: no vllm/ in" in capsys.readouterr().err
+    recs = json.loads(out.read_text())
+    assert [(r["engine"], r["run"]) for r in recs] == [("turnout", "first"), ("turnout", "repeat")]
+    for r in recs:
+        records.check(r)
+        assert "ratio_vs_vllm" not in r and "floor_s" not in r  # no peer, and no ceiling known for a CPU
+
+
 def _bench(argv: list[str]):
     from turnout.bench.runner import Bench
 
@@ -324,7 +441,7 @@ def test_a_bench_reads_the_tune_records_of_its_own_workload(tmp_path, workload):
 
 
 @pytest.mark.slow
-def test_throughput_ratio_vs_vllm_from_its_result_line(fake_vllm, tmp_path, capsys):
+def test_throughput_ratio_vs_vllm_from_its_result_line(fake_vllm, cpu_ceiling, tmp_path, capsys):
     peers_dir, site, _ = fake_vllm
     model = make_tiny_model(tmp_path / "m", "llama", vocab_size=10240, max_position_embeddings=1024)
     argv = ["throughput", "--model", str(model), "--max-model-len", "256", "--num-prompts", "3",
@@ -340,6 +457,11 @@ def test_throughput_ratio_vs_vllm_from_its_result_line(fake_vllm, tmp_path, caps
         assert by["vllm", run]["output_tokens_per_s"] == vllm_tok_s and by["vllm", run]["startup_s"] == 1.5
         assert ours["ratio_vs_vllm"] == pytest.approx(ours["output_tokens_per_s"] / vllm_tok_s)
         assert "ratio_vs_nano_vllm" not in ours
+        assert by["vllm", run]["floor_s"] == ours["floor_s"]  # one floor per run, for every engine
+        assert by["vllm", run]["over_floor"] == pytest.approx(ours["floor_output_tokens_per_s"] / vllm_tok_s)
+    reqs = workloads.throughput(3, 8, 2)
+    shapes = [(len(r.prompt), 0, r.max_tokens) for r in reqs]
+    assert by["turnout", "first"]["floor_s"] == pytest.approx(_floor_s(model, shapes, cpu_ceiling, 256))
     assert by["vllm", "first"]["config"]["version"] == "0.0-test" and not bench.failed
     bench = _bench([*argv, "--vllm-site", str(tmp_path / "nowhere")])  # not installed: one line, ours kept
     recs, _ = bench.throughput()
@@ -350,7 +472,7 @@ def test_throughput_ratio_vs_vllm_from_its_result_line(fake_vllm, tmp_path, caps
 
 
 @pytest.mark.slow
-def test_latency_against_vllm_times_ttft_up_to_max_model_len(fake_vllm, tmp_path, capsys):
+def test_latency_against_vllm_times_ttft_up_to_max_model_len(fake_vllm, cpu_ceiling, tmp_path, capsys):
     peers_dir, site, log = fake_vllm
     model = make_tiny_model(tmp_path / "m", "llama", vocab_size=10240, max_position_embeddings=1024)
     out = tmp_path / "r.json"
@@ -369,6 +491,17 @@ def test_latency_against_vllm_times_ttft_up_to_max_model_len(fake_vllm, tmp_path
         assert peer["tpot_ms"] == 2.5 and ours["tpot_ratio_vs_vllm"] == pytest.approx(ours["tpot_ms"] / 2.5)
         for n in ("16", "64"):
             assert ours["ttft_ratio_vs_vllm"][n] == pytest.approx(ours["ttft_ms"][n] / peer["ttft_ms"][n])
+        tpot_floor = _floor_s(model, [(32, 0, 257)], cpu_ceiling, 1) - _floor_s(
+            model, [(32, 0, 1)], cpu_ceiling, 1
+        )
+        for r in (ours, peer):  # every engine's times over the same floors
+            assert r["tpot_floor_ms"] == pytest.approx(tpot_floor / 256 * 1e3)
+            assert r["tpot_over_floor"] == pytest.approx(r["tpot_ms"] / r["tpot_floor_ms"])
+            for n in ("16", "64"):
+                assert r["ttft_floor_ms"][n] == pytest.approx(
+                    _floor_s(model, [(int(n), 0, 1)], cpu_ceiling, 1) * 1e3
+                )
+                assert r["ttft_over_floor"][n] == pytest.approx(r["ttft_ms"][n] / r["ttft_floor_ms"][n])
         assert ours["config"]["engine"]["max_model_len"] == 1024 and peer["config"]["max_model_len"] == 1024
 
 
@@ -462,14 +595,14 @@ def test_a_random_model_made_before_gets_a_tokenizer_that_spells_json(tmp_path):
 
 
 @pytest.mark.slow
-def test_structured_bench_writes_its_cost_per_ratio(json_model, tmp_path, capsys):
+def test_structured_bench_writes_its_cost_per_ratio(json_model, cpu_ceiling, tmp_path, capsys):
     schema, out = tmp_path / "schema.json", tmp_path / "r.json"
     schema.write_text(json.dumps(SMALL_SCHEMA))
     argv = ["bench", "structured", "--model", str(json_model), "--max-model-len", "256", "--num-prompts", "8",
             "--max-input-len", "16", "--max-output-len", "64", "--json-schema", str(schema),
             "--structured-output-ratio", "1,0.25", "--out", str(out)]  # fmt: skip
     assert main(argv) == 0
-    assert "roofline: no ceiling known" in capsys.readouterr().out
+    assert "floor first at 1 held" in capsys.readouterr().out
     recs = json.loads(out.read_text())
     assert [(r["structured_output_ratio"], r["num_constrained"]) for r in recs] == [(1.0, 8), (0.25, 2)]
     for r in recs:
@@ -477,6 +610,9 @@ def test_structured_bench_writes_its_cost_per_ratio(json_model, tmp_path, capsys
         c, u = r["output_tokens_per_s"], r["unconstrained_output_tokens_per_s"]
         assert r["structured_cost"] == pytest.approx(1 - c / u) and r["run"] == "first"
         assert r["mean_output_len"] == r["output_tokens"] / 8 and r["num_completed"] == r["num_constrained"]
+        assert r["output_tokens"] / r["floor_s"] == pytest.approx(r["floor_output_tokens_per_s"])
+        assert r["over_floor"] == pytest.approx(r["seconds"] / r["floor_s"])
+        assert r["unconstrained_over_floor"] == pytest.approx(r["unconstrained_seconds"] / r["floor_s"])
         cfg = r["config"]
         assert cfg["engine"]["enable_prefix_caching"] is False and cfg["workload"]["schema"] == SMALL_SCHEMA
 
@@ -541,3 +677,38 @@ def test_turnout_static_runs_the_static_default_beside_the_measured_selection(tm
             else:
                 assert ours["tpot_ratio_vs_static"] == pytest.approx(ours["tpot_ms"] / static["tpot_ms"])
                 assert ours["ttft_ratio_vs_static"].keys() == static["ttft_ms"].keys() == {"64"}
+
+
+def test_wide_records_and_every_engines_time_over_the_floor_reach_the_report(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import report
+
+    base = dict(workload="wide", model="random-qwen3-8b", device="NVIDIA H200", commit="c", command="x",
+                date="2026-12-04T00:00:00+00:00", num_prompts=1024)  # fmt: skip
+    floor = dict(floor_s=10.0, floor_output_tokens_per_s=40_000.0)
+    cfg = {"attention": "triton", "graph_mode": "FULL_AND_PIECEWISE", "dtype": "bfloat16"}
+    recs = [
+        {**base, "engine": "turnout", "run": "first", "config": cfg, "output_tokens_per_s": 16_000.0,
+         "seconds": 25.0, "ratio_vs_vllm": 0.8, **floor, "over_floor": 2.5},
+        {**base, "engine": "turnout", "run": "repeat", "config": cfg, "output_tokens_per_s": 17_000.0,
+         "seconds": 23.5, "ratio_vs_vllm": 0.85, **floor, "over_floor": 40_000 / 17_000},
+        {**base, "engine": "vllm", "run": "first", "config": {"version": "0.26.0"},
+         "output_tokens_per_s": 20_000.0, **floor, "over_floor": 2.0},
+        {**base, "engine": "vllm", "run": "repeat", "config": {"version": "0.26.0"},
+         "output_tokens_per_s": 20_000.0},  # a peer's record without its floor: turnout's run's floor
+    ]  # fmt: skip
+    for r in recs:
+        records.check(r)
+    folder = tmp_path / "benchmarks/results/wide"
+    folder.mkdir(parents=True)
+    (folder / "2026-12-04-0000-h200-wide-triton.json").write_text(json.dumps(recs))
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "benchmarks/results")
+    text = "\n".join(report.bench_section("wide"))
+    assert "| engine | run | requests | output tok/s | seconds | x vLLM | floor (s) | x floor |" in text
+    assert "| turnout | first | 1,024 | 16,000 | 25 | 0.8 | 10 | 2.5 |" in text
+    assert "| vllm | first | 1,024 | 20,000 | - | - | 10 | 2 |" in text
+    assert "| vllm | repeat | 1,024 | 20,000 | - | - | - | 2 |" in text
+    assert "Roofline floor: 40,000 output tok/s." in text and "x floor: each engine's time over" in text
+    (line,) = [x for x in report.vllm_headline() if "random-qwen3-8b" in x]
+    assert "wide decode 0.80x and 0.85x vLLM's, its first run 2.50x the floor's time" in line

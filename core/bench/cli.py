@@ -1,28 +1,33 @@
-"""turnout bench {throughput,latency,prefix,structured}: one workload on turnout and its peers, side by side
-on the same prompts and weights, the first run and a repeat apart, with the workload's roofline; prints a
-table and writes a list of records (records.py) to benchmarks/results/<workload>/."""
+"""turnout bench {throughput,wide,latency,prefix,structured}: one workload on turnout and its peers, side by
+side on the same prompts and weights, the first run and a repeat apart, with the workload's roofline floor
+and each engine's time over it; prints a table and writes a list of records (records.py) to
+benchmarks/results/<workload>/."""
 
 from __future__ import annotations
 
 import argparse
 
 from turnout.bench import records
-from turnout.bench.peers import BENCH_PY_PEERS, PEERS, VLLM_SITE
+from turnout.bench.peers import BENCH_PY_PEERS, HF_ENGINES, PEERS, VLLM_SITE
 from turnout.bench.random_models import RANDOM_MODELS
 from turnout.errors import TurnoutError
 
-COLUMNS = {  # printed per record
+COLUMNS = {  # printed per record; over_floor: the engine's time over the run's roofline floor
     "throughput": "engine run subset output_tokens_per_s ratio_vs_vllm ratio_vs_nano_vllm ratio_vs_peer "
-    "ratio_vs_hf_generate fraction_of_floor startup_s".split(),
+    "ratio_vs_hf_generate over_floor startup_s".split(),
+    "wide": "engine run num_prompts output_tokens_per_s seconds ratio_vs_vllm ratio_vs_nano_vllm "
+    "ratio_vs_static floor_s over_floor startup_s".split(),
     "latency": "engine run tpot_ms ttft_ms tpot_ratio_vs_vllm ttft_ratio_vs_vllm tpot_floor_ms "
-    "startup_s".split(),
+    "tpot_over_floor ttft_over_floor startup_s".split(),
     "prefix": "engine run output_tokens_per_s no_cache_output_tokens_per_s speedup_vs_no_cache "
-    "fraction_of_floor startup_s".split(),
+    "over_floor no_cache_over_floor startup_s".split(),
     "structured": "engine structured_output_ratio num_constrained num_completed mean_output_len "
-    "output_tokens_per_s unconstrained_output_tokens_per_s structured_cost startup_s".split(),
+    "output_tokens_per_s unconstrained_output_tokens_per_s structured_cost over_floor "
+    "unconstrained_over_floor startup_s".split(),
 }
 PLOT_METRIC = {
     "throughput": "output_tokens_per_s",
+    "wide": "output_tokens_per_s",
     "latency": "tpot_ms",
     "prefix": "output_tokens_per_s",
     "structured": "structured_cost",
@@ -67,6 +72,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     t.add_argument("--max-tokens", type=int, default=256, help="for --input lines without max_tokens")
     t.add_argument("--peer-subset", type=int, default=64, help="requests the HF peers (and turnout) run")
     t.add_argument("--peer-output-len", type=int, default=128, help="greedy tokens per subset request")
+    w = workloads_.add_parser(
+        "wide", parents=[common], help="wide decode: 1024 short prompts, each decoding a few hundred tokens"
+    )
+    w.add_argument("--num-prompts", type=int, default=1024)
+    w.add_argument("--min-input-len", type=int, default=16, help="prompt lengths uniform in [min, max]")
+    w.add_argument("--max-input-len", type=int, default=64)
+    w.add_argument("--min-output-len", type=int, default=256, help="output lengths uniform in [min, max]")
+    w.add_argument("--max-output-len", type=int, default=512)
     lat = workloads_.add_parser("latency", parents=[common], help="batch-1 TPOT, and TTFT by prompt length")
     lat.add_argument("--tpot-tokens", type=int, default=256, help="decode steps timed for TPOT")
     lat.add_argument(
@@ -93,7 +106,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
         metavar="R,R",
         help="the share of requests held to the schema, one run pair each (default: 1,0.25)",
     )
-    for p in (t, lat, pre, so):
+    for p in (t, w, lat, pre, so):
         p.set_defaults(fn=cmd_bench)
     return workloads_
 
@@ -106,7 +119,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bench = Bench(args, _peers(args))
     recs, floor = getattr(bench, args.workload)()
     print(records.table(recs, COLUMNS[args.workload]))
-    print(bench.roofline_line(floor, recs))
+    print(bench.roofline_line(recs))
     path = records.write(recs, args.out or f"benchmarks/results/{args.workload}", args.workload, bench.device)
     print(f"wrote {path}")
     if args.plot:
@@ -122,6 +135,8 @@ def _peers(args: argparse.Namespace) -> list[str]:
     w = args.workload
     if (against := SELF_COMPARED.get(w)) and peers:
         raise TurnoutError(f"the {w} workload compares turnout with itself ({against}); drop --peers")
+    if w == "wide":
+        _check_wide(args, peers)
     if w == "latency" and "hf-generate-batch" in peers:
         raise TurnoutError("hf-generate-batch has no batch-1 latency mode; use --peers hf-generate")
     for p in (p for p in peers if p in BENCH_PY_PEERS):
@@ -136,6 +151,21 @@ def _peers(args: argparse.Namespace) -> list[str]:
         if w == "latency" and args.tpot_tokens != 256:
             raise TurnoutError(f"{p}'s TPOT is over 256 tokens; drop --tpot-tokens or the peer")
     return peers
+
+
+def _check_wide(args: argparse.Namespace, peers: list[str]) -> None:
+    """The wide workload's lengths form ranges, and its peers run any requests (HF's run one length)."""
+    if hf := [p for p in peers if p in HF_ENGINES]:
+        raise TurnoutError(
+            f"{hf[0]} runs the throughput workload's subset only; wide runs beside "
+            "vllm, nano-vllm and turnout-static"
+        )
+    for what in ("input", "output"):
+        lo, hi = getattr(args, f"min_{what}_len"), getattr(args, f"max_{what}_len")
+        if not 1 <= lo <= hi:
+            raise TurnoutError(f"--min-{what}-len {lo} and --max-{what}-len {hi}: need 1 <= min <= max")
+    if args.num_prompts < 1:
+        raise TurnoutError(f"--num-prompts {args.num_prompts}: need at least 1")
 
 
 def _nano_vllm_requests(p: argparse.ArgumentParser) -> None:

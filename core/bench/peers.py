@@ -1,10 +1,10 @@
 """Peers, each in its own process so that one GPU holds one engine at a time; each prints one line
 `RESULT {json}`. nano-vllm runs through nanobench.py and vLLM through vllmbench.py (../shared/peers/), both
 nano-vllm's own bench.py workload (or batch-1 TPOT with MODE=tpot); vLLM runs with its site folder as its
-whole PYTHONPATH. HF transformers, and vLLM's TTFT by prompt length, run here
+whole PYTHONPATH. HF transformers, and vLLM and nano-vllm over any other requests, run here
 (`python -m turnout.bench.peers ENGINE MODEL DTYPE PLAN.json`): `generate_batch` (continuous batching) and
 static `generate` over the plan's requests, or the latency plan at batch 1; vLLM's offline `LLM` over the
-latency plan's TTFT prompts."""
+latency plan's TTFT prompts or over the plan's runs; nano-vllm's `LLM` over the plan's runs."""
 
 from __future__ import annotations
 
@@ -55,6 +55,11 @@ def vllm_env(site: str | Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(site)}
 
 
+def nano_vllm_env() -> dict[str, str]:
+    """This environment with NANOVLLM_SRC, nano-vllm's source folder (default .peer/ in the repository)."""
+    return {"NANOVLLM_SRC": str(REPO / ".peer"), **os.environ}
+
+
 def _result(cmd: list[str], env: dict[str, str], name: str, timeout: float) -> dict[str, Any]:
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -69,8 +74,7 @@ def _result(cmd: list[str], env: dict[str, str], name: str, timeout: float) -> d
 
 def nano_vllm(model_dir: str, peers_dir: Path, tpot: bool, timeout: float) -> dict[str, Any]:
     """nanobench.py's RESULT: startup_s, and first/repeat tok/s (or tpot_ms with MODE=tpot)."""
-    env = dict(os.environ)
-    env.setdefault("NANOVLLM_SRC", str(REPO / ".peer"))
+    env = nano_vllm_env()
     if tpot:
         env["MODE"] = "tpot"
     cmd = [sys.executable, str(peers_dir / "nanobench.py"), "nanovllm", model_dir]
@@ -90,8 +94,9 @@ def vllm(model_dir: str, peers_dir: Path, site: str | Path, tpot: bool, timeout:
 def child(
     engine: str, model_dir: str, dtype: str, plan: dict[str, Any], timeout: float, env: dict | None = None
 ) -> dict[str, Any]:
-    """An HF peer, turnout (or turnout-static) with plan["config"] over plan["runs"] or plan["latency"], or
-    vLLM's TTFT (with env=vllm_env(site))."""
+    """An HF peer or turnout (or turnout-static, with plan["config"]) over plan["runs"] or plan["latency"];
+    vLLM (with env=vllm_env(site)) over plan["runs"] or the latency plan's TTFT prompts; nano-vllm (with
+    env=nano_vllm_env()) over plan["runs"]."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(plan, f)
     try:
@@ -216,12 +221,84 @@ def _vllm_ttft(model_dir: str, plan: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def _vllm_runs(model_dir: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's offline LLM with its defaults and plan["max_model_len"], as vllmbench.py starts it: after its
+    warm-up, each run's requests in one `generate`, timed."""
+    import vllm
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, max_model_len=plan["max_model_len"], seed=0)
+    res: dict[str, Any] = {"engine": "vllm", "version": vllm.__version__,
+                           "startup_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    for run, reqs in plan["runs"].items():
+        prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs]
+        params = [SamplingParams(temperature=r["temperature"], ignore_eos=r["ignore_eos"],
+                                 max_tokens=r["max_tokens"]) for r in reqs]  # fmt: skip
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        res[run] = {"seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+    return res
+
+
+def _fa4_for_nano_vllm() -> None:
+    """nano-vllm's two FlashAttention-2 calls on FlashAttention-4's paged varlen kernel (no FA2 wheel is
+    built for this torch), as nanobench.py maps them: varlen with page_table and seqused_k, and decode as
+    varlen with one query per request."""
+    import flash_attn
+    import torch
+    from flash_attn.cute import flash_attn_varlen_func as fa4
+
+    first = lambda x: x[0] if isinstance(x, tuple) else x  # noqa: E731
+
+    def varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, softmax_scale=None,
+               causal=True, block_table=None):  # fmt: skip
+        kw = dict(cu_seqlens_q=cu_seqlens_q, softmax_scale=softmax_scale, causal=causal)
+        if block_table is None:
+            return first(fa4(q, k, v, cu_seqlens_k=cu_seqlens_k, **kw))
+        used = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).int()
+        return first(fa4(q, k, v, seqused_k=used, page_table=block_table.clamp(min=0), **kw))
+
+    def kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True):
+        cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        kw = dict(softmax_scale=softmax_scale, causal=causal, page_table=block_table.clamp(min=0))
+        out = fa4(q.squeeze(1), k_cache, v_cache, cu_seqlens_q=cu, seqused_k=cache_seqlens, **kw)
+        return first(out).unsqueeze(1)
+
+    flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache = varlen, kvcache
+
+
+def _nano_vllm_runs(model_dir: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """nano-vllm from NANOVLLM_SRC with CUDA graphs and plan["max_model_len"], as nanobench.py starts it:
+    after its warm-up, each run's requests in one `generate`, timed."""
+    _fa4_for_nano_vllm()
+    sys.path.insert(0, os.environ["NANOVLLM_SRC"])
+    from nanovllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, enforce_eager=False, max_model_len=plan["max_model_len"])
+    res: dict[str, Any] = {"engine": "nano-vllm", "startup_s": round(time.perf_counter() - t0, 2)}
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+    for run, reqs in plan["runs"].items():
+        params = [SamplingParams(temperature=r["temperature"], ignore_eos=r["ignore_eos"],
+                                 max_tokens=r["max_tokens"]) for r in reqs]  # fmt: skip
+        t = time.perf_counter()
+        outs = llm.generate([r["prompt"] for r in reqs], params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        res[run] = {"seconds": seconds, "output_tokens": sum(len(o["token_ids"]) for o in outs)}
+    return res
+
+
 def main(engine: str, model_dir: str, dtype: str, plan_file: str) -> dict[str, Any]:
     plan = json.loads(Path(plan_file).read_text())
     if engine in ("turnout", STATIC):
         return _turnout(engine, plan)
     if engine == "vllm":
-        return _vllm_ttft(model_dir, plan)
+        return _vllm_ttft(model_dir, plan) if "latency" in plan else _vllm_runs(model_dir, plan)
+    if engine == "nano-vllm":
+        return _nano_vllm_runs(model_dir, plan)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -246,3 +323,5 @@ def main(engine: str, model_dir: str, dtype: str, plan_file: str) -> dict[str, A
 
 if __name__ == "__main__":
     print("RESULT", json.dumps(main(*sys.argv[1:5])), flush=True)
+    if sys.argv[1] == "nano-vllm":  # its result is out; end as nanobench.py ends, past nano-vllm's exit hooks
+        os._exit(0)

@@ -4,6 +4,7 @@ Every record has workload, engine, model, device, commit, date, command and conf
 throughput  run, output_tokens_per_s (+ ratio_vs_vllm, ratio_vs_nano_vllm, ratio_vs_static: turnout's over
             the peer's in the same run, turnout-static being turnout with tuned = off; on a subset: subset,
             ratio_vs_peer, ratio_vs_hf_generate)
+wide        run, output_tokens_per_s over many short prompts with long outputs (+ the ratios as throughput)
 latency     run, tpot_ms, ttft_ms ({prompt length: ms}) (+ tpot_ratio_vs_vllm, ttft_ratio_vs_vllm: turnout's
             over vLLM's, {prompt length: ratio}, and the same _vs_static; ttft_skipped: lengths over
             max_model_len)
@@ -13,6 +14,13 @@ structured  run ("first" only: prefix caching is off, so no run reuses another's
             output_tokens_per_s (that run), unconstrained_output_tokens_per_s (the same prompts without the
             schema, each to the tokens it produced constrained), structured_cost (1 - the first over the
             second), mean_output_len (+ num_completed: constrained requests that their grammar ended)
+
+Where the device's ceilings are known (roofline.CEILINGS), every record of a rate also has its run's floor
+(floor_s, floor_output_tokens_per_s: the least time the run's work takes at the ceilings; a repeat's with
+its prompts in the prefix cache) and its distance from it: over_floor, its time over the floor's (1 = at
+the floor), and fraction_of_floor, the inverse (prefix: no_cache_over_floor, the run without a cache over
+the floor of that work; structured: unconstrained_over_floor). Latency records have tpot_floor_ms and
+ttft_floor_ms ({prompt length: ms}), and tpot_over_floor and ttft_over_floor.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from turnout.errors import TurnoutError
 REQUIRED = ("workload", "engine", "model", "device", "commit", "date", "command", "config")
 BY_WORKLOAD = {
     "throughput": ("run", "output_tokens_per_s"),
+    "wide": ("run", "output_tokens_per_s"),
     "latency": ("run", "tpot_ms", "ttft_ms"),
     "prefix": ("run", "speedup_vs_no_cache"),
     "structured": (

@@ -18,6 +18,7 @@ from turnout.tuning.key import PROFILES
 RUNS = ("first", "repeat")
 WORKLOAD_KEYS = {
     "throughput": ("num_prompts", "max_input_len", "max_output_len"),
+    "wide": ("num_prompts", "min_input_len", "max_input_len", "min_output_len", "max_output_len"),
     "latency": ("tpot_tokens", "ttft_lens"),
     "prefix": ("num_prompts", "prefix_len", "suffix_len", "output_len"),
     "structured": (
@@ -28,6 +29,8 @@ WORKLOAD_KEYS = {
         "structured_output_ratio",
     ),
 }
+VS_PEERS = {"vllm": "vllm", "nano_vllm": "nano-vllm", "static": "turnout-static"}  # ratio_vs_<key>: engine
+CHILD_PEERS = ("wide",)  # workloads whose requests vLLM and nano-vllm run here, not their bench.py's
 
 
 def rate(seconds: float, tokens: int) -> dict[str, float]:
@@ -48,8 +51,27 @@ def ratios(a: dict[str, float], b: dict[str, float] | None) -> dict[str, float] 
     return {k: v / b[k] for k, v in a.items() if b and b.get(k)} or None
 
 
-def vs_floor(m: dict[str, float], floor: float | None) -> dict[str, float | None]:
-    return {"floor_output_tokens_per_s": floor, "fraction_of_floor": ratio(m["output_tokens_per_s"], floor)}
+def vs_floor(tok_s: float | None, floor: dict[str, float] | None) -> dict[str, float]:
+    """A run's floor (floor_s, floor_output_tokens_per_s) and its distance from it at tok_s output tokens a
+    second: over_floor, its time over the floor's (1 = at the floor), and fraction_of_floor, the inverse;
+    {} where either is unknown."""
+    if not floor or not tok_s:
+        return {}
+    f = floor["floor_output_tokens_per_s"]
+    return {**floor, "over_floor": f / tok_s, "fraction_of_floor": tok_s / f}
+
+
+def vs_latency_floor(m: dict[str, Any], floors: dict[str, Any]) -> dict[str, Any]:
+    """A latency run's floors and its times over them: tpot_over_floor, and ttft_over_floor by prompt."""
+    if not floors:
+        return {}
+    out = dict(floors)
+    if m.get("tpot_ms"):
+        out["tpot_over_floor"] = m["tpot_ms"] / floors["tpot_floor_ms"]
+    ttft, floor_ms = m.get("ttft_ms") or {}, floors["ttft_floor_ms"]
+    if by_len := {n: ms / floor_ms[n] for n, ms in ttft.items() if floor_ms.get(n)}:
+        out["ttft_over_floor"] = by_len
+    return out
 
 
 class Bench:
@@ -124,13 +146,18 @@ class Bench:
         return {"workload": workload, **self.selection, "engine": self.cfg.model_dump()}
 
     def peer_config(self, engine: str, res: dict[str, Any]) -> dict[str, Any]:
+        here = self.args.workload in CHILD_PEERS  # the peer ran this workload's requests in our child
         if engine == "nano-vllm":
-            return {"runner": "nanobench.py", "NANOVLLM_SRC": os.environ.get("NANOVLLM_SRC", ".peer")}
+            runner = "turnout.bench.peers nano-vllm" if here else "nanobench.py"
+            return {"runner": runner, "NANOVLLM_SRC": peers.nano_vllm_env()["NANOVLLM_SRC"]}
         if engine == "vllm":
-            cfg = {"runner": "vllmbench.py", "version": res.get("version"), "PYTHONPATH": self.args.vllm_site}
+            runner = "turnout.bench.peers vllm" if here else "vllmbench.py"
+            cfg = {"runner": runner, "version": res.get("version"), "PYTHONPATH": self.args.vllm_site}
             if self.args.workload == "latency":
                 cfg |= {"ttft": "turnout.bench.peers vllm", "max_model_len": self.cfg.max_model_len,
                         "ttft_startup_s": res.get("ttft_startup_s")}  # fmt: skip
+            elif here:
+                cfg["max_model_len"] = self.cfg.max_model_len
             return cfg
         if engine == peers.STATIC:
             return {**res["selection"], "engine": self.static_config()}
@@ -140,12 +167,21 @@ class Bench:
         """turnout-static's engine config: this run's, with tuning records ignored."""
         return {**self.cfg.model_dump(), "tuned": "off", "tune": "off"}
 
-    def peer_records(self, results: dict[str, dict], **extra: Any) -> list[dict[str, Any]]:
+    def peer_records(
+        self, results: dict[str, dict], floors: dict[str, Any] | None = None, **extra: Any
+    ) -> list[dict[str, Any]]:
+        """Each peer's record of each run, with its distance from that run's floor (floors: by run, or the
+        latency floors)."""
         out = []
         for engine, res in results.items():
             cfg = self.peer_config(engine, res)
             for run in RUNS:
-                out.append(self.record(engine, run, cfg, startup_s=res["startup_s"], **extra, **res[run]))
+                m = res[run]
+                if self.args.workload == "latency":
+                    near = vs_latency_floor(m, floors or {})
+                else:
+                    near = vs_floor(m.get("output_tokens_per_s"), (floors or {}).get(run))
+                out.append(self.record(engine, run, cfg, startup_s=res["startup_s"], **extra, **m, **near))
         return out
 
     # ---- turnout in this process ----
@@ -159,7 +195,26 @@ class Bench:
         workloads.warm_up(llm)
         return llm
 
-    # ---- workloads: each returns its records and its floor (None where no ceiling is known) ----
+    def timed_runs(
+        self, llm: Any, reqs: list[workloads.Req], floors: dict[str, Any], res: dict[str, dict]
+    ) -> list[dict[str, Any]]:
+        """turnout's first run and repeat of reqs, each against the peers' same run and its floor."""
+        recs = []
+        for run in RUNS:
+            before = prefix_cache_counts(llm)
+            m = rate(*workloads.run(llm, reqs))
+            m["prefix_cache_hit_rate"] = hit_rate(before, prefix_cache_counts(llm))
+            ours = m["output_tokens_per_s"]
+            vs = {f"ratio_vs_{k}": ratio(ours, metric(res, e, run)) for k, e in VS_PEERS.items()}
+            near = vs_floor(ours, floors.get(run))
+            recs.append(
+                self.record(
+                    "turnout", run, num_prompts=len(reqs), startup_s=self.startup_s, **m, **vs, **near
+                )
+            )
+        return recs
+
+    # ---- workloads: each returns its records and the floor its plot draws (None where none is known) ----
     def throughput(self) -> tuple[list[dict], float | None]:
         a = self.args
         if a.input:
@@ -173,30 +228,35 @@ class Bench:
         res = self.run_peers(
             {"runs": dict.fromkeys(RUNS, workloads.as_json(sub)), "all": workloads.as_json(reqs)}
         )
-        floor = self.floor(workloads.shapes(reqs), sum(r.max_tokens for r in reqs))
-        llm, recs = self.start(), []
-        for run in RUNS:
-            before = prefix_cache_counts(llm)
-            m = rate(*workloads.run(llm, reqs))
-            m["prefix_cache_hit_rate"] = hit_rate(before, prefix_cache_counts(llm))
-            ours = m["output_tokens_per_s"]
-            recs.append(self.record("turnout", run, num_prompts=len(reqs), startup_s=self.startup_s, **m,
-                                    ratio_vs_vllm=ratio(ours, metric(res, "vllm", run)),
-                                    ratio_vs_nano_vllm=ratio(ours, metric(res, "nano-vllm", run)),
-                                    ratio_vs_static=ratio(ours, metric(res, peers.STATIC, run)),
-                                    **vs_floor(m, floor)))  # fmt: skip
+        llm = self.start()
+        floors, sub_floors = self.run_floors(reqs), self.run_floors(sub)
+        recs = self.timed_runs(llm, reqs, floors, res)
         for run in RUNS if any(p in res for p in peers.HF_ENGINES) else ():
             m = rate(*workloads.run(llm, sub))
             hfb, hfg = (metric(res, e, run) for e in peers.HF_ENGINES)
             recs.append(self.record("turnout", run, subset=len(sub), startup_s=self.startup_s, **m,
                                     ratio_vs_peer=ratio(m["output_tokens_per_s"], hfb),
-                                    ratio_vs_hf_generate=ratio(m["output_tokens_per_s"], hfg)))  # fmt: skip
+                                    ratio_vs_hf_generate=ratio(m["output_tokens_per_s"], hfg),
+                                    **vs_floor(m["output_tokens_per_s"], sub_floors.get(run))))  # fmt: skip
         llm.shutdown()
         whole = (*peers.BENCH_PY_PEERS, peers.STATIC)  # the peers that ran the whole workload
         full = {e: res.pop(e) for e in whole if e in res}
-        return recs + self.peer_records(full, num_prompts=len(reqs)) + self.peer_records(
-            res, subset=len(sub)
-        ), floor
+        recs += self.peer_records(full, floors, num_prompts=len(reqs))
+        return recs + self.peer_records(res, sub_floors, subset=len(sub)), _plotted(floors)
+
+    def wide(self) -> tuple[list[dict], float | None]:
+        """Wide decode: many short prompts, each decoding a long output; the peers run the same requests."""
+        a = self.args
+        lens = (a.min_input_len, a.max_input_len), (a.min_output_len, a.max_output_len)
+        reqs = workloads.wide(a.num_prompts, *lens)
+        res = self.run_peers(
+            {"runs": dict.fromkeys(RUNS, workloads.as_json(reqs)), "all": workloads.as_json(reqs)}
+        )
+        llm = self.start()
+        floors = self.run_floors(reqs)
+        recs = self.timed_runs(llm, reqs, floors, res)
+        llm.shutdown()
+        return recs + self.peer_records(res, floors, num_prompts=len(reqs)), _plotted(floors)
 
     def latency(self) -> tuple[list[dict], float | None]:
         a = self.args
@@ -207,6 +267,8 @@ class Bench:
             for i, run in enumerate(RUNS)
         }  # fmt: skip
         res = self.run_peers({"latency": {"tpot_tokens": a.tpot_tokens, "runs": plan}})
+        skipped = [n for n in a.ttft_lens if n not in self.ttft_lens] or None
+        llm = self.start()
         floors: dict[str, Any] = {}
         if self.ceiling:
             t = a.tpot_tokens
@@ -214,8 +276,6 @@ class Bench:
                 (self._floor_s([(32, 0, t + 1)]) - self._floor_s([(32, 0, 1)])) / t * 1e3
             )
             floors["ttft_floor_ms"] = {str(n): self._floor_s([(n, 0, 1)]) * 1e3 for n in self.ttft_lens}
-        skipped = [n for n in a.ttft_lens if n not in self.ttft_lens] or None
-        llm = self.start()
         measured, recs = workloads.latency(llm, a.tpot_tokens, plan), []
         for run, m in measured.items():
             vs = {}
@@ -223,9 +283,9 @@ class Bench:
                 vs[f"tpot_ratio_vs_{name}"] = ratio(m["tpot_ms"], metric(res, engine, run, "tpot_ms"))
                 vs[f"ttft_ratio_vs_{name}"] = ratios(m["ttft_ms"], metric(res, engine, run, "ttft_ms"))
             recs.append(self.record("turnout", run, **m, ttft_skipped=skipped, **vs, startup_s=self.startup_s,
-                                    **floors))  # fmt: skip
+                                    **vs_latency_floor(m, floors)))  # fmt: skip
         llm.shutdown()
-        return recs + self.peer_records(res), floors.get("tpot_floor_ms")
+        return recs + self.peer_records(res, floors), floors.get("tpot_floor_ms")
 
     def prefix(self) -> tuple[list[dict], float | None]:
         a = self.args
@@ -235,32 +295,38 @@ class Bench:
         off = self.child(
             "turnout", {"config": off_cfg, "runs": {r: workloads.as_json(q) for r, q in runs.items()}}
         )
+        llm, recs = self.start(enable_prefix_caching=True), []
         shapes = workloads.shapes(runs["first"], cached=a.prefix_len)
         shapes[0] = (shapes[0][0], 0, shapes[0][2])  # the first request computes the prefix
-        floor = self.floor(shapes, a.num_prompts * a.output_len)
-        llm, recs = self.start(enable_prefix_caching=True), []
+        floor, no_cache = self.floor(shapes), self.floor(workloads.shapes(runs["first"]))
         for run, reqs in runs.items():
             m = rate(*workloads.run(llm, reqs))
             off_rate = off[run]["output_tokens"] / off[run]["seconds"]
+            no_cache_over = vs_floor(off_rate, no_cache).get("over_floor")
             recs.append(self.record("turnout", run, **m, no_cache_output_tokens_per_s=off_rate,
                                     speedup_vs_no_cache=m["output_tokens_per_s"] / off_rate,
                                     startup_s=self.startup_s, no_cache_startup_s=off["startup_s"],
-                                    **vs_floor(m, floor)))  # fmt: skip
+                                    **vs_floor(m["output_tokens_per_s"], floor),
+                                    no_cache_over_floor=no_cache_over))  # fmt: skip
         llm.shutdown()
-        return recs, floor
+        return recs, _plotted({"first": floor})
 
     def structured(self) -> tuple[list[dict], None]:
         """Per --structured-output-ratio R: round(R * N) of nano-vllm's requests held to the schema, then
-        the same prompts unconstrained, each to the tokens it produced constrained. No floor: the cost is
-        one run over the other."""
+        the same prompts unconstrained, each to the tokens it produced constrained. Both runs do the same
+        work, whose floor each record carries; the plot draws the cost, which has none."""
         a = self.args
         base = workloads.throughput(a.num_prompts, a.max_input_len, a.max_output_len)
         llm, recs = self.start(), []
         workloads.run(llm, [workloads.Req([1, 2, 3, 4], 8, json_schema=self.schema)])  # compiled, untimed
-        for ratio in a.structured_output_ratio:
-            reqs = workloads.structured(base, self.schema, ratio)
-            m = structured_metrics(reqs, *workloads.structured_pair(llm, reqs))
-            recs.append(self.record("turnout", "first", structured_output_ratio=ratio, **m,
+        for share in a.structured_output_ratio:
+            reqs = workloads.structured(base, self.schema, share)
+            constrained, plain = workloads.structured_pair(llm, reqs)
+            m = structured_metrics(reqs, constrained, plain)
+            floor = self.floor(workloads.shapes(workloads.same_lengths(reqs, constrained[1])))
+            plain_over = vs_floor(m["unconstrained_output_tokens_per_s"], floor).get("over_floor")
+            near = {**vs_floor(m["output_tokens_per_s"], floor), "unconstrained_over_floor": plain_over}
+            recs.append(self.record("turnout", "first", structured_output_ratio=share, **m, **near,
                                     startup_s=self.startup_s))  # fmt: skip
         llm.shutdown()
         return recs, None
@@ -276,8 +342,8 @@ class Bench:
         return workloads.json_schema(a.json_schema) if a.json_schema else workloads.JSON_SCHEMA
 
     # ---- peers ----
-    def child(self, engine: str, plan: dict[str, Any]) -> dict[str, Any]:
-        return peers.child(engine, self.model_dir, self.dtype, plan, self.args.peer_timeout)
+    def child(self, engine: str, plan: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+        return peers.child(engine, self.model_dir, self.dtype, plan, self.args.peer_timeout, env)
 
     def run_peers(self, plan: dict[str, Any]) -> dict[str, dict]:
         """Every peer's result by engine: startup_s, and per run a dict of metrics."""
@@ -302,8 +368,13 @@ class Bench:
             if "latency" in plan:
                 static["latency"] = plan["latency"]
             plan = static
-        if engine not in peers.BENCH_PY_PEERS:
-            res = self.child(engine, plan)
+        here = self.args.workload in CHILD_PEERS
+        if engine not in peers.BENCH_PY_PEERS or here:
+            env = None
+            if engine in peers.BENCH_PY_PEERS:  # vLLM or nano-vllm over this workload's requests
+                env = peers.vllm_env(self.args.vllm_site) if engine == "vllm" else peers.nano_vllm_env()
+                plan = {"runs": plan["runs"], "max_model_len": self.cfg.max_model_len}
+            res = self.child(engine, plan, env)
             for run in RUNS if "runs" in plan else ():
                 res[run] = rate(res[run]["seconds"], res[run]["output_tokens"])
             return res
@@ -330,8 +401,7 @@ class Bench:
         vLLM's TPOT standing."""
         try:
             plan = {**plan, "max_model_len": self.cfg.max_model_len}
-            env = peers.vllm_env(self.args.vllm_site)
-            res = peers.child("vllm", self.model_dir, self.dtype, plan, self.args.peer_timeout, env)
+            res = self.child("vllm", plan, peers.vllm_env(self.args.vllm_site))
         except TurnoutError as e:
             print(f"error: {e}; vllm's TTFT is left out", file=sys.stderr, flush=True)
             self.failed.append("vllm (TTFT)")
@@ -340,27 +410,45 @@ class Bench:
 
     # ---- roofline ----
     def _floor_s(self, shapes: list[tuple[int, int, int]]) -> float:
-        return roofline.floor(self.shape, shapes, self.ceiling, self.cfg.max_num_seqs).seconds
+        """The least seconds the requests' work takes here, at most max_num_seqs of them a step: turnout's,
+        as its started engine resolved it."""
+        return roofline.floor(self.shape, shapes, self.ceiling, self.selection["max_num_seqs"]).seconds
 
-    def floor(self, shapes: list[tuple[int, int, int]], output_tokens: int) -> float | None:
-        """The workload's floor in output tokens per second."""
-        return output_tokens / self._floor_s(shapes) if self.ceiling else None
+    def floor(self, shapes: list[tuple[int, int, int]]) -> dict[str, float] | None:
+        """The floor of the requests' work: floor_s and floor_output_tokens_per_s; None without a ceiling."""
+        if not self.ceiling:
+            return None
+        seconds = self._floor_s(shapes)
+        return {"floor_s": seconds, "floor_output_tokens_per_s": sum(o for _, _, o in shapes) / seconds}
 
-    def roofline_line(self, floor: float | None, recs: list[dict]) -> str:
+    def run_floors(self, reqs: list[workloads.Req]) -> dict[str, dict[str, float] | None]:
+        """The floor of each run of reqs: the first from scratch, the repeat with every prompt in the prefix
+        cache (all but its last token, which runs to sample)."""
+        longest = max(len(r.prompt) for r in reqs)
+        return {
+            "first": self.floor(workloads.shapes(reqs)),
+            "repeat": self.floor(workloads.shapes(reqs, longest)),
+        }
+
+    def roofline_line(self, recs: list[dict]) -> str:
+        """The ceilings, and the floor of each of turnout's runs; each record's time over it is its
+        over_floor (TPOT and TTFT: tpot_over_floor, ttft_over_floor)."""
         if not self.ceiling:
             return f"roofline: no ceiling known for {self.device}"
-        if not floor:
-            return f"roofline: none for the {self.args.workload} workload"
         c, lat = self.ceiling, self.args.workload == "latency"
+        head = f"roofline at {c.bytes_per_s / 1e12:.1f} TB/s, {c.flops_per_s / 1e12:.0f} TFLOP/s ({c.where})"
         ours = [r for r in recs if r["engine"] == "turnout" and "subset" not in r]
-        got = ", ".join(
-            f"{r['run']} {floor / r['tpot_ms'] if lat else r['output_tokens_per_s'] / floor:.2f}"
+        if lat:
+            r = ours[0]
+            ttft = ", ".join(f"{n}: {records.fmt(ms)}" for n, ms in r["ttft_floor_ms"].items())
+            return f"{head}: TPOT floor {records.fmt(r['tpot_floor_ms'])} ms, TTFT floor (ms) {ttft or '-'}"
+        fmt = records.fmt
+        floors = "; ".join(
+            f"{_run_label(r)} {r['floor_s']:.3g} s ({fmt(r['floor_output_tokens_per_s'])} output tok/s)"
             for r in ours
+            if "floor_s" in r
         )
-        return (
-            f"roofline at {c.bytes_per_s / 1e12:.1f} TB/s, {c.flops_per_s / 1e12:.0f} TFLOP/s ({c.where}): "
-            f"floor {records.fmt(floor)} {'ms a token' if lat else 'output tok/s'}; turnout: {got} of it"
-        )
+        return f"{head}: floor {floors}; over_floor is each engine's time over it"
 
 
 def structured_metrics(
@@ -396,3 +484,14 @@ def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> f
     if before is None or after is None or after[0] == before[0]:
         return None
     return round((after[1] - before[1]) / (after[0] - before[0]), 4)
+
+
+def _run_label(rec: dict[str, Any]) -> str:
+    """The run a record is of: "first", "repeat", or a structured run's "first at 0.25 held"."""
+    share = rec.get("structured_output_ratio")
+    return rec["run"] + (f" at {share:g} held" if share is not None else "")
+
+
+def _plotted(floors: dict[str, Any]) -> float | None:
+    """The first run's floor in output tok/s: the line a plot draws."""
+    return (floors.get("first") or {}).get("floor_output_tokens_per_s")

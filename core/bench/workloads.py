@@ -46,6 +46,21 @@ def throughput(num_prompts: int = 256, max_input_len: int = 1024, max_output_len
     return [Req(p, o) for p, o in zip(prompts[:num_prompts], outs[:num_prompts])]
 
 
+def wide(
+    num_prompts: int = 1024, input_len: tuple[int, int] = (16, 64), output_len: tuple[int, int] = (256, 512)
+) -> list[Req]:
+    """Wide decode: num_prompts short prompts, each decoding a long output, so that most steps decode
+    hundreds of requests at once. Per request after random.Random(0): the prompt's length, its ids in
+    [0, 10000], then its output length; lengths uniform in their (shortest, longest) ranges, temperature
+    0.6 and EOS ignored as in throughput."""
+    rng = random.Random(0)
+    out = []
+    for _ in range(num_prompts):
+        prompt = [rng.randint(0, 10000) for _ in range(rng.randint(*input_len))]
+        out.append(Req(prompt, rng.randint(*output_len)))
+    return out
+
+
 def subset(reqs: list[Req], n: int, output_len: int) -> list[Req]:
     """The first n requests, greedy, every one generating output_len tokens: what static batching can run."""
     return [Req(r.prompt, output_len, temperature=0.0) for r in reqs[:n]]
@@ -136,7 +151,8 @@ def as_json(reqs: list[Req]) -> list[dict[str, Any]]:
 
 
 def shapes(reqs: list[Req], cached: int = 0) -> list[tuple[int, int, int]]:
-    """(prompt_len, cached_len, output_len) per request, for the roofline."""
+    """(prompt_len, cached_len, output_len) per request, for the roofline; cached: the prompt tokens a
+    prefix cache can serve (at most all but the last, which must run to sample)."""
     return [(len(r.prompt), min(cached, len(r.prompt) - 1), r.max_tokens) for r in reqs]
 
 
@@ -194,6 +210,7 @@ def selection(llm: Any) -> dict[str, Any]:
         "async_scheduling": sel.async_scheduling,
         "block_size": fitted.block_size,
         "max_num_batched_tokens": fitted.max_num_batched_tokens,
+        "max_num_seqs": fitted.max_num_seqs,
     }
 
 
