@@ -43,7 +43,11 @@ class EngineConfig(BaseModel):
     )
     # limits
     max_model_len: int | None = Field(None, ge=1, description="None = the model's max_position_embeddings")
-    max_num_seqs: int = Field(256, ge=1, description="requests running in one step at most")
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        description="requests running at once at most; None = fit to the device (turnout explain says)",
+    )
     max_num_batched_tokens: int | None = Field(
         None, ge=1, description="token budget of one step; None = fit to the device (turnout explain says)"
     )

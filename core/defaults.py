@@ -21,7 +21,17 @@ def fit_defaults(
         fitted["block_size"] = (backend.preferred_block_size, f"{backend.name}'s preferred KV block size")
     if config.max_num_batched_tokens is None:
         fitted["max_num_batched_tokens"] = _token_budget(platform)
+    if config.max_num_seqs is None:
+        tokens = config.max_num_batched_tokens or fitted["max_num_batched_tokens"][0]
+        fitted["max_num_seqs"] = _max_num_seqs(platform, tokens, config.num_gpu_blocks_override)
     return fitted
+
+
+def _device(platform: Platform) -> str:
+    if not platform.is_cuda:
+        return "CPU"
+    gib = platform.total_memory / 2**30
+    return f"GPU with {gib:.0f} GiB ({'>=' if platform.total_memory >= LARGE_GPU_BYTES else '<'} 70)"
 
 
 def _token_budget(platform: Platform) -> tuple[int, str]:
@@ -29,7 +39,25 @@ def _token_budget(platform: Platform) -> tuple[int, str]:
     # 4k-token prompt is one prefill step (8.2 s against 8.6 s in two steps of 2048 on two cores).
     if not platform.is_cuda:
         return 4096, "CPU: vLLM's offline default"
-    gib = platform.total_memory / 2**30
     if platform.total_memory >= LARGE_GPU_BYTES:
-        return 16384, f"GPU with {gib:.0f} GiB (>= 70): large prefill steps"
-    return 8192, f"GPU with {gib:.0f} GiB (< 70)"
+        return 16384, f"{_device(platform)}: large prefill steps"
+    return 8192, _device(platform)
+
+
+def _max_num_seqs(platform: Platform, max_num_batched_tokens: int, num_blocks: int | None) -> tuple[int, str]:
+    """vLLM's offline LLM: 1024 running requests on a GPU of 70 GiB or more, 256 on a smaller one and on
+    the CPU (vLLM's 256 a rank; turnout keeps 256 at any world size, as it keeps the CPU's 4096 tokens).
+    Never more than a step's tokens (vLLM caps it so), nor than a fixed KV cache's blocks
+    (num_gpu_blocks_override): each running request holds a block of its own. A cache sized from memory
+    is known only once the weights are loaded, and the scheduler admits a request only while blocks are
+    free, so running requests stay within it anyway."""
+    seqs = 1024 if platform.is_cuda and platform.total_memory >= LARGE_GPU_BYTES else 256
+    why = f"{_device(platform)}: vLLM's offline default {seqs}"
+    caps = (
+        (max_num_batched_tokens, "max_num_batched_tokens", "no more requests than a step's tokens"),
+        (num_blocks, "num_gpu_blocks_override", "each running request holds a KV block"),
+    )
+    for cap, name, because in caps:
+        if cap is not None and cap < seqs:
+            seqs, why = cap, f"{why}, capped at {name} {cap} ({because})"
+    return seqs, why

@@ -25,7 +25,7 @@ def test_a_plugin_declared_switch_is_not_a_config_key(register_plugin, plugin_ma
     with pytest.raises(ConfigError, match="unknown key 'myplugin_tiles' in environment"):
         EngineConfig.load()  # undeclared: taken for a config key, a typo fails loudly
     register_plugin(_Switches(), "myplugin")
-    assert EngineConfig.load().max_num_seqs == 256  # declared: a switch, not a field
+    assert EngineConfig.load().max_num_seqs is None  # declared: a switch, not a field
     var = envs.registry()["TURNOUT_MYPLUGIN_TILES"]
     assert var.value == 128
     monkeypatch.delenv("TURNOUT_MYPLUGIN_TILES")
@@ -63,7 +63,7 @@ def test_a_bad_switch_fails_config_on_any_device(monkeypatch):
     with pytest.raises(ConfigError, match=r"^TURNOUT_GEMV_TILES='4096x1024=3,4' does not parse"):
         EngineConfig.load()
     monkeypatch.setenv("TURNOUT_GEMV_TILES", "4096x1024=4,4")
-    assert EngineConfig.load().max_num_seqs == 256
+    assert EngineConfig.load().max_num_seqs is None
     monkeypatch.setenv("TURNOUT_TRITON_SPLIT_KEYS", "48")  # a plugin's switch: split boundaries of 32 keys
     with pytest.raises(ConfigError, match=r"^TURNOUT_TRITON_SPLIT_KEYS='48' does not parse \(want a posi"):
         EngineConfig.load()

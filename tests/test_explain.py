@@ -7,9 +7,11 @@ import logging
 import types
 
 import pytest
+import torch
 
 from turnout import LLM
 from turnout.cli import main
+from turnout.platform import Platform
 
 from fake_dist import naive_backend_source
 
@@ -89,3 +91,57 @@ def test_explain_shows_what_the_engine_will_use(tiny_llama, capsys):
         and "downgraded, " in settings["cudagraph_mode"]["source"]
     )
     assert settings["tokenizer"]["value"] == str(tiny_llama) and settings["moe_kernel"]["value"] == "none"
+
+
+def _settings(*argv: str, capsys) -> dict:
+    assert main(["explain", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)["settings"]
+
+
+def test_explain_shows_max_num_seqs_fitted_to_the_device_unless_set(tiny_llama, monkeypatch, capsys):
+    """max_num_seqs as the engine resolves it: vLLM's LLM default for the device, and why, or the user's."""
+    model = ["--model", str(tiny_llama)]
+    cpu = {"value": 256, "source": "fitted: CPU: vLLM's offline default 256"}
+    assert _settings(*model, capsys=capsys)["max_num_seqs"] == cpu
+    assert _settings(*model, "--max-num-seqs", "8", capsys=capsys)["max_num_seqs"] == {
+        "value": 8,
+        "source": "flag",
+    }
+    h200 = Platform(
+        "cuda", "NVIDIA H200", 1, (9, 0), 141 << 30, (torch.float16, torch.bfloat16, torch.float32), True
+    )
+    monkeypatch.setattr("turnout.selection.current_platform", lambda: h200)
+    gpu = {"value": 1024, "source": "fitted: GPU with 141 GiB (>= 70): vLLM's offline default 1024"}
+    assert _settings(*model, capsys=capsys)["max_num_seqs"] == gpu
+    capped = _settings(*model, "--max-num-batched-tokens", "512", capsys=capsys)["max_num_seqs"]
+    assert capped["value"] == 512 and "capped at max_num_batched_tokens 512" in capped["source"]
+    assert _settings(*model, "--max-num-seqs", "300", capsys=capsys)["max_num_seqs"] == {
+        "value": 300,
+        "source": "flag",
+    }
+
+
+def test_a_tuning_record_that_measured_max_num_seqs_wins_over_the_fitted_one_but_not_the_users(
+    tiny_llama, tmp_path, monkeypatch, capsys
+):
+    from turnout.config import EngineConfig
+    from turnout.models.info import ModelInfo
+    from turnout.platform import current_platform
+    from turnout.plugins import get_plugin_manager
+    from turnout.tuning import Measured, TuningRecord, save, tuning_key
+
+    monkeypatch.setenv("TURNOUT_CACHE_DIR", str(tmp_path))
+    config, info = EngineConfig.load(model=str(tiny_llama)), ModelInfo.from_dir(tiny_llama)
+    default = {"attention_backend": "cpu", "cudagraph_mode": "FULL_AND_PIECEWISE", "block_size": 16,
+               "max_num_batched_tokens": 4096, "async_scheduling": False, "max_num_seqs": 256}  # fmt: skip
+    cands = [Measured("cpu", default, [1000.0, 1010.0]),
+             Measured("cpu seqs=512", {**default, "max_num_seqs": 512}, [3000.0, 3010.0])]  # fmt: skip
+    key = tuning_key(config, info, current_platform(), get_plugin_manager(), "throughput")
+    path = save(TuningRecord(key, "throughput", "tok/s", True, default, cands, 0.03, 1.0, [], "2026-12-01"))
+    model = ["--model", str(tiny_llama)]
+    measured = {"value": 512, "source": f"fitted: measured, record {path.name}"}
+    assert _settings(*model, capsys=capsys)["max_num_seqs"] == measured
+    assert _settings(*model, "--max-num-seqs", "8", capsys=capsys)["max_num_seqs"] == {
+        "value": 8,
+        "source": "flag",
+    }

@@ -20,6 +20,7 @@ TUNABLE: tuple[str, ...] = (
     "max_num_batched_tokens",
     "block_size",
     "async_scheduling",
+    "max_num_seqs",
 )
 
 

@@ -17,6 +17,7 @@ UNSET = {
     "max_num_batched_tokens": None,
     "block_size": None,
     "async_scheduling": None,
+    "max_num_seqs": None,
 }
 
 

@@ -48,6 +48,7 @@ SHORT = {
     "max_num_batched_tokens": "tokens",
     "block_size": "block",
     "async_scheduling": "async",
+    "max_num_seqs": "seqs",
 }
 
 
@@ -60,6 +61,7 @@ def static_default(sel: Selection, config: EngineConfig) -> dict[str, Any]:
         "max_num_batched_tokens": fitted.max_num_batched_tokens,
         "block_size": fitted.block_size,
         "async_scheduling": sel.async_scheduling,
+        "max_num_seqs": fitted.max_num_seqs,
     }
 
 
@@ -128,6 +130,9 @@ class Search:
             alts = self._graph_options(cur)
         elif axis == "max_num_batched_tokens":
             alts = [{**cur, axis: t} for t in (cur[axis] // 2, cur[axis] * 2) if t >= 1]
+        elif axis == "max_num_seqs":  # half and twice, where the load runs more requests than either admits
+            n = cur[axis]
+            alts = [{**cur, axis: m} for m in (n // 2, n * 2) if m >= 1 and min(m, n) < self.load.num_prompts]
         elif axis == "block_size":
             sizes = [
                 *BLOCK_SIZES.get(self.platform.device_type, ()),
