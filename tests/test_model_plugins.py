@@ -10,6 +10,7 @@ or one of the wrong shape is refused naming the checkpoint tensor."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import random
 import re
@@ -18,8 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from turnout_gemma3 import attention_features
+from turnout_gemma3.model import Gemma3ForCausalLM
 
-from turnout import LLM, SamplingParams, TurnoutError
+from turnout import LLM, SamplingParams, TurnoutError, hookimpl
+from turnout.models import ModelArchitecture
 
 from tiny_models import TOKENIZER_VOCAB, _tokenizer
 
@@ -293,3 +297,54 @@ def test_bench_random_shapes_write_what_hf_and_turnout_load_alike(tmp_path, monk
     assert llm.selection.model.chosen.plugin == arch
     assert _tokens(llm, prompts) == hf_greedy(path, prompts, MAX_NEW)
     assert {f"{shape}-{v}" for v in random_models.FP8_VARIANTS} <= set(random_models.RANDOM_MODELS)
+
+
+# docs/writing-a-plugin.md, "Testing a model plugin", shows these two classes as they are here
+class Gemma3Recording(Gemma3ForCausalLM):
+    """Gemma 3 that keeps the positions of every forward: one list per step the engine ran."""
+
+    steps: list[list[int]] = []
+
+    def forward(self, input_ids, positions, intermediate=None):
+        Gemma3Recording.steps.append(positions.tolist())
+        return super().forward(input_ids, positions, intermediate)
+
+
+class Recording:
+    """A plugin that offers Gemma3Recording above the bundled class (priority 1 > 0)."""
+
+    @hookimpl
+    def turnout_model_architectures(self):
+        target = f"{__name__}:Gemma3Recording"
+        return [
+            ModelArchitecture("Gemma3ForCausalLM", target, priority=1, attention_features=attention_features)
+        ]
+
+
+def test_chunked_prefill_and_prefix_hits_seen_as_the_guide_shows(checkpoint, register_plugin) -> None:
+    """A 36-token prompt under a 16-token budget prefills at positions 0, 16 and 32, then decodes one position
+    a step; run again, 32 of its tokens (8 whole blocks, the last token left to compute) are prefix hits."""
+    register_plugin(Recording(), "recording")
+    path, ref = checkpoint("gemma3")
+    llm = LLM(str(path), max_num_batched_tokens=16, **KW)
+    assert llm.selection.model.chosen.plugin == "recording"
+    Gemma3Recording.steps.clear()  # on CUDA, the warm-up's steps
+    first = llm.generate([PROMPTS[6]], GREEDY, use_tqdm=False)[0]
+    assert [(s[0], len(s)) for s in Gemma3Recording.steps] == [(0, 16), (16, 16), (32, 4)] + [
+        (36 + i, 1) for i in range(MAX_NEW - 1)
+    ]
+    again = llm.generate([PROMPTS[6]], GREEDY, use_tqdm=False)[0]
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+    assert first.token_ids == again.token_ids == ref[6]
+
+
+def test_the_guide_shows_what_the_tests_run() -> None:
+    """The recording model above, the example Gemma 2's whole entry module, and the pipeline-parallel
+    refusal whose "(2)" the guide explains, as turnout words it."""
+    guide = (Path(__file__).parents[1] / "docs/writing-a-plugin.md").read_text()
+    for shown in (Gemma3Recording, Recording):
+        assert inspect.getsource(shown) in guide, shown.__name__
+    example = Path(__file__).parents[1] / "examples/turnout-example-gemma2/turnout_example_gemma2/__init__.py"
+    assert example.read_text() in guide
+    refusal = ModelArchitecture("GPTNeoXForCausalLM", "m:C", pipeline_parallel=False).problems(1, 2, False)[0]
+    assert f"`model GPTNeoXForCausalLM (example_model): {refusal}`" in " ".join(guide.split())
