@@ -161,6 +161,14 @@ def test_gemma3_from_the_older_config_keys_matches_hf(checkpoint) -> None:
     assert _tokens(LLM(str(path), max_num_batched_tokens=16, **KW), PROMPTS) == ref
 
 
+@pytest.mark.parametrize("case,tables", [("mistral", 1), ("gemma3", 2)])
+def test_layers_of_one_rope_share_its_tables(checkpoint, case: str, tables: int) -> None:
+    """One cos/sin table per rope, not per layer: at Mistral-7B's 32 layers and 40,960 positions, 21 MB
+    each."""
+    model = LLM(str(checkpoint(case)[0]), **KW).engine.executor.worker.runner.model
+    assert len({id(layer.self_attn.rotary) for layer in model.model.layers}) == tables
+
+
 PARALLEL = [  # the parallelism each model adds to the shared decoder's (test_multiproc runs its TP 2)
     pytest.param("mixtral", dict(tensor_parallel_size=2, enable_expert_parallel=True), id="mixtral-tp2-ep"),
     pytest.param("gemma2", dict(tensor_parallel_size=2), id="gemma2-tp2"),

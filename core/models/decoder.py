@@ -66,8 +66,22 @@ MATH_KEYS: dict[str, Callable[[dict[str, Any]], Any]] = {
 _LAYER_KEYS = {"sliding_window": "sliding_window", "attn_logit_softcapping": "logits_soft_cap"}
 
 
+def decoder_rope(cfg: dict[str, Any]) -> RotaryEmbedding:
+    """The RotaryEmbedding of config.json's rope_theta and its one flat rope_scaling / rope_parameters."""
+    heads = cfg["num_attention_heads"]
+    head_size = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope_base = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    try:
+        return RotaryEmbedding(head_size, cfg.get("max_position_embeddings", 2048), rope_base, cfg.get(key))
+    except ValueError as e:
+        raise ConfigError(f"config.json's {key}: {e}; use a model plugin that implements it") from None
+
+
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool, rotary: RotaryEmbedding | None = None
+    ) -> None:
         super().__init__()
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
@@ -75,14 +89,7 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, self.head_size, heads, kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(heads * self.head_size, hidden)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
-        rope_base = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-        try:
-            self.rotary = RotaryEmbedding(
-                self.head_size, cfg.get("max_position_embeddings", 2048), rope_base, cfg.get(key)
-            )
-        except ValueError as e:
-            raise ConfigError(f"config.json's {key}: {e}; use a model plugin that implements it") from None
+        self.rotary = rotary if rotary is not None else decoder_rope(cfg)  # one table the layers share
         self.q_norm = RMSNorm(self.head_size, cfg["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(self.head_size, cfg["rms_norm_eps"]) if qk_norm else None
         # a set window reaches here only where the class implements it (check_config refuses it otherwise)
@@ -113,11 +120,16 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: dict[str, Any], qkv_bias: bool, qk_norm: bool, mlp: nn.Module | None = None
+        self,
+        cfg: dict[str, Any],
+        qkv_bias: bool,
+        qk_norm: bool,
+        mlp: nn.Module | None = None,
+        rotary: RotaryEmbedding | None = None,
     ) -> None:
         super().__init__()
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
-        self.self_attn = DecoderAttention(cfg, qkv_bias, qk_norm)
+        self.self_attn = DecoderAttention(cfg, qkv_bias, qk_norm, rotary)
         self.mlp = mlp if mlp is not None else DecoderMLP(hidden, cfg["intermediate_size"])
         self.input_layernorm = RMSNorm(hidden, eps, feeds_linear=True)
         # only the dense MLP's gate_up_proj takes a PendingNorm
@@ -154,8 +166,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.start, self.end = layer_range(cfg["num_hidden_layers"])
         self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
+        rotary = decoder_rope(cfg)  # [max_position, head_dim / 2] tables: one for every layer, not one each
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, qkv_bias, qk_norm, make_mlp(i)) for i in range(self.start, self.end)
+            DecoderLayer(cfg, qkv_bias, qk_norm, make_mlp(i), rotary) for i in range(self.start, self.end)
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
