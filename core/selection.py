@@ -174,7 +174,8 @@ def _candidates(
     pm: PluginManager, hook: str, kind: str, reasons: Callable[[str, Any], list[str]], **kwargs: Any
 ) -> list[Candidate]:
     """Every item every plugin returns, as a candidate with reasons(plugin, item). A plugin whose hook
-    raised becomes one invalid candidate named <plugin>; a check() that raises is a reason, not a crash."""
+    raised becomes one invalid candidate named <plugin>; a check() that raises is a reason, not a crash. What
+    an incompatible plugin offers is an invalid candidate without an object, its reason the plugin's."""
     cands = []
     for res in pm.call_each(hook, **kwargs):
         if res.error:
@@ -186,7 +187,7 @@ def _candidates(
             except Exception as e:
                 why = [f"check() raised {type(e).__name__}: {e}"]
             cands.append(Candidate(kind, item.name, res.plugin, int(item.priority), why, item))
-    return cands
+    return cands + [Candidate(kind, n, p, 0, [why]) for n, p, why in pm.withheld_offers(hook)]
 
 
 def attention_context(
@@ -563,7 +564,7 @@ def _choose_moe(
 
 def _choose_model(pm: PluginManager, architecture: str, config: EngineConfig) -> Choice:
     cands = model_candidates(pm, architecture, config)
-    named = [c for c in cands if c.obj is not None and c.obj.name == architecture]
+    named = [c for c in cands if c.name == architecture]
     if named and not any(c.valid for c in named):  # provided, but not for these parallel settings
         raise SelectionError(f"model {architecture} ({named[0].plugin}): {'; '.join(named[0].reasons)}")
     if not named:
