@@ -1,7 +1,7 @@
 """turnout: an LLM inference engine whose attention backends, models, executors and graph policies
 are plugins, chosen at start-up with a reason for every choice."""
 
-from turnout import plugins  # noqa: F401 - adds the plugins' switches to envs.registry(), wherever envs is used
+from turnout import plugins  # adds the plugins' switches to envs.registry(), wherever envs is used
 from turnout.envs import EnvVar
 from turnout.errors import TurnoutError
 from turnout.hookspecs import Priority, hookimpl
@@ -32,6 +32,17 @@ _LAZY = {
     "EngineConfig": "turnout.config",
     "Platform": "turnout.platform",
 }
+
+
+def _misfit(hook: str, item: object) -> str | None:
+    """turnout.plugin_shapes.misfit, imported when the first plugin is checked: the contracts import torch,
+    and `import turnout` stays light."""
+    from turnout.plugin_shapes import misfit
+
+    return misfit(hook, item)
+
+
+plugins.set_shape_check(_misfit)
 
 
 def __getattr__(name: str):

@@ -35,6 +35,8 @@ def backend_classes() -> list[tuple[str, type[StructuredOutputBackend]]]:
 def choose_backend(name: str) -> type[StructuredOutputBackend]:
     """The backend `structured_outputs_backend` names, or under "auto" the usable one of highest priority;
     ConfigError listing why each one cannot run otherwise."""
+    from turnout.plugins import get_plugin_manager
+
     found = backend_classes()
     reasons = {cls.name: cls.import_error() for _, cls in found}
     usable = sorted((c for _, c in found if reasons[c.name] is None), key=lambda c: (-c.priority, c.name))
@@ -43,6 +45,8 @@ def choose_backend(name: str) -> type[StructuredOutputBackend]:
     if usable:
         return usable[0]
     if name != "auto" and name not in reasons:
+        if why := get_plugin_manager().why_withheld("turnout_structured_output_backends", name):
+            raise ConfigError(f"structured_outputs_backend '{name}' cannot be used: {why}")
         installed = ", ".join(sorted(reasons)) or "none"
         raise ConfigError(f"structured_outputs_backend '{name}' is not installed (installed: {installed})")
     why = "; ".join(f"{n}: {r}" for n, r in reasons.items() if name in ("auto", n)) or "none is installed"

@@ -96,12 +96,17 @@ def tool_parser_names() -> list[str]:
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
-    """The installed parser called `name`; ConfigError naming the installed ones if there is none."""
+    """The installed parser called `name`; ConfigError naming the installed ones if there is none, or the
+    incompatible plugin that offers it."""
+    from turnout.plugins import get_plugin_manager
+
     parsers = _installed()
-    if name not in parsers:
-        known = ", ".join(sorted(parsers)) or "none"
-        raise ConfigError(f"unknown tool-call parser '{name}'; installed: {known}")
-    return parsers[name]
+    if name in parsers:
+        return parsers[name]
+    if why := get_plugin_manager().why_withheld("turnout_tool_parsers", name):
+        raise ConfigError(f"tool-call parser '{name}' cannot be used: {why}")
+    known = ", ".join(sorted(parsers)) or "none"
+    raise ConfigError(f"unknown tool-call parser '{name}'; installed: {known}")
 
 
 def _installed() -> dict[str, type[ToolParser]]:
