@@ -1,13 +1,16 @@
-"""turnout-fp8's matmuls at the Qwen3-8B linear shapes against bf16 cuBLAS, on CUDA: each route (the FP8
-GEMV, torch._scaled_mm with per-token x, the block-scaled Triton GEMM) by batch rows M, checked against
-float64 first, timed by CUDA-event medians (triton.testing.do_bench over rotating inputs).
+"""turnout-fp8's matmuls at the Qwen3-8B linear shapes against bf16 cuBLAS, on CUDA, by batch rows M: each
+route (the FP8 GEMV, the Triton FP8 GEMM, torch._scaled_mm: row-wise, or 1 x 128 by 128 x 128 block
+scaling) checked against float64 first, timed by CUDA-event medians (triton.testing.do_bench over rotating
+inputs). --sweep also times every GEMM tile and GEMV tile of a small grid and prints the tables
+kernels.GEMM_CONFIGS and kernels.ROUTES would hold (the fastest summed over the four shapes).
 
-    python benchmarks/bench_fp8.py [--out FILE.json]
+    python benchmarks/bench_fp8.py [--sweep] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -22,7 +25,16 @@ SHAPES = {
     "gate_up_proj": (24576, 4096),
     "down_proj": (4096, 12288),
 }
-MS = [1, 2, 4, 8, 16, 64, 256, 4096]
+MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384]
+GEMV_MS = [1, 2, 4]
+GEMV_TILES = [(4, 4096, 4), (8, 4096, 4), (16, 4096, 8)]
+
+
+def gemm_tiles(m: int) -> list[tuple[int, int, int, int]]:
+    """The sweep's GEMM tiles (BLOCK_M, BLOCK_N, warps, stages) for M rows."""
+    m_p2 = triton.next_power_of_2(max(m, 16))
+    block_ms = {16: (16,), 32: (16, 32), 64: (32, 64)}.get(m_p2, (64, 128))
+    return list(itertools.product(block_ms, (64, 128, 256), (4, 8), (3, 4)))
 
 
 def weights(n: int, k: int, block):
@@ -34,44 +46,86 @@ def weights(n: int, k: int, block):
     return (w / full).clamp(-448, 448).to(kernels.FP8), s, w.bfloat16()
 
 
-def routes(block):
-    r = {"gemv": lambda x, q, s: kernels.fp8_gemv(x, q, s, block)}
-    for tile in ((2, 0, 4), (8, 0, 4), (16, 0, 8), (4, 512, 4)):
-        r[f"gemv{tile}"] = lambda x, q, s, t=tile: kernels.fp8_gemv(
-            x, q, s, block, (t[0], t[1] or kernels.gemv_tiles(*x.shape[:1], q.shape[0], q.shape[1])[1], t[2])
-        )
-    if block:
-        r["block_gemm"] = lambda x, q, s: kernels.block_gemm(
-            *kernels.quant_fp8(x, block[1]), q, s, block, x.dtype
-        )
-    else:
-        r["scaled_mm"] = lambda x, q, s: torch._scaled_mm(
-            *((xq := kernels.quant_fp8(x))[0],),
-            q.t(),
-            scale_a=xq[1],
-            scale_b=s.view(1, -1),
-            out_dtype=x.dtype,
-        )
-    r["auto"] = lambda x, q, s: kernels.fp8_linear(x, q, s, block, None, None)
+def cublas(block):
+    def run(x, q, s):
+        xq, xs = kernels.quant_fp8(x, block[1] if block else None, col_major=block is not None)
+        scale_b = s.t() if block else s.view(1, -1)
+        return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)
+
+    return run
+
+
+def triton_gemm(block, tile=None):
+    return lambda x, q, s: kernels.fp8_gemm(*kernels.quant_fp8(x, block[1] if block else None), q, s, block,
+                                            x.dtype, tile)  # fmt: skip
+
+
+def routes(block, m: int, sweep: bool) -> dict:
+    r = {"auto": lambda x, q, s: kernels.fp8_linear(x, q, s, block, None, None), "cublas": cublas(block)}
+    if m <= GEMV_MS[-1]:
+        r["gemv"] = lambda x, q, s: kernels.fp8_gemv(x, q, s, block)
+        for t in GEMV_TILES if sweep else ():
+            r[f"gemv{t}"] = lambda x, q, s, t=t: kernels.fp8_gemv(x, q, s, block, t)
+    if m >= 4 or block:
+        r["triton"] = triton_gemm(block)
+        for t in gemm_tiles(m) if sweep else ():
+            r[f"triton{t}"] = triton_gemm(block, t)
     return r
 
 
-def measure(scheme, block, name, q, s, wb, ref_w, m: int) -> dict:
-    """One shape at M rows: each route's error against float64 and its median time, and bf16's time."""
+def measure(scheme, block, name, q, s, wb, ref_w, m: int, sweep: bool) -> dict:
+    """One shape at M rows: each route's error against float64 (the default tiles) and its median time."""
     n, k = wb.shape
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
     row = {"scheme": scheme, "layer": name, "n": n, "k": k, "m": m}
     it = iter(range(1 << 62))
     nxt = lambda: xs[next(it) % 4]  # rotating inputs: x is not served from L2 alone
-    bench = lambda f: triton.testing.do_bench(f, return_mode="median") * 1e3
+    bench = lambda f: triton.testing.do_bench(f, warmup=3, rep=10, return_mode="median") * 1e3
     row["bf16_us"] = bench(lambda: torch.nn.functional.linear(nxt(), wb))
     ref = xs[0].double() @ ref_w.t()
-    for r, fn in routes(block).items():
-        if r.startswith("gemv") and m > 16:
-            continue
-        row[f"{r}_err"] = float((fn(xs[0], q, s).double() - ref).norm() / ref.norm())
-        row[f"{r}_us"] = bench(lambda fn=fn: fn(nxt(), q, s))
+    for r, fn in routes(block, m, sweep).items():
+        try:
+            if "(" not in r:
+                row[f"{r}_err"] = float((fn(xs[0], q, s).double() - ref).norm() / ref.norm())
+            row[f"{r}_us"] = bench(lambda fn=fn: fn(nxt(), q, s))
+        except Exception as e:  # a tile over the shared memory, or cuBLASLt without block scaling
+            row[f"{r}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     return row
+
+
+def best(rows: list[dict], scheme: str, m: int, prefix: str) -> tuple[str, float] | None:
+    """The tile of `prefix` ("triton(" or "gemv(") with the least time summed over the shapes at M."""
+    sel = [r for r in rows if r["scheme"] == scheme and r["m"] == m]
+    keys = {key for r in sel for key in r if key.startswith(prefix) and key.endswith("_us")}
+    totals = {key: sum(r[key] for r in sel) for key in keys if all(key in r for r in sel)}
+    return min(totals.items(), key=lambda kv: kv[1]) if totals else None
+
+
+def summary(rows: list[dict], sweep: bool) -> None:
+    print("scheme   layer             M   bf16 us   gemv us triton us cublas us   auto us auto/bf16  max err")
+    nan = float("nan")
+    for r in rows:
+        errs = max([v for key, v in r.items() if key.endswith("_err")] or [nan])
+        print(f"{r['scheme']:8} {r['layer']:13} {r['m']:5} {r['bf16_us']:9.1f} {r.get('gemv_us', nan):9.1f} "
+              f"{r.get('triton_us', nan):9.1f} {r.get('cublas_us', nan):9.1f} {r['auto_us']:9.1f} "
+              f"{r['auto_us'] / r['bf16_us']:9.2f} {errs:8.4f}")  # fmt: skip
+    for r in rows:
+        for key in r:
+            if key.endswith("_error") and "(" not in key:
+                print(f"{r['scheme']} {r['layer']} M={r['m']} {key}: {r[key]}")
+    if not sweep:
+        return
+    print("\nsummed over the shapes: scheme M  bf16 | default routes | best triton tile | best gemv tile")
+    for scheme in ("channel", "block"):
+        for m in sorted({r["m"] for r in rows}):
+            sel = [r for r in rows if r["scheme"] == scheme and r["m"] == m]
+            tot = {
+                key: sum(r.get(key, nan) for r in sel)
+                for key in ("bf16_us", "gemv_us", "triton_us", "cublas_us")
+            }
+            bt, bg = best(rows, scheme, m, "triton("), best(rows, scheme, m, "gemv(")
+            print(f"{scheme:8} {m:5} {tot['bf16_us']:8.1f} | gemv {tot['gemv_us']:8.1f} "
+                  f"triton {tot['triton_us']:8.1f} cublas {tot['cublas_us']:8.1f} | {bt} | {bg}")  # fmt: skip
 
 
 def matmul_rates(n: int = 8192) -> dict:
@@ -88,6 +142,8 @@ def matmul_rates(n: int = 8192) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="time a grid of GEMM and GEMV tiles too")
+    ap.add_argument("--max-m", type=int, default=MS[-1], help="rows M up to this only")
     ap.add_argument("--out")
     args = ap.parse_args()
     rows, t0 = [], time.time()
@@ -95,17 +151,10 @@ def main() -> None:
         for name, (n, k) in SHAPES.items():
             q, s, wb = weights(n, k, block)
             ref_w = dequantize(q, s, block).double()
-            for m in MS:
-                rows.append(measure(scheme, block, name, q, s, wb, ref_w, m))
-    print("scheme   layer             M   bf16 us   gemv us   gemm us   auto us  auto/bf16  max err")
-    for r in rows:
-        gemm, gemv = r.get("scaled_mm_us", r.get("block_gemm_us")), r.get("gemv_us", float("nan"))
-        errs = max(v for key, v in r.items() if key.endswith("_err"))
-        tiles = {key[4:-3]: v for key, v in r.items() if key.startswith("gemv(") and key.endswith("_us")}
-        best = min(tiles, key=tiles.get) if tiles else ""
-        print(f"{r['scheme']:8} {r['layer']:13} {r['m']:5} {r['bf16_us']:9.1f} {gemv:9.1f} {gemm:9.1f} "
-              f"{r['auto_us']:9.1f} {r['auto_us'] / r['bf16_us']:10.2f} {errs:8.4f} {best} "
-              f"{tiles.get(best, float('nan')):.1f}")  # fmt: skip
+            for m in (m for m in MS if m <= args.max_m):
+                rows.append(measure(scheme, block, name, q, s, wb, ref_w, m, args.sweep))
+            print(f"{scheme} {name} done at {time.time() - t0:.0f} s", flush=True)
+    summary(rows, args.sweep)
     rates = matmul_rates()
     print(f"8192^3 matmul: bf16 {rates['bf16_tflops']:.0f} TFLOP/s, fp8 {rates['fp8_tflops']:.0f} TFLOP/s")
     print(f"{time.time() - t0:.0f} s")
@@ -114,7 +163,7 @@ def main() -> None:
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "command": "python benchmarks/bench_fp8.py",
+            "command": "python benchmarks/bench_fp8.py" + (" --sweep" if args.sweep else ""),
             "rows": rows,
             "matmul_rates": rates,
         }

@@ -52,6 +52,21 @@ def test_fp8_linear_matches_float64(block, m: int) -> None:
     assert _rel(out, ref) < tol
 
 
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("route", ["gemv", "triton", "cublas"])
+def test_each_route_matches_float64(monkeypatch, block, route: str) -> None:
+    """Each route taken at every M (ROUTES set to it alone) against float64, at M of 2, 40 and 257."""
+    if route == "cublas" and block and not kernels.cublas_block_scaling(0):
+        pytest.skip("this torch's cuBLASLt takes no 1 x 128 by 128 x 128 block scales")
+    monkeypatch.setitem(kernels.ROUTES, "block" if block else "channel", [(1 << 62, route)])
+    n, k = 384, 512
+    q, s = _weights(n, k, block)
+    for m in (2, 40, 257):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.double() @ dequantize(q, s, block).double().t()
+        assert _rel(kernels.fp8_linear(x, q, s, block, None, None), ref) < (1e-2 if route == "gemv" else 8e-2)
+
+
 def test_static_activation_scale_matches_float64() -> None:
     n, k, m = 256, 256, 64
     q, s = _weights(n, k, None)

@@ -1,17 +1,19 @@
 """The FP8 matmuls on CUDA: y [M, N] = x [M, K] @ dequant(w [N, K] e4m3)^T (+ bias), in x's dtype.
 
-- M <= GEMV_MAX_M (decode): `fp8_gemv`, a Triton GEMV that streams the FP8 weights once (half the bytes of
-  bf16) with x in float32, the scales applied per tile (block) or per row (channel); no activation is
-  quantized.
-- Larger M, per-channel scales: x quantized per token (`quant_fp8`, one scale a row, or the checkpoint's
-  static input scale), then cuBLASLt's FP8 GEMM through torch._scaled_mm with row-wise scales.
-- Larger M, block scales: x quantized per 1 x bk group, then `block_gemm`, a Triton FP8 GEMM whose K tile
-  is one scale block.
+Three routes, chosen by rows M and the scale layout (`ROUTES`):
+- "gemv" (decode): `fp8_gemv`, a Triton GEMV that streams the FP8 weights once (half the bytes of bf16)
+  with x in float32, the scales applied per scale block or per row; no activation is quantized.
+- "triton": x quantized per token or per 1 x bk group (`quant_fp8`, or the checkpoint's static input
+  scale), then `fp8_gemm`, a Triton FP8 GEMM (block scales applied per K tile, row scales at the end).
+- "cublas": x quantized likewise, then cuBLASLt's FP8 GEMM through torch._scaled_mm (row-wise scales, or
+  1 x 128 by 128 x 128 block scaling).
 
 Each accumulates in float32 and rounds once. No host sync: CUDA graphs capture all three.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -23,7 +25,7 @@ GEMV_MAX_M = 2  # on an H200 at the Qwen3-8B shapes _scaled_mm wins from M = 4 (
 
 
 @triton.jit
-def _quant_kernel(x, q, s, stride_x, stride_q, K, n_groups, GROUP, BLOCK: tl.constexpr):
+def _quant_kernel(x, q, s, stride_x, stride_q, stride_sm, stride_sg, K, GROUP, BLOCK: tl.constexpr):
     row, g = tl.program_id(0), tl.program_id(1)
     cols = g * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
@@ -31,40 +33,40 @@ def _quant_kernel(x, q, s, stride_x, stride_q, K, n_groups, GROUP, BLOCK: tl.con
     scale = tl.maximum(tl.max(tl.abs(v)), 1e-10) / 448.0
     qv = tl.clamp(v / scale, -448.0, 448.0)
     tl.store(q + row * stride_q + cols, qv.to(q.dtype.element_ty), mask=mask)
-    tl.store(s + row * n_groups + g, scale)
+    tl.store(s + row * stride_sm + g * stride_sg, scale)
 
 
-def quant_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_fp8(
+    x: torch.Tensor, group: int | None = None, col_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] e4m3, scale [M, K / group] float32): one scale per row (group None) or per
-    1 x group slice, amax / 448."""
+    1 x group slice, amax / 448; col_major lays the scales out M-fastest, as cuBLASLt's 1 x 128 scaling
+    reads them."""
     m, k = x.shape
     group = group or k
     n_groups = triton.cdiv(k, group)
     q = torch.empty(m, k, dtype=FP8, device=x.device)
-    s = torch.empty(m, n_groups, dtype=torch.float32, device=x.device)
+    if col_major:
+        s = torch.empty(n_groups, m, dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty(m, n_groups, dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(group)
     if m:
         _quant_kernel[(m, n_groups)](
-            x,
-            q,
-            s,
-            x.stride(0),
-            q.stride(0),
-            k,
-            n_groups,
-            group,
-            BLOCK=block,
-            num_warps=min(16, max(1, block // 512)),
-        )
+            x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1), k, group,
+            BLOCK=block, num_warps=min(16, max(1, block // 512)),
+        )  # fmt: skip
     return q, s
 
 
 @triton.jit
-def _block_gemm_kernel(
-    a, a_s, b, b_s, c, M, N, K, stride_am, stride_bn, stride_cm, stride_bsn,
-    BN_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+def _gemm_kernel(
+    a, a_s, b, b_s, c, M, N, K, stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+    BLOCKED: tl.constexpr, BN_SCALE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
+    """c [M, N] = a [M, K] @ b [N, K]^T, both e4m3. BLOCKED: a_s [M, K / BLOCK_K] and b_s
+    [N / BN_SCALE, K / BLOCK_K] scale each K tile; else a_s [M] and b_s [N] scale the result."""
     pid = tl.program_id(0)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     width = GROUP_M * grid_n  # programs of GROUP_M row tiles share their B tiles in L2
@@ -74,36 +76,63 @@ def _block_gemm_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    n_k = K // BLOCK_K
     a_ptr = a + rm[:, None] * stride_am + rk[None, :]
     b_ptr = b + rn[None, :] * stride_bn + rk[:, None]
-    sa_ptr, sb_ptr = a_s + rm * n_k, b_s + (rn // BN_SCALE) * stride_bsn
+    sa_ptr, sb_ptr = a_s + rm * stride_asm, b_s + (rn // BN_SCALE) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, n_k):
-        av = tl.load(a_ptr, mask=rm[:, None] < M, other=0.0)
-        bv = tl.load(b_ptr, mask=rn[None, :] < N, other=0.0)
-        sa = tl.load(sa_ptr + kb, mask=rm < M, other=0.0)
-        sb = tl.load(sb_ptr + kb, mask=rn < N, other=0.0)
-        acc += tl.dot(av, bv) * sa[:, None] * sb[None, :]
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            av = tl.load(a_ptr, mask=rm[:, None] < M, other=0.0)
+            bv = tl.load(b_ptr, mask=rn[None, :] < N, other=0.0)
+        else:
+            k_left = K - kb * BLOCK_K
+            av = tl.load(a_ptr, mask=(rm[:, None] < M) & (rk[None, :] < k_left), other=0.0)
+            bv = tl.load(b_ptr, mask=(rn[None, :] < N) & (rk[:, None] < k_left), other=0.0)
+        if BLOCKED:
+            sa = tl.load(sa_ptr + kb, mask=rm < M, other=0.0)
+            sb = tl.load(sb_ptr + kb, mask=rn < N, other=0.0)
+            acc += tl.dot(av, bv) * sa[:, None] * sb[None, :]
+        else:
+            acc = tl.dot(av, bv, acc)
         a_ptr += BLOCK_K
         b_ptr += BLOCK_K
+    if not BLOCKED:
+        sa = tl.load(sa_ptr, mask=rm < M, other=0.0)
+        sb = tl.load(sb_ptr, mask=rn < N, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(c + rm[:, None] * stride_cm + rn[None, :], acc.to(c.dtype.element_ty), mask=mask)
 
 
-def block_gemm(
-    xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int], dtype
+def gemm_tile(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for M rows (BLOCK_K is one scale block, 128): among the
+    fastest of bench_fp8.py --sweep on an H200 at the Qwen3-8B shapes up to M = 256 (none faster with
+    split K), and a large tile beyond."""
+    m_p2 = triton.next_power_of_2(max(m, 16))
+    return (m_p2, 64, 4, 4) if m_p2 <= 64 else (64, 64, 4, 4) if m_p2 <= 256 else (128, 128, 8, 3)
+
+
+def fp8_gemm(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    block: tuple[int, int] | None,
+    dtype: torch.dtype,
+    tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """xq [M, K] e4m3 with xs [M, K / bk]; w [N, K] e4m3 with ws [N / bn, K / bk] -> [M, N] of dtype."""
+    """xq [M, K] e4m3 @ w [N, K] e4m3 -> [M, N] of dtype. block (bn, bk): xs [M, K / bk] and ws
+    [N / bn, K / bk]; else xs [M, 1] per row and ws [N] per output feature. tile overrides gemm_tile."""
     (m, k), n = xq.shape, w.shape[0]
-    bn, bk = block
+    block_m, block_n, warps, stages = tile or gemm_tile(m)
+    block_k = block[1] if block else 128
     c = torch.empty(m, n, dtype=dtype, device=xq.device)
-    block_m = 64 if m <= 64 else 128
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, 128),)
-    _block_gemm_kernel[grid](
-        xq, xs, w, ws, c, m, n, k, xq.stride(0), w.stride(0), c.stride(0), ws.stride(0),
-        BN_SCALE=bn, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=bk, GROUP_M=8,
-        num_warps=8 if block_m == 128 else 4, num_stages=3,
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _gemm_kernel[grid](
+        xq, xs, w, ws, c, m, n, k, xq.stride(0), w.stride(0), c.stride(0), xs.stride(0),
+        ws.stride(0) if block else 1,
+        BLOCKED=block is not None, BN_SCALE=block[0] if block else 1, EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return c
 
@@ -159,6 +188,38 @@ def fp8_gemv(
     return y
 
 
+# The fastest route by rows M, per scale layout: (largest M, route), first match; from bench_fp8.py on an
+# H200 at the Qwen3-8B shapes. "gemv": fp8_gemv; "triton": fp8_gemm; "cublas": torch._scaled_mm.
+ROUTES: dict[str, list[tuple[int, str]]] = {
+    "channel": [(GEMV_MAX_M, "gemv"), (1 << 62, "cublas")],
+    "block": [(GEMV_MAX_M, "gemv"), (128, "triton"), (1 << 62, "cublas")],
+}
+
+
+def route(m: int, n: int, k: int, block: tuple[int, int] | None, device: torch.device) -> str:
+    """The route fp8_linear takes for M rows of an [N, K] weight: ROUTES' entry, with "triton" for block
+    scales that cuBLASLt cannot take (blocks other than 128 x 128, or N or K not a multiple of them)."""
+    r = next(r for top, r in ROUTES["channel" if block is None else "block"] if m <= top)
+    if r == "cublas" and block is not None:
+        fits = block == (128, 128) and n % 128 == 0 and k % 128 == 0
+        return "cublas" if fits and cublas_block_scaling(device.index or 0) else "triton"
+    return r
+
+
+@functools.cache
+def cublas_block_scaling(device_index: int) -> bool:
+    """Whether torch._scaled_mm takes 1 x 128 by 128 x 128 block scales on this GPU (cuBLASLt 12.9 and
+    later on Hopper). Asked once per device, at load (never while a CUDA graph is captured)."""
+    dev = torch.device("cuda", device_index)
+    a = torch.zeros(256, 256, device=dev, dtype=FP8)
+    sa, sb = torch.ones(2, 256, device=dev).t(), torch.ones(2, 2, device=dev).t()
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def fp8_linear(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -167,20 +228,24 @@ def fp8_linear(
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The FP8 linear layer's forward: the route by M in the module docstring; input_scale [1, 1] for
-    static activations (per-channel scales only)."""
+    """The FP8 linear layer's forward by `route`; input_scale [1, 1] for static activations (per-channel
+    scales only)."""
     x = x.contiguous()
     m = x.shape[0]
-    if m <= GEMV_MAX_M:
+    r = route(m, *w.shape, block, x.device)
+    if r == "gemv":
         y = fp8_gemv(x, w, ws, block)
-    elif block is not None:
-        xq, xs = quant_fp8(x, block[1])
-        y = block_gemm(xq, xs, w, ws, block, x.dtype)
     else:
-        if input_scale is not None:
+        if block is not None:
+            xq, xs = quant_fp8(x, block[1], col_major=r == "cublas")
+        elif input_scale is not None:
             xq = (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
             xs = input_scale.expand(m, 1).contiguous()
         else:
             xq, xs = quant_fp8(x)
-        y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=x.dtype)
+        if r == "cublas":  # block scales: cuBLASLt's 1 x 128 by 128 x 128 scaling (CUDA 12.9 and later)
+            scale_b = ws.t() if block is not None else ws.view(1, -1)
+            y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)
+        else:
+            y = fp8_gemm(xq, xs, w, ws, block, x.dtype)
     return y if bias is None else y + bias

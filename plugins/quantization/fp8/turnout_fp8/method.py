@@ -235,6 +235,10 @@ class Fp8LinearMethod(LinearMethod):
             return
         layer.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale, self.input_scale = scale.contiguous(), input_scale
+        if s.block is not None:
+            from turnout_fp8 import kernels
+
+            kernels.cublas_block_scaling(q.device.index or 0)  # asked here, outside any graph capture
 
     def _check_filled(self, layer: LinearLayer, t: torch.Tensor, suffix: str) -> None:
         bad = ~(t > 0)  # NaN (never loaded), zero or negative
