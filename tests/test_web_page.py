@@ -250,7 +250,7 @@ def test_stop_ends_the_stream_and_the_request_mid_way(page: Chromium, server: Se
     _set(page, temperature="0", **{"max-tokens": "400"})
     page.wait("document.getElementById('m-running').textContent === '0'")  # so '1' below is this request
     before = server.metrics()["turnout:generation_tokens_total"]
-    page.type("#prompt", "Count from 1 to 300, one number a line.")
+    page.type("#prompt", "List the numbers from 1 to 100, one per line.")
     page.click("#send")
     # the live figures follow /metrics while it runs
     page.wait("document.getElementById('m-running').textContent === '1' && "
