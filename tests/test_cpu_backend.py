@@ -3,6 +3,8 @@ conformance suite checks the values against float64)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 from turnout_cpu.backend import BALANCE_MIN_LEN, CPUAttentionBackend
 
 from turnout.attention import AttentionMetadata, AttentionSpec
+from turnout.worker.kv_cache import allocate_kv_caches, blocks_in, kv_bytes_per_block
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 9, 3, 64, 16  # the embedded SmolLM2's attention
 
@@ -80,3 +83,23 @@ def test_prefill_runs_the_flash_kernel() -> None:
     calls = [e.key for e in prof.key_averages() if "scaled_dot_product" in e.key]
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in calls
     assert not [c for c in calls if "math" in c], calls  # 3-D inputs take the math kernel, ~5x slower at 2k
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) << 10
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the resident set from /proc")
+def test_a_cpu_kv_cache_is_zero_and_costs_no_memory_until_written() -> None:
+    """The default 1 GiB CPU cache: zeroed, yet its pages are taken only as blocks are written, so an
+    engine starts without a memset over all of it."""
+    spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, torch.bfloat16, BLOCK, HEAD_SIZE**-0.5, num_layers=30)
+    be = CPUAttentionBackend()
+    be.setup(spec)
+    before = _rss_bytes()
+    caches = allocate_kv_caches(be, spec, blocks_in(1 << 30, be, spec), torch.device("cpu"))
+    assert _rss_bytes() - before < 64 << 20  # a memset would have taken the whole GiB
+    assert sum(c.nbytes for c in caches) > (1 << 30) - kv_bytes_per_block(be, spec)
+    caches[3][1, 7] = 1.0
+    assert all(c.is_contiguous() and c.dtype == torch.bfloat16 for c in caches)
+    assert caches[3][1, 7].all() and caches[3].sum() == caches[3][1, 7].numel() and not caches[4].any()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import mmap
 
 import torch
 
@@ -28,4 +29,14 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """One zeroed tensor per attention layer: kv_caches[i] belongs to the layer with layer_idx i."""
     shape = _layer_shape(backend, spec, num_blocks)
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    zeros = _lazy_zeros if device.type == "cpu" else torch.zeros
+    return [zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+
+def _lazy_zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros on the CPU from a private anonymous mapping, which the kernel hands out zeroed and
+    page-aligned: a page is faulted in when a block first writes it, not all at start-up (memset over a
+    fresh GiB costs 0.2-0.7 s of page faults). The tensor holds the mapping; freeing it unmaps."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
