@@ -79,7 +79,9 @@ def _ask(schema: dict) -> list[dict]:
     return [{"role": "user", "content": f"Reply with one JSON object for this schema: {json.dumps(schema)}"}]
 
 
-async def _json_schema_answers(server: Server, at_once: bool) -> list[tuple[dict, str, str]]:
+async def _json_schema_answers(
+    server: Server, at_once: bool, schemas: list[dict] = SCHEMAS
+) -> list[tuple[dict, str, str]]:
     """Each schema asked without and with streaming (in that order): all at once, or one after another."""
     client = server.aclient()
 
@@ -96,7 +98,7 @@ async def _json_schema_answers(server: Server, at_once: bool) -> list[tuple[dict
                 finish = ch.choices[0].finish_reason or finish
         return schema, text, finish
 
-    asks = [(i, s, stream) for i, s in enumerate(SCHEMAS) for stream in (False, True)]
+    asks = [(i, s, stream) for i, s in enumerate(schemas) for stream in (False, True)]
     if at_once:
         return await asyncio.gather(*(one(*a) for a in asks))
     return [await one(*a) for a in asks]
@@ -108,8 +110,10 @@ def test_json_schema_outputs_validate_streamed_and_not(server: Server) -> None:
         assert finish == "stop", (schema, text)
         jsonschema.validate(json.loads(text), schema)
     # Greedy, the stream says what the whole answer says. Each pair runs alone on the prompt the first pass
-    # cached, so both compute alike: a CPU matmul's bits depend on the rows batched beside a token's.
-    alone = asyncio.run(_json_schema_answers(server, at_once=False))
+    # cached, so both compute alike: a CPU matmul's bits depend on the rows batched beside a token's. The
+    # schemas whose answers are longest and most nested (integer arrays, objects in objects and in arrays,
+    # a pattern): one request at a time costs 0.65 s each.
+    alone = asyncio.run(_json_schema_answers(server, False, [SCHEMAS[i] for i in (6, 7, 9, 13, 16)]))
     pairs = [(whole[1], streamed[1]) for whole, streamed in zip(alone[::2], alone[1::2])]
     assert all(whole == streamed for whole, streamed in pairs), [p for p in pairs if p[0] != p[1]]
 
