@@ -1,8 +1,8 @@
 """The examples of the README and of its reference pages (docs/cli.md, python-api.md, server.md,
 configuration.md), run as written on the embedded model: the `turnout` lines of their bash blocks (with a
 small --max-tokens, each distinct line once), their Python snippets, their serve blocks with the curl
-requests and the openai client (only the port substituted), and the promise about engines built at a
-script's top level."""
+requests and the openai client (the port substituted, and a small max_tokens where the answer is only
+read for being there), and the promise about engines built at a script's top level."""
 
 from __future__ import annotations
 
@@ -141,7 +141,8 @@ def start(tmp: Path, args: list[str]) -> Server:
 
 
 def curl(argv: list[str], url: str) -> dict:
-    p = run([a.replace(README_URL, url) for a in argv], Path.cwd())
+    short = f'"max_tokens": {MAX_TOKENS}'
+    p = run([a.replace(README_URL, url).replace('"max_tokens": 64', short) for a in argv], Path.cwd())
     assert p.returncode == 0, p.stderr
     body = json.loads(p.stdout)
     assert body["choices"][0]["message"]["content"], body
@@ -165,7 +166,8 @@ def test_serve_with_a_key_its_curl_and_the_openai_snippet(tmp_path: Path) -> Non
     try:
         assert curl(request, server.url)["model"] == "my-model"
         script = tmp_path / "client.py"
-        script.write_text(block_with("python", "stream_options").replace(README_URL, server.url))
+        snippet = block_with("python", "stream_options").replace(README_URL, server.url)
+        script.write_text(snippet.replace("max_tokens=64", f"max_tokens={MAX_TOKENS}"))
         p = run([sys.executable, str(script)], tmp_path)
         assert p.returncode == 0 and p.stdout.strip(), p.stderr
         script.write_text(block_with("python", 'tool_choice="required"').replace(README_URL, server.url))
