@@ -1,9 +1,12 @@
 """HF transformers' reading of a llama GGUF file, the reference for turnout's conversion: transformers' GGUF
 config and llama un-permutation with gguf-py's dequantization and HF<->GGUF name map. transformers' full
-load_gguf_checkpoint path gives the same tensors, and spends ~9 s more building its name map for 30 layers."""
+load_gguf_checkpoint path gives the same tensors, and spends ~9 s more building its name map for 30 layers.
+Each is read once a session (6-8 s on 2 cores, mostly gguf-py parsing the vocabulary) and shared: callers
+only read the tensors and the model."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import gguf
@@ -11,6 +14,7 @@ import numpy as np
 import torch
 
 
+@functools.cache
 def hf_gguf_weights(gguf_path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(transformers' config of the file, {HF parameter name: float32 tensor})."""
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, load_gguf_checkpoint
@@ -25,6 +29,7 @@ def hf_gguf_weights(gguf_path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, {hf: tensors.pop(names.get_name(hf, try_suffixes=(".weight",))) for hf in _names(config)}
 
 
+@functools.cache
 def hf_llama_from_gguf(gguf_path: Path) -> torch.nn.Module:
     """transformers' LlamaForCausalLM in float32 holding hf_gguf_weights, in eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
