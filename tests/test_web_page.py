@@ -275,7 +275,10 @@ def test_stop_ends_the_stream_and_the_request_mid_way(page: Chromium, server: Se
 def test_the_selection_panel_shows_what_the_engine_chose(page: Chromium, server: Server, started) -> None:
     line = re.search(r"backend (\S+), .*executor (\S+), graph mode (\S+),", server.log.read_text())
     backend, executor, graph = line.groups()  # the engine core's own report
-    page.wait("document.getElementById('s-executor').textContent !== '–'")
+    try:
+        page.wait("document.getElementById('s-executor').textContent !== '–'", timeout=60)
+    except AssertionError as e:  # the page's fetch of /v1/explain failed or hangs: say what it shows
+        raise AssertionError(f"{e}; #s-why: {page.text('#s-why')!r}; events: {page.events[-5:]}") from None
     assert page.text("#s-attention").split()[0] == backend and page.text("#s-executor") == executor
     assert page.text("#s-graph").split()[0] == graph
     doc = started[2]  # `turnout explain --json` with the server's engine flags
@@ -283,7 +286,7 @@ def test_the_selection_panel_shows_what_the_engine_chose(page: Chromium, server:
     assert served.json() == doc
     why = page.text("#s-why")
     for c in doc["kinds"]["executor"]["candidates"] + doc["kinds"]["attention"]["candidates"]:
-        assert f"{c['name']} ({c['plugin']}, priority {c['priority']})" in why
+        assert f"{c['name']} ({c['plugin']}, priority {c['priority']})" in why, (c, why)
         assert all(r in why for r in c["reasons"])
     assert doc["platform"] in page.text("#s-platform")
     assert "/v1/explain" in httpx.get(f"{server.url}/openapi.json", timeout=10).json()["paths"]
