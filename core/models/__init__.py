@@ -1,16 +1,29 @@
 """Models: the contract a model class implements (CausalLM), the registry entry a plugin returns
-(ModelArchitecture), and the shared dense decoder the bundled models build on."""
+(ModelArchitecture), the shared dense decoder the bundled models build on, and the Gemma family's decoder
+(turnout.models.gemma)."""
 
 from typing import Any
 
 from turnout.models.interface import CausalLM
 from turnout.models.registry import ModelArchitecture
 
-__all__ = ["CausalLM", "DecoderForCausalLM", "ModelArchitecture", "get_parallel_state", "layer_range"]
+__all__ = [
+    "CausalLM",
+    "DecoderForCausalLM",
+    "GemmaDecoderLayer",
+    "GemmaForCausalLM",
+    "GemmaModel",
+    "ModelArchitecture",
+    "get_parallel_state",
+    "layer_range",
+]
 
 _LAZY = {  # imported on first use: registering a model plugin must not build torch layers
     "DecoderForCausalLM": "turnout.models.decoder",
     "layer_range": "turnout.models.decoder",
+    "GemmaDecoderLayer": "turnout.models.gemma",
+    "GemmaForCausalLM": "turnout.models.gemma",
+    "GemmaModel": "turnout.models.gemma",
     "get_parallel_state": "turnout.distributed",
 }
 

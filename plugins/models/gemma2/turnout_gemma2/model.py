@@ -15,21 +15,9 @@ import torch
 from torch import nn
 
 from turnout import TurnoutError
-from turnout.layers import (
-    Attention,
-    GeluAndMul,
-    GemmaRMSNorm,
-    MergedColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
-    RotaryEmbedding,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
-from turnout.models import DecoderForCausalLM, get_parallel_state, layer_range
+from turnout.layers import Attention, QKVParallelLinear, RotaryEmbedding, RowParallelLinear
+from turnout.models import GemmaDecoderLayer, GemmaForCausalLM, GemmaModel
 from turnout_gemma2 import layer_types
-
-GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}  # hidden_activation -> GeluAndMul's approximate
 
 
 class Gemma2Attention(nn.Module):
@@ -64,98 +52,15 @@ class Gemma2Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v.view(-1, hkv, d)))
 
 
-class Gemma2MLP(nn.Module):
-    """The GELU-gated feed-forward block: x [T, hidden] -> [T, hidden]."""
-
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg["hidden_size"], [cfg["intermediate_size"]] * 2)
-        self.down_proj = RowParallelLinear(cfg["intermediate_size"], cfg["hidden_size"])
-        act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
-        if act not in GELU:
-            raise TurnoutError(
-                f"config.json sets hidden_activation = {act!r}, which Gemma2ForCausalLM does not implement "
-                f"({', '.join(GELU)} only); use a model plugin that does"
-            )
-        self.act = GeluAndMul(GELU[act])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
-class Gemma2Layer(nn.Module):
-    """One decoder layer, each sub-block normed before and after, then added to the residual."""
-
-    def __init__(self, cfg: dict[str, Any], layer: int) -> None:
-        super().__init__()
-        norm = lambda: GemmaRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
-        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
-        self.self_attn = Gemma2Attention(cfg, layer)
-        self.mlp = Gemma2MLP(cfg)
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (mlp output, residual): the layer's input is x + residual (residual None: x)."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.self_attn(positions, x))
-        x, residual = self.pre_feedforward_layernorm(x, residual)
-        return self.post_feedforward_layernorm(self.mlp(x)), residual
-
-
-class Gemma2Model(nn.Module):
-    """This pipeline stage's layers between the scaled embedding and the final norm."""
-
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        super().__init__()
-        self.start, self.end = layer_range(cfg["num_hidden_layers"])
-        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(Gemma2Layer(cfg, i) for i in range(self.start, self.end))
-        self.norm = GemmaRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
-        # in the model's dtype, as HF rounds it: sqrt(2304) is not a bfloat16
-        self.register_buffer("embed_scale", torch.tensor(cfg["hidden_size"] ** 0.5), persistent=False)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if intermediate is None:
-            x, residual = self.embed_tokens(input_ids) * self.embed_scale, None
-        else:
-            x, residual = intermediate[0], intermediate[1]
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        if not get_parallel_state().is_last_pp:
-            return torch.stack([x, residual])
-        return self.norm(x, residual)[0]
-
-
-class Gemma2ForCausalLM(DecoderForCausalLM):
-    """turnout.models.CausalLM for Gemma2ForCausalLM checkpoints, tensor and pipeline parallel. Its layers
-    are Gemma2Model's; the decoder's config check and its loader, which accounts for every checkpoint tensor
-    part by part, serve it unchanged: the parameters carry HF's names, q/k/v and gate/up fused as there."""
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    """turnout.models.CausalLM for Gemma2ForCausalLM checkpoints, tensor and pipeline parallel: the Gemma
+    decoder (turnout.models.gemma) around Gemma2Attention."""
 
     implemented_keys = frozenset({
         "sliding_window", "layer_types", "attn_logit_softcapping", "final_logit_softcapping", "hidden_act",
         "hidden_activation", "query_pre_attn_scalar",
     })  # fmt: skip
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        nn.Module.__init__(self)  # not the decoder's __init__: its layers are not Gemma 2's
-        self.check_config(cfg)
-        self.cfg, self.model = cfg, Gemma2Model(cfg)
-        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
-        self.tie = bool(cfg.get("tie_word_embeddings", True))
-        if self.tie:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.final_soft_cap = cfg.get("final_logit_softcapping")
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab_size], each l capped as cap * tanh(l / cap)."""
-        logits = self.lm_head(hidden)
-        if cap := self.final_soft_cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+    def build_model(self, cfg: dict[str, Any]) -> GemmaModel:
+        """The Gemma decoder, layer i attending through Gemma2Attention(cfg, i)."""
+        return GemmaModel(cfg, lambda i: GemmaDecoderLayer(cfg, Gemma2Attention(cfg, i), "Gemma2ForCausalLM"))
