@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
@@ -207,15 +208,17 @@ def set_shape_check(check: ShapeCheck) -> None:
 
 
 _manager: PluginManager | None = None
+_loading = threading.RLock()  # other threads wait for the whole load; a plugin's import may ask again
 
 
 def get_plugin_manager() -> PluginManager:
-    """The process-wide manager, loaded from entry points on first use."""
+    """The process-wide manager, loaded from entry points on first use; safe to call from any thread."""
     global _manager
-    if _manager is None:
-        _manager = PluginManager()
-        _manager.load_entry_points()
-    return _manager
+    with _loading:
+        if _manager is None:
+            _manager = PluginManager()
+            _manager.load_entry_points()
+        return _manager
 
 
 def declared_env_vars() -> list[envs.EnvVar[Any]]:
@@ -229,4 +232,5 @@ envs.add_source(declared_env_vars)
 
 def reset_plugin_manager() -> None:
     global _manager
-    _manager = None
+    with _loading:
+        _manager = None

@@ -99,3 +99,26 @@ def test_in_process_plugin_and_raising_hook(register_plugin, plugin_manager):
     results = {r.plugin: r for r in plugin_manager.call_each("turnout_executors")}
     assert "boom" in results["raiser"].error
     assert results["uniproc"].error is None and results["uniproc"].value[0].name == "uniproc"
+
+
+def test_threads_that_ask_at_once_all_get_every_plugin():
+    """The server answers /v1/explain in worker threads; the first requests may meet the manager's load."""
+    import threading
+
+    from turnout import plugins
+
+    expected = {i.name for i in plugins.get_plugin_manager().listing()}
+    for _ in range(5):
+        plugins.reset_plugin_manager()
+        start, seen = threading.Barrier(4), []
+
+        def ask(start: threading.Barrier = start, seen: list[set[str]] = seen) -> None:
+            start.wait()
+            seen.append({i.name for i in plugins.get_plugin_manager().listing()})
+
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert seen == [expected] * 4, [expected - s for s in seen]

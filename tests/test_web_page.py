@@ -2,7 +2,7 @@
 protocol: one server (the embedded model, with --api-key) and one page for every test, in file order. The
 page's answers are checked against the HTTP API, its selection panel against the engine's start-up line and
 `turnout explain --json`, its names against Chromium's accessibility tree. The screenshots land in
-docs/images/ (the README shows the 1280x800 one)."""
+build/test-artifacts/, or where TURNOUT_TEST_IMAGES names: `make images` writes the README's, docs/images/."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from turnout.entrypoints.openai.api_server import build_app
 from turnout.metrics import PrometheusStatLogger
 
 ROOT = Path(__file__).parents[1]
-IMAGES = ROOT / "docs" / "images"
+IMAGES = ROOT / os.environ.get("TURNOUT_TEST_IMAGES", "build/test-artifacts")
 CHROMIUM = shutil.which("chromium")
 
 
