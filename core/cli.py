@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from turnout import __version__, envs
-from turnout.bench import add_bench_parser
+from turnout.bench import add_bench_parser, add_bench_serve_parser
 from turnout.config import EngineConfig
 from turnout.engine_args import add_engine_args, engine_config_from_args
-from turnout.entrypoints.bench_serve import add_bench_serve_parser
 from turnout.errors import RequestError, TurnoutError
 from turnout.outputs import CompletionOutput, Logprob, RequestOutput
 from turnout.prompts import check_conversation, parse_prompt

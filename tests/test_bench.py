@@ -236,7 +236,7 @@ def test_random_checkpoint_in_a_real_shape_loads_in_turnout_and_hf(tmp_path, mon
     "n,processes,limit", [(256, 8, None), (10, 4, 10), (10, 8, 3), (5, 8, None), (7, 3, 5)]
 )
 def test_bench_serve_deals_every_request_once_within_max_concurrency(n, processes, limit):
-    from turnout.entrypoints.bench_serve import deal
+    from turnout.bench.serve import deal
 
     offsets = [0.1 * i for i in range(n)]
     parts, gates = deal(offsets, processes, limit)

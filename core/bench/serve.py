@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import math
 import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from turnout.bench.random_models import SHAPES, make_random_model, random_model_dir
+from turnout.bench.records import provenance
 from turnout.errors import TurnoutError
 
 WORKLOADS = {  # name: (num_prompts, input_len, output_len, temperature)
@@ -330,12 +329,6 @@ def _print(res: dict) -> None:
 
 
 # ---- a server of our own ----
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _engine_argv(args: argparse.Namespace) -> list[str]:
     from turnout.config import EngineConfig
 
@@ -355,7 +348,9 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _start_server(args: argparse.Namespace, num_prompts: int) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    from turnout.executor.rank import free_port  # imports torch: not at `turnout --help`
+
+    port = free_port()
     cmd = [sys.executable, "-m", "turnout.cli", "serve", *_engine_argv(args), "--port", str(port)]
     cmd += ["--max-waiting-requests", str(max(1024, num_prompts))]
     if args.api_key:
@@ -403,28 +398,6 @@ def _offline(args: argparse.Namespace, w: Workload, runs: int) -> list[float]:
         llm.shutdown()
 
 
-def _provenance() -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
-
-    cuda = torch.cuda.is_available()
-    commit = os.environ.get("BENCH_COMMIT") or git("rev-parse", "--short", "HEAD")
-    return {
-        "device": torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor() or 'x86_64'})",
-        "commit": commit
-        + ("-dirty" if not os.environ.get("BENCH_COMMIT") and git("status", "--porcelain", "-uno") else ""),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["turnout", *sys.argv[1:]]),
-    }
-
-
 def run_bench_serve(args: argparse.Namespace) -> int:
     if args.vs_offline and args.url:
         raise TurnoutError("--vs-offline compares with a server this command starts; leave out --url")
@@ -455,7 +428,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         if proc is not None:
             _stop_server(proc)
     model = args.model or runs[0]["model"]
-    record: dict[str, Any] = {"workload": "serve", "engine": "turnout", "model": model, **_provenance()}
+    record: dict[str, Any] = {"workload": "serve", "engine": "turnout", "model": model, **provenance()}
     record["config"] = {k: _jsonable(v) for k, v in vars(args).items() if v is not None and k not in SECRET}
     record["results"] = runs
     if args.vs_offline:  # run k of the server against run k offline: both see the same prefix-cache history
