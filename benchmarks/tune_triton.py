@@ -13,7 +13,8 @@ is the geometric mean over the cases. The best config is checked against torch S
 or make it the default in _prefill_config.
 
 --decode: decode batches of 64 and 256 requests at 512, 1024 and 2048 keys (Qwen3-0.6B heads: 16 query /
-8 KV, or --heads 32,8 for Qwen3-8B's; head 128; bf16, block_size 16, shuffled block table), for every
+8 KV, or --heads 32,8 for Qwen3-8B's; head 128, or --head-size; bf16, block_size 16, shuffled block
+table), for every
 (block_n, warps, stages) of the grid, and with --maxnreg every register cap a thread (ptxas maxnreg, 0 for
 the compiler's choice) as a fourth field, the current default first; each timed with CUDA events after an
 L2 flush (median); the score is the geometric mean time over the cases. The sets run one after another,
@@ -288,7 +289,7 @@ def decode_main(args: argparse.Namespace, cuda: bool) -> None:
         heads, bs, batches, ctxs = (8, 2, 64), 16, [2], [40, 100]
         grid_ = dict(block_n=[16, 32], warps=[1], stages=[1])
     else:
-        heads, bs, batches, ctxs = (*args.heads, 128), 16, [64, 256], [512, 1024, 2048]
+        heads, bs, batches, ctxs = (*args.heads, args.head_size), 16, [64, 256], [512, 1024, 2048]
         grid_ = dict(block_n=[32, 64, 128], warps=[2, 4, 8], stages=[2, 3, 4])
     if args.maxnreg:  # a fourth field: the register cap (0: the compiler's choice)
         grid_["maxnreg"] = args.maxnreg
@@ -337,6 +338,7 @@ def main() -> None:
     p.add_argument("--decode", action="store_true", help="sweep the decode kernel's tiles instead")
     p.add_argument("--maxnreg", type=_ints, default=None, help="--decode: register caps (0: none)")
     p.add_argument("--heads", type=_ints, default=[16, 8], help="--decode: query,KV heads (default 16,8)")
+    p.add_argument("--head-size", type=int, default=128, help="head size of the cases (default 128)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--block-m", type=_ints, default=None, help="comma list (default 64,128)")
     p.add_argument("--block-n", type=_ints, default=None, help="comma list (default 32,64,128)")
@@ -365,7 +367,7 @@ def main() -> None:
         shapes = {"40": [40], "2x24": [24, 33]}
         defaults = dict(block_m=[16, 32], block_n=[16, 32], warps=[1 if not cuda else 4], stages=[1])
     else:
-        heads, bs = (32, 8, 128), 16
+        heads, bs = (32, 8, args.head_size), 16
         shapes = {"4k": [4096], "16k": [16384], "4x4k": [4096] * 4}
         defaults = dict(block_m=[64, 128], block_n=[32, 64, 128], warps=[4, 8], stages=[1, 2, 3])
     for k, v in defaults.items():

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from turnout.layers import fused, gemv
-from turnout.layers.activation import SiluAndMul
+from turnout.layers.activation import GeluAndMul, SiluAndMul
 from turnout.layers.linear import linear
-from turnout.layers.norm import RMSNorm
+from turnout.layers.norm import GemmaRMSNorm, RMSNorm
 from turnout.layers.rotary import RotaryEmbedding
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,9 +32,9 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref).norm() / ref.norm()).item()
 
 
-def _ref_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def _ref_norm(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     x = x.double()
-    return w.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (unit_offset + w.double()) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _ref_rope(x: torch.Tensor, pos: torch.Tensor, rot: RotaryEmbedding) -> torch.Tensor:  # x [T, H, D] f64
@@ -63,10 +63,51 @@ def test_rms_norm_with_and_without_residual(dtype: torch.dtype, hidden: int) -> 
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
+def test_gemma_rms_norm_applies_one_plus_w(dtype: torch.dtype) -> None:
+    """GemmaRMSNorm's fused kernel: x / rms * (1 + w), rounded once; 2-D with a residual and 3-D per head."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 96, generator=g).to(DEV, dtype)
+    res = torch.randn(7, 96, generator=g).to(DEV, dtype)
+    norm = GemmaRMSNorm(96, 1e-6).to(DEV)
+    norm.weight.data = (0.3 * torch.randn(96, generator=g)).to(DEV, dtype)  # the checkpoint's w, about 0
+    out, new_res = fused.rms_norm(x, norm.weight, norm.eps, res, unit_offset=True)
+    if DEV == "cuda" or dtype != torch.bfloat16:
+        assert torch.equal(new_res, x + res)
+    assert _rel(out, _ref_norm(x.double() + res.double(), norm.weight, norm.eps, True)) < _tol(dtype)
+    heads = x.view(7, 3, 32)
+    assert _rel(fused.rms_norm(heads, norm.weight[:32], 1e-6, unit_offset=True),
+                _ref_norm(heads, norm.weight[:32], 1e-6, True)) < _tol(dtype)  # fmt: skip
+    if DEV == "cuda":  # the layer takes the kernel on CUDA; its torch path is what the CPU runs
+        assert torch.equal(norm(x, res)[0], out)
+        eager = norm._norm(x + res)
+        assert (out.float() - eager.float()).abs().max() <= 2 * eager.float().abs().max() * _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_gelu_and_mul(dtype: torch.dtype, approximate: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    x = (3 * torch.randn(6, 2 * 1500, generator=g)).to(DEV, dtype)  # |x| past tanh's saturation too
+    out = fused.gelu_and_mul(x, approximate)
+    ref = F.gelu(x[:, :1500].double(), approximate=approximate) * x[:, 1500:].double()
+    assert _rel(out, ref) < _tol(dtype)
+    if DEV == "cuda" or dtype != torch.bfloat16:
+        gate, up = x.chunk(2, dim=-1)
+        eager = F.gelu(gate, approximate=approximate) * up  # what GeluAndMul runs off CUDA
+        # an ulp of the result, and where 1 + tanh or 1 + erf cancels, an ulp of 1 in gelu's 0.5 x (1 + ...)
+        ulp = {torch.float32: 2**-23, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
+        bound = 2 * ulp * (eager.float().abs() + (gate.float() * up.float()).abs())
+        assert ((out.float() - eager.float()).abs() <= bound).all()
+    if DEV == "cuda":
+        assert torch.equal(GeluAndMul(approximate)(x), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("qk_norm", ["qwen3", "llama", "gemma3"])
 @pytest.mark.parametrize("head", [64, 48])
-def test_qk_norm_rope_from_packed_qkv(dtype: torch.dtype, qk_norm: bool, head: int) -> None:
+def test_qk_norm_rope_from_packed_qkv(dtype: torch.dtype, qk_norm: str, head: int) -> None:
     t, hq, hkv = 5, 4, 2
+    offset, qk_norm = qk_norm == "gemma3", qk_norm != "llama"
     g = torch.Generator().manual_seed(head + qk_norm)
     qkv_wide = torch.randn(t, (hq + 2 * hkv) * head + 8, generator=g).to(DEV, dtype)
     qkv = qkv_wide[:, 8:]  # strided rows, as a slice of a wider GEMM output would be
@@ -76,14 +117,14 @@ def test_qk_norm_rope_from_packed_qkv(dtype: torch.dtype, qk_norm: bool, head: i
     qn.weight.data = (1 + 0.3 * torch.randn(head, generator=g)).to(DEV, dtype)
     kn.weight.data = (1 + 0.3 * torch.randn(head, generator=g)).to(DEV, dtype)
     w = (qn.weight, kn.weight) if qk_norm else (None, None)
-    q, k = fused.qk_norm_rope(qkv, pos, hq, hkv, rot.cos, rot.sin, *w, 1e-6)
+    q, k = fused.qk_norm_rope(qkv, pos, hq, hkv, rot.cos, rot.sin, *w, 1e-6, unit_offset=offset)
     assert q.shape == (t, hq, head) and k.shape == (t, hkv, head) and q.is_contiguous()
 
     q_in = qkv[:, : hq * head].reshape(t, hq, head)
     k_in = qkv[:, hq * head : (hq + hkv) * head].reshape(t, hkv, head)
     q_ref, k_ref = q_in.double(), k_in.double()
     if qk_norm:
-        q_ref, k_ref = _ref_norm(q_in, qn.weight, 1e-6), _ref_norm(k_in, kn.weight, 1e-6)
+        q_ref, k_ref = _ref_norm(q_in, qn.weight, 1e-6, offset), _ref_norm(k_in, kn.weight, 1e-6, offset)
     assert _rel(q, _ref_rope(q_ref, pos, rot)) < _tol(dtype)
     assert _rel(k, _ref_rope(k_ref, pos, rot)) < _tol(dtype)
     if not qk_norm and (DEV == "cuda" or dtype != torch.bfloat16):  # the eager path, to an ulp or so
@@ -258,7 +299,8 @@ def _record_launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     spy(gemv, "gemv", gemv_call)
     spy(F, "linear", lambda x, w, b=None: ("linear", x.shape[0], w.shape[0], ""))
     spy(fused, "rms_norm", lambda x, w, eps, r=None, ro=None: ("rms_norm", x.shape[0], x.shape[-1], ""))
-    spy(fused, "qk_norm_rope", lambda qkv, pos, hq, hkv, *a: ("qk_norm_rope", qkv.shape[0], hq + hkv, ""))
+    qk = lambda qkv, pos, hq, hkv, *a, **k: ("qk_norm_rope", qkv.shape[0], hq + hkv, "")  # noqa: E731
+    spy(fused, "qk_norm_rope", qk)
     spy(fused, "silu_and_mul", lambda x: ("silu_and_mul", x.shape[0], x.shape[1] // 2, ""))
     return calls
 

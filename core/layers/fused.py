@@ -7,11 +7,15 @@ reads, set the decode time. Here each is one kernel:
 - `rms_norm`: optional residual add, then RMSNorm over the last dim, rows given by (token, head) strides.
 - `qk_norm_rope`: from the packed qkv rows, per-head RMSNorm of q and k (Qwen3) and the rotary embedding,
   written to contiguous q [T, Hq, D] and k [T, Hkv, D].
-- `silu_and_mul`: [T, 2I] -> [T, I].
+- `silu_and_mul` and `gelu_and_mul`: [T, 2I] -> [T, I].
+
+Gemma's norms (the weight applied as 1 + w, one rounding at the end) are the same two kernels with
+unit_offset.
 
 The kernels are in layers/triton_kernels.py (`kernels()` imports it). They round as the eager torch path
 does, so fused and eager agree to about an ulp: the order of the float32 sum in the norm and the GPU
-compiler's fused multiply-adds differ. The layers they replace (RMSNorm, RotaryEmbedding, SiluAndMul) call
+compiler's fused multiply-adds differ. The layers they replace (RMSNorm, GemmaRMSNorm, RotaryEmbedding,
+SiluAndMul, GeluAndMul) call
 them on CUDA (TURNOUT_FUSED_KERNELS=0 turns them off); the CPU keeps the torch path, and the tests run
 these kernels under TRITON_INTERPRET=1 against a float64 reference.
 """
@@ -67,6 +71,7 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, N] contiguous; only with 2-D x
     residual_out: torch.Tensor | None = None,  # [T, N] contiguous: where x + residual goes (default: new)
+    unit_offset: bool = False,  # Gemma's: the weight applied as 1 + w
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x) or, with a residual, (RMSNorm(x + residual), x + residual)."""
     kn = kernels()
@@ -82,7 +87,8 @@ def rms_norm(
         kn.rms_norm_kernel[(t, h)](
             x3, res, weight, out, res_out, x3.stride(0), x3.stride(1), res.stride(0),
             out.stride(0), out.stride(1), res_out.stride(0), n, eps,
-            HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block), **pdl.launch(),
+            HAS_RES=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block, num_warps=_warps(block),
+            **pdl.launch(),
         )  # fmt: skip
     out = out.view(x.shape)
     return (out, res_out) if residual is not None else out
@@ -98,6 +104,7 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None,  # [D] Qwen3's q_norm, or None for no q/k norm
     k_weight: torch.Tensor | None,
     eps: float,
+    unit_offset: bool = False,  # Gemma's norms: the weights applied as 1 + w
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k [T, Hkv, D], contiguous
     kn = kernels()
     t, half = qkv.shape[0], cos.shape[1]
@@ -112,18 +119,27 @@ def qk_norm_rope(
         kn.qk_norm_rope_kernel[(t, -(-heads // hb))](
             qkv, q, k, qw, kw, cos, sin, positions, qkv.stride(0), q.stride(0), k.stride(0),
             cos.stride(0), eps, HQ=num_heads, HK=num_kv_heads, HALF=half, HALF_P2=kn.next_power_of_2(half),
-            HB=hb, NORM=norm, num_warps=max(1, hb // 4), **pdl.launch(),
+            HB=hb, NORM=norm, UNIT_OFFSET=unit_offset, num_warps=max(1, hb // 4), **pdl.launch(),
         )  # fmt: skip
     return q, k
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    return _gated(x, "silu_and_mul_kernel")
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """approximate: "none" (erf) or "tanh", as torch.nn.functional.gelu takes it."""
+    return _gated(x, "gelu_and_mul_kernel", TANH=approximate == "tanh")
+
+
+def _gated(x: torch.Tensor, kernel: str, **flags: bool) -> torch.Tensor:
     kn = kernels()
     t, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     block = min(1024, kn.next_power_of_2(n))
     if t:
-        kn.silu_and_mul_kernel[(t, -(-n // block))](
-            x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **pdl.launch()
+        getattr(kn, kernel)[(t, -(-n // block))](
+            x, out, x.stride(0), out.stride(0), n, **flags, BLOCK=block, num_warps=4, **pdl.launch()
         )
     return out

@@ -68,8 +68,8 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + w), all in float32 and rounded to x's dtype once at
-    the end, as HF's GemmaRMSNorm (the checkpoint stores w, init zeros). The residual add is RMSNorm's.
-    Torch ops on every device: neither the fused kernel nor the GEMV prologue (feeds_linear) applies it."""
+    the end, as HF's GemmaRMSNorm (the checkpoint stores w, init zeros). The residual add is RMSNorm's. On
+    CUDA the fused kernel does it with unit_offset; the GEMV prologue (feeds_linear) does not apply it."""
 
     unit_offset = True
 
@@ -86,6 +86,8 @@ class GemmaRMSNorm(RMSNorm):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [..., hidden] -> normed, or with residual (same shape) -> (norm(x + residual), x + residual)."""
+        if fused.enabled(x) and (x.dim() == 2 or residual is None):
+            return fused.rms_norm(x, self.weight, self.eps, residual, unit_offset=True)
         if residual is None:
             return self._norm(x)
         residual = x + residual

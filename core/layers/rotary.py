@@ -214,16 +214,18 @@ class RotaryEmbedding(nn.Module):
         """(q, k) rotated at their positions, same shapes. With both q_norm and k_norm, each head of q and k
         is RMS-normed first (Qwen3; a GemmaRMSNorm works too). Angles are float32; like HF, the rotation
         itself runs in the activations' dtype. On CUDA, when q and k are views of one packed qkv row (k's
-        heads right after q's) and the norms are plain RMSNorms, one fused kernel does the norms and the
-        rotation and writes new q and k."""
-        fusable = not (getattr(q_norm, "unit_offset", False) or getattr(k_norm, "unit_offset", False))
-        if fused.enabled(q) and fusable and (qk := _packed(q, k)) is not None:
+        heads right after q's) and the two norms are of one kind (both RMSNorm or both GemmaRMSNorm), one
+        fused kernel does the norms and the rotation and writes new q and k."""
+        offset = {getattr(n, "unit_offset", False) for n in (q_norm, k_norm) if n is not None}
+        if fused.enabled(q) and len(offset) < 2 and (qk := _packed(q, k)) is not None:
             w = (
                 (q_norm.weight, k_norm.weight, q_norm.eps)
                 if q_norm is not None and k_norm is not None
                 else (None, None, 0.0)
             )
-            return fused.qk_norm_rope(qk, positions, q.shape[1], k.shape[1], self.cos, self.sin, *w)
+            return fused.qk_norm_rope(
+                qk, positions, q.shape[1], k.shape[1], self.cos, self.sin, *w, unit_offset=True in offset
+            )
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D/2]

@@ -30,9 +30,10 @@ def pdl_wait(PDL: tl.constexpr):
 @triton.jit
 def rms_norm_kernel(
     x, res, w, out, res_out, s_xt, s_xh, s_rt, s_ot, s_oh, s_rot, n, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Grid (T, H): one row of n values at x[t, h]."""
+    """Grid (T, H): one row of n values at x[t, h]. UNIT_OFFSET (Gemma): the weight applies as 1 + w in
+    float32 to the unrounded normed row, one rounding at the end; else w times the row rounded first."""
     pdl_wait(PDL)
     t, h = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -44,19 +45,23 @@ def rms_norm_kernel(
         tl.store(res_out + t * s_rot + cols, xv, mask=m)
     xf = xv.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-    y = (xf * rstd).to(xv.dtype).to(tl.float32)
     wv = tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(out + t * s_ot + h * s_oh + cols, (wv * y).to(out.dtype.element_ty), mask=m)
+    if UNIT_OFFSET:
+        y = xf * rstd * (1.0 + wv)
+    else:
+        y = wv * (xf * rstd).to(xv.dtype).to(tl.float32)
+    tl.store(out + t * s_ot + h * s_oh + cols, y.to(out.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def qk_norm_rope_kernel(
     qkv, q_out, k_out, q_w, k_w, cos, sin, positions, s_t, s_qt, s_kt, s_c, eps,
     HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, HB: tl.constexpr,
-    NORM: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (T, cdiv(Hq + Hkv, HB)): heads [HB * pid1, +HB) of token t, q heads first, as packed in qkv's
-    rows; each row of the [HB, HALF_P2] tiles is one head's two rotate-half halves."""
+    rows; each row of the [HB, HALF_P2] tiles is one head's two rotate-half halves. The norm rounds as
+    rms_norm_kernel does for the same UNIT_OFFSET."""
     pdl_wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]  # [HB, 1]
@@ -73,8 +78,12 @@ def qk_norm_rope_kernel(
         w1 = tl.load(q_w + i, mask=qm, other=0.0) + tl.load(k_w + i, mask=km, other=0.0)
         w2 = tl.load(q_w + HALF + i, mask=qm, other=0.0)
         w2 += tl.load(k_w + HALF + i, mask=km, other=0.0)
-        x1 = (w1.to(tl.float32) * (f1 * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
-        x2 = (w2.to(tl.float32) * (f2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+        if UNIT_OFFSET:
+            x1 = (f1 * rstd[:, None] * (1.0 + w1.to(tl.float32))).to(dt)
+            x2 = (f2 * rstd[:, None] * (1.0 + w2.to(tl.float32))).to(dt)
+        else:
+            x1 = (w1.to(tl.float32) * (f1 * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+            x2 = (w2.to(tl.float32) * (f2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
     pos = tl.load(positions + t)
     c = tl.load(cos + pos * s_c + i, mask=i < HALF, other=0.0).to(dt).to(tl.float32)  # [1, HALF_P2]
     s = tl.load(sin + pos * s_c + i, mask=i < HALF, other=0.0).to(dt).to(tl.float32)
@@ -101,6 +110,25 @@ def silu_and_mul_kernel(x, out, s_xt, s_ot, n, BLOCK: tl.constexpr, PDL: tl.cons
     gf = g.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
     tl.store(out + t * s_ot + j, (act * u).to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def gelu_and_mul_kernel(x, out, s_xt, s_ot, n, TANH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Grid (T, cdiv(n, BLOCK)): out[t, j] = gelu(x[t, j]) * x[t, n + j], the GELU exact (erf) or, with TANH,
+    its tanh approximation, in float32 and rounded before the product as torch does."""
+    pdl_wait(PDL)
+    t, b = tl.program_id(0), tl.program_id(1)
+    j = b * BLOCK + tl.arange(0, BLOCK)
+    m = j < n
+    g = tl.load(x + t * s_xt + j, mask=m, other=0.0)
+    u = tl.load(x + t * s_xt + n + j, mask=m, other=0.0).to(tl.float32)
+    gf = g.to(tl.float32)
+    if TANH:  # 1 + tanh(y) = 2 - 2 / (exp(2y) + 1); past 2y = 40 the quotient is below float32's ulp
+        y = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
+        act = 0.5 * gf * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * y, 40.0)) + 1.0))
+    else:
+        act = 0.5 * gf * (1.0 + tl.math.erf(gf * 0.7071067811865476))
+    tl.store(out + t * s_ot + j, (act.to(g.dtype).to(tl.float32) * u).to(out.dtype.element_ty), mask=m)
 
 
 @triton.jit
