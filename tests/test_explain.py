@@ -110,7 +110,7 @@ def test_explain_shows_max_num_seqs_fitted_to_the_device_unless_set(tiny_llama, 
     h200 = Platform(
         "cuda", "NVIDIA H200", 1, (9, 0), 141 << 30, (torch.float16, torch.bfloat16, torch.float32), True
     )
-    monkeypatch.setattr("turnout.selection.current_platform", lambda: h200)
+    monkeypatch.setattr("turnout.selection.pipeline.current_platform", lambda: h200)
     gpu = {"value": 1024, "source": "fitted: GPU with 141 GiB (>= 70): vLLM's offline default 1024"}
     assert _settings(*model, capsys=capsys)["max_num_seqs"] == gpu
     capped = _settings(*model, "--max-num-batched-tokens", "512", capsys=capsys)["max_num_seqs"]

@@ -15,7 +15,7 @@ from turnout.errors import SelectionError
 from turnout.executor import ExecutorContext
 from turnout.models.info import ModelInfo
 from turnout.platform import Platform
-from turnout.selection import OWN_PROCESSES, Candidate, Loss, choose, choose_executor, select_all
+from turnout.selection import OWN_PROCESSES, Candidate, Loss, choose, select_all, select_executor
 
 from fake_dist import naive_backend_source
 
@@ -245,13 +245,13 @@ def test_the_documented_order_per_platform(plugin_manager):
 def test_data_parallel_on_cuda_needs_an_executor_with_processes_of_its_own(plugin_manager):
     gpus = Platform("cuda", "H200", 4, (9, 0), 141 << 30)
     dp2 = EngineConfig(data_parallel_size=2)
-    choice = choose_executor(plugin_manager, dp2, gpus)
+    choice = select_executor(plugin_manager, dp2, gpus)
     assert choice.chosen.name == "multiproc" and not choice.chosen.obj.in_process
     uni = next(c for c in choice.candidates if c.name == "uniproc")
     assert uni.reasons == [OWN_PROCESSES]
     with pytest.raises(SelectionError, match="'uniproc' cannot be used: runs the model in the engine's"):
-        choose_executor(plugin_manager, dp2.model_copy(update={"executor": "uniproc"}), gpus)
-    assert choose_executor(plugin_manager, dp2, CPU).chosen.name == "uniproc"  # replicas share this process
+        select_executor(plugin_manager, dp2.model_copy(update={"executor": "uniproc"}), gpus)
+    assert select_executor(plugin_manager, dp2, CPU).chosen.name == "uniproc"  # replicas share this process
 
 
 class _PlainBackend:
