@@ -50,7 +50,11 @@ class LLM:
             cfg = EngineConfig.load(config, model=model, **overrides)
         self.config = cfg
         log_to_stderr()
-        self.engine = make_engine(cfg)  # with tune = auto, tuned first where no record matches
+        if cfg.tune == "auto":  # where no record matches, measure first: the engine below reads the record
+            from turnout.tuning.tuner import tune_if_unseen
+
+            tune_if_unseen(cfg)
+        self.engine = make_engine(cfg)
         allow_logprobs(cfg.max_logprobs)
         self.tokenizer = self.engine.tokenizer
         logger.info("selected %s", self.engine.selection.summary())

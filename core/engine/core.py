@@ -105,12 +105,8 @@ class EngineInfo:
 
 
 def make_engine(config: EngineConfig) -> Any:
-    """An LLMEngine, or data_parallel_size replicas of one behind the same request API; with tune = auto,
-    tuned first where no record matches."""
-    if config.tune == "auto":
-        from turnout.tuning.tuner import tune_if_unseen
-
-        tune_if_unseen(config)
+    """An LLMEngine, or data_parallel_size replicas of one behind the same request API. tune = auto is the
+    entry points' (LLM, the server), which tune before they make one; the engine only reads records."""
     if config.data_parallel_size > 1:
         from turnout.engine.dp import DataParallelEngine
 

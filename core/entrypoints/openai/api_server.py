@@ -364,6 +364,10 @@ def run_server(args: argparse.Namespace, config: EngineConfig, explain: Callable
     names = args.served_model_name or [config.model or DEFAULT_MODEL_NAME]
     metrics = PrometheusStatLogger(names[0])
     try:
+        if config.tune == "auto":  # where no record matches, measure before the engine core starts
+            from turnout.tuning.tuner import tune_if_unseen
+
+            tune_if_unseen(config)
         engine = AsyncLLM(config, args.max_waiting_requests, [metrics])
     except BaseException:
         sock.close()
