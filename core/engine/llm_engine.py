@@ -319,60 +319,60 @@ class LLMEngine:
         return not self.async_scheduling
 
     def step(self) -> list[StepOutput]:
-        """Sync: schedule, launch and read one step. Async: schedule and launch step N+1, then read step N
-        and return its outputs. With a structured-output request, step N is read between N+1's forward and
-        its sampling: N+1's bitmask needs N's tokens in the grammars."""
-        prev = self._in_flight
-        if prev is not None and (prev.feeds_next or self._sync):  # read it first; the next call launches
-            self._in_flight = None
+        """One turn of the loop; returns the outputs of the step read in it.
+
+        Sync: schedule step N, launch it, read it. Async, with step N in flight when called:
+        1. N feeds the next schedule (a request's sampling needs its output tokens: penalties, bad words):
+           read N and return; the next call launches N + 1.
+        2. Schedule N + 1 (N's tokens are placeholders the runner fills on the device) and launch it.
+        3. With structured outputs, the executor calls grammar() between N + 1's forward and its sampling:
+           N is read there, so its tokens reach the grammars before N + 1's bitmask is made.
+        4. Read N (if 3 did not) and return its outputs; N + 1 stays in flight.
+        Invariant: at most one step is in flight, and every launched step is read once, in launch order."""
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None and (prev.feeds_next or self._sync):
             return self._read(prev)
-        if self._sync:
-            return self._read(self._launch(self.scheduler.schedule()))
+        out = self.scheduler.schedule()
+        if not out.requests:
+            self._idle(out)
+            return self._read(prev)
+        reqs = {s.req_id: self.requests[s.req_id] for s in out.requests}
         read: list[StepOutput] | None = None
 
-        def read_prev() -> None:
-            nonlocal read
-            read = self._read(prev)
-
-        self._in_flight = self._launch(self.scheduler.schedule(), read_prev)
-        return read if read is not None else self._read(prev)
-
-    def _launch(
-        self, out: SchedulerOutput, read_prev: Callable[[], None] | None = None
-    ) -> LaunchedStep | None:
-        """Launch a scheduled step. Async, with structured outputs: read_prev() reads the step in flight
-        once this one's forward is launched, before its bitmask is made."""
-        if not out.requests:
-            if self.config.expert_parallel_spans_dp:  # the other replicas' all-to-alls wait for our ranks
-                self.executor.step(out)
-            elif out.finished_req_ids:  # let workers drop state of aborted requests
-                self.executor.execute_model(out)
-            return None
-        if self._sync:  # read at once: no request leaves meanwhile
-            res = self.executor.step(out, self._grammar(out, self.requests))
-            return LaunchedStep(out, self.requests, lambda: res, False)
-        reqs = {s.req_id: self.requests[s.req_id] for s in out.requests}
-        feeds_next = any(s.sample and s.params.needs_output_tokens for s in out.requests)
-        grammar = self._grammar(out, reqs, read_prev)
-        return LaunchedStep(out, reqs, self.executor.step_async(out, grammar).get, feeds_next)
-
-    def _grammar(
-        self, out: SchedulerOutput, reqs: dict[str, Request], read_prev: Callable[[], None] | None = None
-    ) -> Callable[[], GrammarOutput | None] | None:
-        """What the executor calls between a step's forward and its sampling (None without structured-output
-        requests): read_prev() where given, then the bitmask of the sampling rows whose request has not
-        ended."""
-        if not self.structured.active:
-            return None
-
         def grammar() -> GrammarOutput | None:
-            if read_prev is not None:
-                read_prev()
+            nonlocal read
+            if prev is not None:
+                read = self._read(prev)
             return self.structured.grammar_output(
                 [s.req_id for s in out.requests if s.sample and not reqs[s.req_id].is_finished]
             )
 
-        return grammar
+        launched = self._launch(out, reqs, grammar if self.structured.active else None)
+        if self._sync:
+            return self._read(launched)
+        self._in_flight = launched
+        return read if read is not None else self._read(prev)
+
+    def _launch(
+        self,
+        out: SchedulerOutput,
+        reqs: dict[str, Request],
+        grammar: Callable[[], GrammarOutput | None] | None,
+    ) -> LaunchedStep:
+        """Hand a scheduled step to the executor; grammar (None without structured outputs) runs between its
+        forward and its sampling. Sync: the tokens are back when this returns."""
+        if self._sync:
+            res = self.executor.step(out, grammar)
+            return LaunchedStep(out, reqs, lambda: res, False)
+        feeds_next = any(s.sample and s.params.needs_output_tokens for s in out.requests)
+        return LaunchedStep(out, reqs, self.executor.step_async(out, grammar).get, feeds_next)
+
+    def _idle(self, out: SchedulerOutput) -> None:
+        """A step with no request to run: the executor still hears of it where others wait on it."""
+        if self.config.expert_parallel_spans_dp:  # the other replicas' all-to-alls wait for our ranks
+            self.executor.step(out)
+        elif out.finished_req_ids:  # let workers drop state of aborted requests
+            self.executor.execute_model(out)
 
     def _read(self, step: LaunchedStep | None) -> list[StepOutput]:
         """Wait for a launched step's tokens, update the scheduler; one output per request that got one."""
