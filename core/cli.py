@@ -79,6 +79,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from turnout.plugins import get_plugin_manager
 
     pm = get_plugin_manager()
+    if args.order:
+        return _print_order(pm, args.json)
     unavailable = _unavailable_here(pm)
     rows = [{**i.as_dict(), "unavailable_here": unavailable.get(i.name, [])} for i in pm.listing()]
     if args.json:
@@ -94,6 +96,23 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print_table(["plugin", "why"], missing, "  ")
     for name in pm.unmatched_allow:
         print(f"TURNOUT_PLUGINS names '{name}', but no installed plugin has that name")
+    return 0
+
+
+def _print_order(pm: PluginManager, as_json: bool) -> int:
+    from turnout.platform import current_platform
+    from turnout.selection import attention_order
+
+    rows = attention_order(pm, current_platform())
+    if as_json:
+        print(json.dumps([r.as_dict() for r in rows], indent=2))
+        return 0
+    print('the order "auto" tries attention backends in: highest priority first, ties by name, then plugin;')
+    print("decode: uniform-decode steps; mixed: prefill, chunked-prefill and mixed steps (mixed_priority)")
+    print_table(
+        ["platform", "phase", "order (priority; why it cannot run there)"],
+        [[r.platform + (" (here)" if r.here else ""), r.phase, r.describe()] for r in rows],
+    )
     return 0
 
 
@@ -234,8 +253,10 @@ def _print_explain(sel: Selection, config: EngineConfig) -> None:
 
 def _choice_rows(c: Choice) -> list[list[str]]:
     """Valid candidates first, in the order selection ranks them; each with its reasons or why it lost."""
+    from turnout.selection import ranked
+
     rows = []
-    for x in sorted(c.candidates, key=lambda x: (not x.valid, x.rank)):
+    for x in sorted(ranked(c.candidates), key=lambda x: not x.valid):
         why = c.why_lost(x) if x.valid else "; ".join(x.reasons)
         valid, chosen = "yes" if x.valid else "no", "*" if x.chosen else ""
         rows.append([x.name, x.plugin, str(x.priority), valid, chosen, why])
@@ -615,6 +636,11 @@ def _token_ids(text: str) -> list[int]:
 def _plugins_parser(sub: Any) -> None:
     pl = sub.add_parser("plugins", help="list installed plugins")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument(
+        "--order",
+        action="store_true",
+        help='the order "auto" tries attention backends in, per platform and phase (decode, mixed steps)',
+    )
     pl.set_defaults(fn=cmd_plugins)
 
 

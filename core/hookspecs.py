@@ -36,7 +36,8 @@ class Priority(enum.IntEnum):
     wins, ties by candidate name, then by plugin name; a candidate named in the config wins if it is valid.
     Any int works; these tiers are the reference points the bundled plugins use.
 
-    The order "auto" follows on each platform, set by the tiers below and nowhere else:
+    The order "auto" follows on each platform, set by the tiers below; `turnout plugins --order` prints it
+    for the installed plugins, computed by the one rule selection ranks by (`turnout.selection.ranked`):
 
     - attention, CUDA (sm80+): triton FIRST > flashinfer SECOND > flash_attn THIRD, the order of their output
       tok/s on nano-vllm's bench on an H200 (benchmarks/results/throughput/, docs/performance.md)

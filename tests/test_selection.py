@@ -311,3 +311,44 @@ def test_a_backend_without_a_layer_feature_is_refused_with_its_reason(
     assert main(["explain", "--model", str(tiny_llama)]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["plain"])
     assert why in row
+
+
+class _TwoCpuBackends:
+    @hookimpl
+    def turnout_attention_backends(self, platform):
+        from turnout_cpu.backend import CPUAttentionBackend
+
+        class DecodeFirst(CPUAttentionBackend):
+            name, priority = "decode_first", 40
+
+        class MixedFirst(CPUAttentionBackend):
+            name, priority, mixed_priority = "mixed_first", 5, 50
+
+        return [DecodeFirst(), MixedFirst()]
+
+
+def test_plugins_order_is_the_order_selection_follows(register_plugin, plugin_manager, tiny_llama):
+    """attention_order (turnout plugins --order) per phase: the first backend that can run here is the one
+    "auto" selects for that phase, and the rest follow by priority for the phase, then name."""
+    from turnout.selection import attention_order
+
+    register_plugin(_TwoCpuBackends(), "two_cpu")
+    rows = {(r.platform, r.phase): r for r in attention_order(plugin_manager, CPU)}
+    assert {p for p, _ in rows} == {"cpu", "cuda sm80", "cuda sm90"} and rows["cpu", "decode"].here
+    runnable = {ph: [c.name for c in rows["cpu", ph].backends if not c.reasons] for ph in ("decode", "mixed")}
+    assert runnable == {
+        "decode": ["decode_first", "mixed_first", "cpu"],
+        "mixed": ["mixed_first", "decode_first", "cpu"],
+    }
+    att = select_all(EngineConfig(), ModelInfo.from_dir(tiny_llama), plugin_manager, CPU).attention
+    assert {ph: c.name for ph, c in att.phases.items()} == {"decode": "decode_first", "mixed": "mixed_first"}
+    cuda = rows["cuda sm90", "decode"]
+    assert [c.name for c in cuda.backends][:3] == ["triton", "flashinfer", "flash_attn"]
+    assert not any(c.plugin == "two_cpu" for c in cuda.backends)  # they declare the CPU alone
+    assert cuda.describe().startswith("triton 30 > flashinfer 20")
+    assert rows["cpu", "mixed"].as_dict()["order"][0] == {
+        "name": "mixed_first",
+        "plugin": "two_cpu",
+        "priority": 50,
+        "reasons": [],
+    }

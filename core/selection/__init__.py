@@ -6,7 +6,8 @@ per kind, each a function of its inputs that returns the kind's Choice: select_m
 select_model, select_attention, select_executor, select_graph; then effective_graph, the fitted settings
 and resolve_async_scheduling. The modules, one per step:
 
-- choice: Candidate, Choice, Loss and choose, the rule every kind follows; plugin_candidates;
+- choice: Candidate, Choice, Loss, ranked and choose, the rule every kind follows; plugin_candidates;
+- order: attention_order, that rule per platform and phase, as `turnout plugins --order` prints it;
 - measured: the measured tier (tuning records, read, never the tuner);
 - attention, model, executor, graph, moe, quantization: each kind's candidates and selector;
 - result: Selection, what the steps add up to;
@@ -22,11 +23,13 @@ from turnout.selection.attention import (
 from turnout.selection.choice import (
     CONFIG_KEYS,
     KIND_LABELS,
+    PHASES,
     Candidate,
     Choice,
     Loss,
     choose,
     plugin_candidates,
+    ranked,
 )
 from turnout.selection.executor import (
     OWN_PROCESSES,
@@ -38,6 +41,7 @@ from turnout.selection.graph import effective_graph, graph_candidates, select_gr
 from turnout.selection.measured import MeasuredTier, apply_records, measured_tier
 from turnout.selection.model import model_candidates, select_model
 from turnout.selection.moe import expert_placement, moe_candidates, select_moe
+from turnout.selection.order import REFERENCE_PLATFORMS, PhaseOrder, attention_order
 from turnout.selection.pipeline import select_all, selection_from_payload, worker_handoff
 from turnout.selection.quantization import quantization_context, select_quantization
 from turnout.selection.result import Selection
@@ -46,13 +50,17 @@ __all__ = [
     "CONFIG_KEYS",
     "KIND_LABELS",
     "OWN_PROCESSES",
+    "PHASES",
+    "REFERENCE_PLATFORMS",
     "Candidate",
     "Choice",
     "Loss",
     "MeasuredTier",
+    "PhaseOrder",
     "Selection",
     "apply_records",
     "attention_candidates",
+    "attention_order",
     "attention_context",
     "choose",
     "choose_attention",
@@ -65,6 +73,7 @@ __all__ = [
     "moe_candidates",
     "plugin_candidates",
     "quantization_context",
+    "ranked",
     "resolve_async_scheduling",
     "select_all",
     "select_attention",

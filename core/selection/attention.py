@@ -13,7 +13,7 @@ from turnout.models.info import ModelInfo
 from turnout.models.registry import ModelArchitecture
 from turnout.platform import Platform
 from turnout.plugins import PluginManager
-from turnout.selection.choice import Candidate, Choice, choose, plugin_candidates
+from turnout.selection.choice import Candidate, Choice, choose, plugin_candidates, ranked
 
 
 def attention_context(
@@ -66,7 +66,7 @@ def _auto_phases(choice: Choice, candidates: list[Candidate], ctx: AttentionCont
     """choice's backend for decode steps; for the others the valid backend of the highest mixed priority
     that can share its KV cache (itself: one backend). choice.note names those passed over, and why."""
     decode, passed = choice.chosen, []
-    for mixed in sorted((c for c in candidates if c.valid), key=lambda c: c.mixed_rank):
+    for mixed in ranked((c for c in candidates if c.valid), "mixed"):
         if mixed.name == decode.name:
             break
         backend = PerPhaseBackend(decode.obj, mixed.obj)

@@ -5,7 +5,7 @@ rejection keeps its reason, so `turnout explain` can show it."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,25 +48,29 @@ class Candidate:
         return not self.reasons
 
     @property
-    def rank(self) -> tuple[int, str, str]:
-        """The sort key of the hookspecs' promise: highest priority first, ties by name, then by plugin."""
-        return -self.priority, self.name, self.plugin
-
-    @property
     def mixed_priority(self) -> int:
-        """The rank for mixed and prefill steps: the backend's mixed_priority, else priority."""
+        """The priority for mixed and prefill steps: the backend's mixed_priority, else priority."""
         p = getattr(self.obj, "mixed_priority", None)
         return self.priority if p is None else int(p)
 
-    @property
-    def mixed_rank(self) -> tuple[int, str, str]:
-        """rank, by mixed_priority."""
-        return -self.mixed_priority, self.name, self.plugin
+    def priority_for(self, phase: str) -> int:
+        """The priority this candidate ranks by for phase (PHASES): "mixed" is mixed_priority, any other
+        its priority."""
+        return self.mixed_priority if phase == "mixed" else self.priority
 
     def as_dict(self) -> dict[str, Any]:
         """explain --json's row."""
         keys = ("name", "plugin", "priority", "valid", "reasons", "chosen")
         return {k: getattr(self, k) for k in keys}
+
+
+PHASES = ("decode", "mixed")  # attention's: uniform-decode steps; prefill, chunked-prefill and mixed steps
+
+
+def ranked(candidates: Iterable[Candidate], phase: str = "decode") -> list[Candidate]:
+    """candidates in the order "auto" tries them, the one rule of every kind: the highest priority for phase
+    first (Candidate.priority_for; "decode" for the kinds without phases), ties by name, then by plugin."""
+    return sorted(candidates, key=lambda c: (-c.priority_for(phase), c.name, c.plugin))
 
 
 class Loss(enum.Enum):
@@ -137,7 +141,7 @@ def choose(kind: str, candidates: list[Candidate], requested: str = "auto") -> C
     """An explicit request must be valid; among the valid candidates it names, or among all valid ones
     under "auto", the highest priority wins, ties by name, then by plugin name."""
     label = KIND_LABELS[kind]
-    valid = sorted((c for c in candidates if c.valid), key=lambda c: c.rank)
+    valid = ranked(c for c in candidates if c.valid)
     options = ", ".join(dict.fromkeys(c.name for c in valid)) or "none"
     if requested != "auto":
         named = [c for c in candidates if c.name == requested]

@@ -33,6 +33,7 @@ from turnout.selection import (
     attention_candidates,
     attention_context,
     graph_candidates,
+    ranked,
     select_all,
 )
 from turnout.tuning.key import tuning_key
@@ -159,7 +160,7 @@ class Search:
         """name -> backend, of every backend valid for this model here (at any block size), by rank."""
         ctx = attention_context(self.info, self.sel.model_architecture, self.platform, self.sel.dtype, None)
         out: dict[str, Any] = {}
-        for c in sorted(attention_candidates(self.pm, ctx), key=lambda c: c.rank):
+        for c in ranked(attention_candidates(self.pm, ctx)):
             if c.valid:
                 out.setdefault(c.name, c.obj)  # a name two plugins register: the one selection would pick
         return out
@@ -176,7 +177,7 @@ class Search:
     def _graph_options(self, cur: dict[str, Any]) -> list[dict[str, Any]]:
         """One option per graph mode as it runs here, cur's first: modes that downgrade to one are one."""
         seen, out = set(), []
-        valid = sorted((c for c in graph_candidates(self.pm) if c.valid), key=lambda c: c.rank)
+        valid = ranked(c for c in graph_candidates(self.pm) if c.valid)
         for s in [cur, *({**cur, "cudagraph_mode": c.name} for c in valid)]:
             try:
                 mode = select_all(self.config_for(s), self.info, self.pm, self.platform).effective_graph.name
