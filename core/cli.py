@@ -180,7 +180,9 @@ def _explain_doc(sel: Selection, config: EngineConfig) -> dict[str, Any]:
         "attention_note": sel.attention.note or None,
         "measured": _measured_doc(sel),
         **({"experts": {"kernel": sel.moe.chosen.name, **sel.experts}} if sel.moe and sel.experts else {}),
-    }
+        **({"quantization": {"method": sel.quantization.chosen.name, "layers": sel.quantization_notes}}
+           if sel.quantization else {}),
+    }  # fmt: skip
 
 
 def _measured_doc(sel: Selection) -> dict[str, Any] | None:
@@ -245,6 +247,10 @@ def _print_explain(sel: Selection, config: EngineConfig) -> None:
         print(f"  {experts['layout']}")
         for rank, (start, stop) in enumerate(experts["experts_per_rank"] if experts["ep_size"] > 1 else []):
             print(f"  rank {rank}: experts {start}-{stop - 1} ({stop - start})")
+    if sel.quantization:
+        print(f"\nquantization {sel.quantization.chosen.name}:")
+        for note in sel.quantization_notes:
+            print(f"  {note}")
     _print_measured(sel)
     print("\nengine settings")
     rows = [[k, str(v["value"]), v["source"]] for k, v in _settings(config, sel).items()]

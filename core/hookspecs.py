@@ -138,8 +138,10 @@ def turnout_quantization_methods(platform: Platform) -> list[QuantizationMethod]
     (`online`), the devices and compute capability it needs, and the layers it replaces (`replaces`).
     Its `check(ctx)` returns every reason it cannot serve a `QuantizationContext`; its
     `linear_method(ctx, names)` gives each linear layer's `LinearMethod` (parameters, loading across
-    tensor-parallel shards, the GEMM). Return every method the plugin has, even one this platform cannot
-    run: `check` turns that into reasons. An empty list offers nothing.
+    tensor-parallel shards, the GEMM); where it replaces "moe", `moe_method(ctx, prefix, projections)` each
+    FusedMoE's `MoEMethod`; `notes(ctx)` says how each layer kind computes, for `turnout explain`. Return
+    every method the plugin has, even one this platform cannot run: `check` turns that into reasons.
+    An empty list offers nothing.
 
     Combine: concatenated. A checkpoint with a `quantization_config` takes the valid method of the highest
     priority (ties by name, then plugin) among those that read its format, and is refused at start-up where

@@ -1,6 +1,6 @@
-"""FP8 checkpoints (turnout-fp8) on the CPU: each format against HF transformers running the same checkpoint
-dequantized by the format's formula in float64, online quantization against the unquantized model, and
-one-line refusals for what no method serves."""
+"""FP8 checkpoints (turnout-fp8) on the CPU: each format, for a Llama and for Qwen3-MoE's fused experts,
+against HF transformers running the same checkpoint dequantized by the format's formula in float64, online
+quantization against the unquantized model, and one-line refusals for what no method serves."""
 
 from __future__ import annotations
 
@@ -220,3 +220,168 @@ def test_fp8_block_scales_shard_over_tensor_parallel_ranks(tiny_bf16: Path, tmp_
         assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] == ref
     finally:
         llm.shutdown()
+
+
+# ---- fused MoE experts in FP8 (Qwen3-MoE) ----
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("fp8-moe-src"), "qwen3_moe", seed=5, **MOE)
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def moe_fp8_and_ref(request: pytest.FixtureRequest, tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory):
+    fp8 = quantize_checkpoint(
+        tiny_moe, tmp_path_factory.mktemp("moe-" + request.param), **FORMATS[request.param]
+    )
+    ref = dequantized_checkpoint(fp8, tmp_path_factory.mktemp("moe-" + request.param + "-ref"))
+    return fp8, ref
+
+
+def _experts(llm: LLM, layer: int):
+    return llm.engine.executor.worker.runner.model.model.layers[layer].mlp.experts
+
+
+def test_fp8_moe_experts_in_each_format_match_hf_on_the_checkpoint_dequantized(moe_fp8_and_ref) -> None:
+    """Every expert weight equals the format's formula applied to the checkpoint; greedy tokens equal HF's
+    on the dequantized checkpoint, logprobs within 1e-4; the notes say the experts run in float32."""
+    from safetensors.torch import load_file
+
+    fp8, ref = moe_fp8_and_ref
+    llm = LLM(str(fp8), dtype="float32", cpu_kv_cache_bytes=1 << 22)
+    assert llm.engine.selection.quantization.chosen.name == "fp8"
+    assert "fused MoE experts: dequantized to float32 at load" in " ".join(llm.selection.quantization_notes)
+    want = load_file(ref / "model.safetensors")
+    experts = _experts(llm, 1)
+    assert experts.w13_weight.dtype == torch.float32 and experts.quant_method is None
+    assert torch.equal(experts.w13_weight[5, 64:], want["model.layers.1.mlp.experts.5.up_proj.weight"])
+    assert torch.equal(experts.w2_weight[2], want["model.layers.1.mlp.experts.2.down_proj.weight"])
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == hf_greedy(ref, PROMPTS, MAX_NEW)
+    lps = zip(outs[1].outputs[0].logprobs, outs[1].token_ids)
+    ours = torch.tensor([lp[t].logprob for lp, t in lps], dtype=torch.float64)
+    theirs = _hf_logprobs(ref, PROMPTS[1], outs[1].token_ids)
+    assert torch.allclose(ours, theirs, atol=1e-4), (ours, theirs)
+
+
+def test_online_fp8_leaves_moe_experts_unquantized_and_says_so(tiny_moe: Path) -> None:
+    from safetensors.torch import load_file
+
+    llm = LLM(str(tiny_moe), dtype="float32", cpu_kv_cache_bytes=1 << 22, quantization="fp8")
+    assert "fused MoE experts: not quantized" in llm.selection.quantization_notes[-1]
+    src = load_file(tiny_moe / "model.safetensors")["model.layers.0.mlp.experts.4.gate_proj.weight"]
+    assert torch.equal(_experts(llm, 0).w13_weight[4, :64], src)
+
+
+@pytest.mark.parametrize(
+    "fmt, parallel",
+    [("hf-block", {}), ("ct-tensor-static", {"enable_expert_parallel": True})],
+    ids=["hf-block-tp2", "ct-tensor-static-tp2-ep"],
+)
+def test_fp8_moe_scales_shard_over_tensor_and_expert_parallel_ranks(
+    fmt: str, parallel: dict, tiny_moe: Path, tmp_path: Path
+) -> None:
+    """TP 2 over gloo: each rank keeps its rows of w13 and columns of w2 and of their block scales; with
+    expert parallelism each rank keeps its experts whole, with their scales. Greedy tokens equal HF's on
+    the checkpoint dequantized."""
+    fp8 = quantize_checkpoint(tiny_moe, tmp_path / "fp8", **FORMATS[fmt])
+    ref = hf_greedy(dequantized_checkpoint(fp8, tmp_path / "ref"), PROMPTS[:2], MAX_NEW)
+    llm = LLM(str(fp8), dtype="float32", cpu_kv_cache_bytes=1 << 22, tensor_parallel_size=2, **parallel)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)] == ref
+    finally:
+        llm.shutdown()
+
+
+BAD_MOE_TENSORS = {
+    "missing scale": (
+        "hf-block",
+        lambda t: t.pop("model.layers.1.mlp.experts.5.up_proj.weight_scale_inv"),
+        "lacks model.layers.1.mlp.experts.5.up_proj.weight_scale_inv",
+    ),
+    "block scale of the wrong shape": (
+        "hf-block",
+        lambda t: t.update({"model.layers.0.mlp.experts.2.down_proj.weight_scale_inv": torch.ones(3, 2)}),
+        "model.layers.0.mlp.experts.2.down_proj.weight_scale_inv has shape (3, 2)",
+    ),
+    "channel scale of the wrong shape": (
+        "ct-channel-dynamic",
+        lambda t: t.update({"model.layers.1.mlp.experts.7.gate_proj.weight_scale": torch.ones(5, 1)}),
+        "model.layers.1.mlp.experts.7.gate_proj.weight_scale has shape (5,)",
+    ),
+    "zero scale": (
+        "ct-tensor-static",
+        lambda t: t.update({"model.layers.0.mlp.experts.3.down_proj.weight_scale": torch.zeros(1)}),
+        "has a zero or negative model.layers.0.mlp.experts.3.down_proj.weight_scale",
+    ),
+    "experts not in FP8": (
+        "hf-block",
+        lambda t: t.update({"model.layers.0.mlp.experts.1.gate_proj.weight": torch.ones(64, 64)}),
+        "model.layers.0.mlp.experts.1.gate_proj.weight is float32",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MOE_TENSORS))
+def test_a_malformed_fp8_moe_expert_fails_start_up_with_the_tensor_named(
+    case: str, tiny_moe: Path, tmp_path: Path
+) -> None:
+    fmt, edit, needle = BAD_MOE_TENSORS[case]
+    src = quantize_checkpoint(tiny_moe, tmp_path / "fp8", **FORMATS[fmt])
+    with pytest.raises(TurnoutError) as e:
+        LLM(str(_edit_tensors(src, tmp_path / "bad", edit)), dtype="float32", cpu_kv_cache_bytes=1 << 22)
+    assert "\n" not in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_fp8_moe_blocks_that_split_unevenly_over_tp_ranks_are_refused(tmp_path: Path) -> None:
+    """moe_intermediate_size 48 over 2 ranks is 24 rows a rank, which 16-row blocks do not divide (the
+    attention layers' rows and columns they do)."""
+    src = make_tiny_model(tmp_path / "src", "qwen3_moe", seed=5, **{**MOE, "moe_intermediate_size": 48})
+    fp8 = quantize_checkpoint(src, tmp_path / "fp8", **FORMATS["hf-block"])
+    with pytest.raises(TurnoutError) as e:
+        LLM(str(fp8), dtype="float32", cpu_kv_cache_bytes=1 << 22, tensor_parallel_size=2)
+    msg = str(e.value)
+    assert "\n" not in msg and "[16, 32] does not divide model.layers.0.mlp.experts's 24" in msg, msg
+
+
+class _LinearOnlyFp8:
+    """A third party's method for the same format that quantizes linear layers only."""
+
+    @hookimpl
+    def turnout_quantization_methods(self, platform):
+        from turnout.quantization import QuantizationMethod
+
+        class LinearFp8(QuantizationMethod):
+            name, checkpoint_formats, priority = "linear_fp8", ("fp8",), 100
+
+        return [LinearFp8()]
+
+
+def test_a_method_that_does_not_replace_moe_is_no_candidate_for_fp8_experts(
+    register_plugin, plugin_manager, tiny_moe: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The method that replaces "moe" wins over a higher-priority one that does not, and explain says the
+    experts run in the compute dtype."""
+    from turnout.config import EngineConfig
+    from turnout.models.info import ModelInfo
+    from turnout.selection import select_all
+
+    register_plugin(_LinearOnlyFp8(), "linear_fp8_plugin")
+    fp8 = quantize_checkpoint(tiny_moe, tmp_path / "fp8", **FORMATS["hf-block"])
+    sel = select_all(EngineConfig(model=str(fp8)), ModelInfo.from_dir(fp8), plugin_manager)
+    cands = {c.name: c for c in sel.quantization.candidates}
+    assert sel.quantization.chosen.name == "fp8"
+    assert cands["linear_fp8"].reasons == [
+        "does not quantize fused MoE experts, which this checkpoint stores quantized"
+    ]
+    assert sel.quantization_notes[-1].startswith("fused MoE experts: dequantized to float32 at load")
+    from turnout.cli import main
+
+    assert main(["explain", "--model", str(fp8), "--dtype", "float32"]) == 0
+    text = capsys.readouterr().out
+    assert "quantization fp8:" in text and "fused MoE experts: dequantized to float32 at load" in text
+    assert main(["explain", "--json", "--model", str(fp8), "--dtype", "bfloat16"]) == 0
+    doc = json.loads(capsys.readouterr().out)["quantization"]
+    assert doc["method"] == "fp8" and "run in bfloat16" in doc["layers"][-1]

@@ -312,6 +312,9 @@ class FusedMoE(nn.Module):
         local = torch.tensor([j for rng in placement for j in range(len(rng))])
         self.register_buffer("expert_local", local, persistent=False)  # expert id -> index on that rank
         self.kernel: MoEKernel = TORCH_KERNEL
+        # a turnout.quantization.MoEMethod, set before the checkpoint loads; None once the weights are in
+        # the compute dtype the kernel computes in
+        self.quant_method: Any = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, shard: int) -> bool:
         """One checkpoint expert tensor: shard 0 = gate_proj, 1 = up_proj (into w13), 2 = down_proj (w2).

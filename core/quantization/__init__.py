@@ -13,6 +13,14 @@ For each tensor-parallel linear layer of the model (`turnout.layers.ColumnParall
 layer its parameters (the quantized weight and its scales, each with a `weight_loader` that keeps this
 rank's shard: the layer's `shard_rows` / `shard_cols` say where each checkpoint part goes); after it loads,
 `process_weights_after_loading` checks and converts them; each forward calls `apply`.
+
+A method whose `replaces` includes "moe" returns a `MoEMethod` for each `turnout.layers.FusedMoE` layer
+(`moe_method`): it gives the layer its quantized expert parameters (`w13_weight`, `w2_weight` and their
+scales, named so that `w13_<suffix>` reads the checkpoint's `experts.<e>.gate_proj.<suffix>` and
+`up_proj.<suffix>`, `w2_<suffix>` its `down_proj.<suffix>`), each loaded per expert and sharded as the
+layer's own `weight_loader` shards its weights; after loading it leaves `w13_weight` and `w2_weight` in the
+compute dtype, as the layer's MoE kernel computes the experts. `notes` says how each layer kind computes,
+for `turnout explain`: a method that changes a layer's precision at load says so there.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from torch import nn
 from turnout.errors import ConfigError, WeightLoadError
 from turnout.hookspecs import Priority
 from turnout.layers.linear import ColumnParallelLinear, RowParallelLinear
+from turnout.layers.moe import FusedMoE
 from turnout.platform import Platform
 
 LinearLayer = ColumnParallelLinear | RowParallelLinear
@@ -81,10 +90,27 @@ class LinearMethod:
         raise NotImplementedError
 
 
+class MoEMethod:
+    """How one FusedMoE layer's experts load from a quantized checkpoint. The layer's MoE kernel computes
+    in the compute dtype, so after loading `w13_weight` [E, 2I, H] and `w2_weight` [E, H, I] (this rank's
+    experts and shards) hold the compute dtype; the method says so in its `notes`."""
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        """Replace layer.w13_weight and layer.w2_weight by this method's parameters and register their
+        scales (`w13_weight_scale`, `w2_weight_scale_inv`, ...), each with a
+        `weight_loader(param, tensor, expert, shard)` that keeps this rank's part as FusedMoE.weight_loader
+        does (shard 0 gate_proj, 1 up_proj, 2 down_proj) and returns False for another rank's expert."""
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        """Check the loaded parameters (every scale filled, positive; turnout.errors.WeightLoadError naming
+        the checkpoint tensor where one is wrong) and leave w13_weight and w2_weight in the compute dtype."""
+
+
 class QuantizationMethod:
     """A quantization method a plugin offers, selected by the checkpoint's `quantization_config` or by
     `quantization = name` (vLLM's names: "fp8"). Subclasses set the class attributes and implement
-    `linear_method`; `check` adds format validation to the platform checks here."""
+    `linear_method` (and `moe_method` where `replaces` includes "moe"); `check` adds format validation to
+    the platform checks here; `notes` says how the replaced layers compute."""
 
     name: str = ""
     priority: int = Priority.DEFAULT
@@ -117,6 +143,18 @@ class QuantizationMethod:
             why.append("does not quantize fused MoE experts, which this checkpoint stores quantized")
         return why
 
+    def notes(self, ctx: QuantizationContext) -> list[str]:
+        """How each layer kind this method replaces computes on ctx's platform, one line each (what
+        `turnout explain` prints under the method); a layer it dequantizes at load is named with the dtype
+        it then runs in."""
+        return []
+
+    def moe_method(self, ctx: QuantizationContext, prefix: str, projections: list[str]) -> MoEMethod | None:
+        """The MoEMethod for the FusedMoE layer whose checkpoint tensors are `<prefix>.<expert>.<proj>.*`
+        (projections: the checkpoint's names of shards 0, 1, 2, e.g. gate_proj, up_proj, down_proj); None
+        leaves the experts unquantized. Only called where `replaces` includes "moe"."""
+        return None
+
     def linear_method(self, ctx: QuantizationContext, checkpoint_names: list[str]) -> LinearMethod | None:
         """The LinearMethod for the linear layer whose checkpoint tensors are named checkpoint_names (the
         fused parts of one layer, e.g. `model.layers.0.self_attn.q_proj`, `.k_proj`, `.v_proj`); None leaves
@@ -141,13 +179,29 @@ def linear_layers(model: nn.Module) -> Iterator[tuple[str, LinearLayer, list[str
         yield name, m, parts or [name]
 
 
+def moe_layers(model: nn.Module) -> Iterator[tuple[str, FusedMoE, list[str]]]:
+    """Every FusedMoE layer of model: (module name, layer, the checkpoint projection names of its shards 0,
+    1 and 2, from the model's `expert_packed` map, as DecoderForCausalLM declares it)."""
+    packed: dict[str, int] = getattr(model, "expert_packed", {})
+    projections = [proj for proj, _ in sorted(packed.items(), key=lambda kv: kv[1])]
+    for name, m in model.named_modules():
+        if isinstance(m, FusedMoE):
+            yield name, m, projections
+
+
 def quantize_linears(model: nn.Module, method: QuantizationMethod, ctx: QuantizationContext) -> int:
-    """Give every linear layer the method's LinearMethod (before the checkpoint loads); returns how many."""
+    """Give every linear layer the method's LinearMethod, and where the method replaces "moe" every
+    FusedMoE layer its MoEMethod (before the checkpoint loads); returns how many layers took one."""
     n = 0
     for _, layer, parts in linear_layers(model):
         if (lm := method.linear_method(ctx, parts)) is not None:
             layer.quant_method = lm
             lm.create_weights(layer)
+            n += 1
+    for name, moe, projections in moe_layers(model) if "moe" in method.replaces else ():
+        if (mm := method.moe_method(ctx, name, projections)) is not None:
+            moe.quant_method = mm
+            mm.create_weights(moe)
             n += 1
     return n
 
@@ -155,7 +209,7 @@ def quantize_linears(model: nn.Module, method: QuantizationMethod, ctx: Quantiza
 def process_weights_after_loading(model: nn.Module) -> None:
     """Each quantized layer's process_weights_after_loading, once the checkpoint has loaded."""
     for m in model.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.quant_method is not None:
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, FusedMoE)) and m.quant_method is not None:
             m.quant_method.process_weights_after_loading(m)
 
 
@@ -165,9 +219,11 @@ __all__ = [
     "LAYER_KINDS",
     "LinearLayer",
     "LinearMethod",
+    "MoEMethod",
     "QuantizationContext",
     "QuantizationMethod",
     "linear_layers",
+    "moe_layers",
     "process_weights_after_loading",
     "quantize_linears",
     "WeightLoadError",

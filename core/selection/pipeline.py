@@ -20,7 +20,7 @@ from turnout.selection.graph import effective_graph, select_graph
 from turnout.selection.measured import apply_records
 from turnout.selection.model import select_model
 from turnout.selection.moe import expert_placement, select_moe
-from turnout.selection.quantization import select_quantization
+from turnout.selection.quantization import quantization_notes, select_quantization
 from turnout.selection.result import Selection
 
 logger = logging.getLogger("turnout")
@@ -53,6 +53,7 @@ def select_all(
     return Selection(
         platform, info, dtype, attention, model, executor, graph, effective, graph_note,
         fitted=fitted, moe=moe, quantization=quantization, measured=measured,
+        quantization_notes=quantization_notes(quantization, config, info, platform, dtype),
         experts=expert_placement(config, info) if moe is not None else None,
         async_scheduling=async_on, async_scheduling_note=async_note,
     )  # fmt: skip

@@ -61,3 +61,12 @@ def select_quantization(
                 f"checkpoint {info.path} (quant_method '{fmt}') cannot be served here: {why}"
             )
     return choose("quantization", cands, ctx.requested or "auto")
+
+
+def quantization_notes(
+    choice: Choice | None, config: EngineConfig, info: ModelInfo, platform: Platform, dtype: torch.dtype
+) -> list[str]:
+    """The chosen method's account of how each layer kind it replaces computes here (its `notes`)."""
+    if choice is None:
+        return []
+    return list(choice.obj.notes(quantization_context(config, info, platform, dtype)))

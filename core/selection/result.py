@@ -42,6 +42,7 @@ class Selection:
     fitted: dict[str, tuple[Any, str]] = field(default_factory=dict)  # turnout.defaults: (value, why)
     moe: Choice | None = None  # MoE models only
     quantization: Choice | None = None  # a quantized checkpoint, or `quantization` set
+    quantization_notes: list[str] = field(default_factory=list)  # how its layers compute (method.notes)
     experts: dict[str, Any] | None = None  # MoE models: the experts each rank holds (describe_placement)
     measured: MeasuredTier | None = None  # the tuning record read, and its decision
 

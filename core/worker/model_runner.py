@@ -163,7 +163,12 @@ class ModelRunner:
             ctx = quantization_context(self.config, self.info, self.selection.platform, self.dtype)
             with torch.device(self.device):
                 n = quantization.quantize_linears(model, method, ctx)
-            logger.info("quantization %s: %d linear layers", method.name, n)
+            logger.info(
+                "quantization %s: %d layers (%s)",
+                method.name,
+                n,
+                "; ".join(self.selection.quantization_notes),
+            )
         ps, kernel = get_parallel_state(), self.selection.moe and self.selection.moe.chosen.name
         rank = (ps.tp_rank, ps.tp_size, ps.pp_rank, ps.pp_size, ps.ep_rank, ps.ep_size)
         key = (cls, str(self.info.path), self.dtype, str(self.device), rank, kernel, method and method.name)

@@ -6,7 +6,13 @@ scales, static or dynamic activation scales) and online quantization of an unqua
 On CUDA (sm89+) the weights stay in FP8: prefill and large batches run an FP8 GEMM (cuBLASLt through
 torch._scaled_mm for per-channel scales, a Triton kernel for block scales), decode batches of at most
 kernels.GEMV_MAX_M rows a Triton GEMV that reads the FP8 weights and keeps the activations in the compute
-dtype. On the CPU every format is dequantized to the compute dtype at load."""
+dtype. On the CPU every format is dequantized to the compute dtype at load.
+
+Fused MoE experts (Qwen3-MoE's `mlp.experts.<e>.{gate,up,down}_proj`) stored in FP8 load in every format
+above, their scales sharded over tensor-parallel ranks as the experts' weights are (w13 by rows, w2 by
+columns) and held whole with their experts under expert parallelism; they are dequantized to the compute
+dtype at load on every device, as the MoE kernels compute in it, and `turnout explain` says so. Online
+quantization leaves the experts unquantized."""
 
 from turnout import hookimpl
 from turnout_fp8.method import Fp8Method

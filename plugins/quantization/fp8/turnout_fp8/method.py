@@ -1,5 +1,6 @@
 """The fp8 QuantizationMethod and its LinearMethod: FP8 parameters, their loading across tensor-parallel
-shards, and the conversion after loading (kept in FP8 on CUDA, dequantized on the CPU)."""
+shards, and the conversion after loading (kept in FP8 on CUDA, dequantized on the CPU). Fused MoE experts
+(turnout_fp8.moe) are dequantized at load on every device."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from turnout.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from turnout.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, num_experts
 from turnout.quantization import (
     ConfigError,
     LinearLayer,
     LinearMethod,
+    MoEMethod,
     QuantizationContext,
     QuantizationMethod,
     WeightLoadError,
@@ -32,6 +34,7 @@ class Fp8Method(QuantizationMethod):
     checkpoint_formats = ("fp8", "compressed-tensors")
     online = True
     min_capability = (8, 9)  # FP8 tensor cores: Ada and Hopper
+    replaces = frozenset({"linear", "moe"})
 
     def check(self, ctx: QuantizationContext) -> list[str]:
         """The base checks, and the quantization_config's fields (one reason naming a malformed one)."""
@@ -42,18 +45,55 @@ class Fp8Method(QuantizationMethod):
             why.append(str(e))
         return why
 
+    def notes(self, ctx: QuantizationContext) -> list[str]:
+        """Where the weights stay in FP8 and where they are dequantized to the compute dtype at load."""
+        s, dtype = schemes.parse(ctx), str(ctx.dtype).removeprefix("torch.")
+        if ctx.platform.is_cuda:
+            notes = ["linear layers: FP8 weights, FP8 GEMMs (decode: a GEMV that reads the FP8 weights)"]
+        else:
+            notes = [
+                f"linear layers: dequantized to {dtype} at load (no FP8 kernels on the CPU); run in {dtype}"
+            ]
+        if num_experts(ctx.hf_config) and s.online:
+            notes.append(
+                f"fused MoE experts: not quantized (online FP8 covers linear layers); run in {dtype}"
+            )
+        elif num_experts(ctx.hf_config):
+            notes.append(
+                f"fused MoE experts: dequantized to {dtype} at load (no FP8 MoE kernel); run in {dtype}, "
+                f"with {dtype}'s weight memory"
+            )
+        return notes
+
     def linear_method(self, ctx: QuantizationContext, checkpoint_names: list[str]) -> LinearMethod | None:
         """An Fp8LinearMethod, or None for a layer the checkpoint's ignore list names (all of its parts)."""
         s = schemes.parse(ctx)
-        ignored = [s.ignores(n) for n in checkpoint_names]
-        if all(ignored):
+        if not _quantized(s, checkpoint_names):
             return None
-        if any(ignored):
-            raise ConfigError(
-                f"quantization_config leaves some parts of one fused layer unquantized "
-                f"({', '.join(n for n, i in zip(checkpoint_names, ignored) if i)}); fused parts must agree"
-            )
         return Fp8LinearMethod(s, checkpoint_names, ctx.platform.is_cuda)
+
+    def moe_method(self, ctx: QuantizationContext, prefix: str, projections: list[str]) -> MoEMethod | None:
+        """An Fp8MoEMethod for a checkpoint that stores its experts in FP8; None where online quantization
+        runs (the experts would compute in the compute dtype all the same) or the ignore list names them."""
+        s = schemes.parse(ctx)
+        names = [f"{prefix}.{e}.{proj}" for e in range(num_experts(ctx.hf_config)) for proj in projections]
+        if s.online or not _quantized(s, names):
+            return None
+        from turnout_fp8.moe import Fp8MoEMethod
+
+        return Fp8MoEMethod(s, prefix, projections)
+
+
+def _quantized(s: Scheme, names: list[str]) -> bool:
+    """Whether the checkpoint quantizes the layer whose parts are names: all of them, or (its ignore list
+    names them all) none; a layer with some parts ignored is a ConfigError."""
+    ignored = [s.ignores(n) for n in names]
+    if any(ignored) and not all(ignored):
+        raise ConfigError(
+            f"quantization_config leaves some parts of one fused layer unquantized "
+            f"({', '.join(n for n, i in zip(names, ignored) if i)}); fused parts must agree"
+        )
+    return not all(ignored)
 
 
 def shard_ids(layer: LinearLayer) -> list[Any]:
