@@ -28,12 +28,15 @@ SUITES = {
     "throughput": Suite(
         "The 256 requests of nano-vllm's bench (prompts and outputs of 100-1024 tokens, temperature 0.6) "
         "on the Qwen3-0.6B shape: turnout against nano-vllm on the full workload and HF transformers on 64 "
-        "of its requests, then turnout with Triton alone; then both Qwen3 shapes beside vLLM",
+        "of its requests, then turnout with Triton alone; then both Qwen3 shapes, and the Mistral-7B and "
+        "Gemma-3-12B shapes, beside vLLM",
         [
             f"turnout bench throughput {QWEN3} --peers nano-vllm,hf-generate-batch,hf-generate --out {{out}}",
             f"turnout bench throughput {QWEN3} --attention-backend triton --out {{out}}",
             f"turnout bench throughput {QWEN3} --peers vllm --out {{out}}",
             "turnout bench throughput --random-model qwen3-8b --peers vllm --out {out}",
+            "turnout bench throughput --random-model mistral-7b --peers vllm --out {out}",
+            "turnout bench throughput --random-model gemma-3-12b --peers vllm --out {out}",
         ],
     ),
     "wide": Suite(
