@@ -27,7 +27,7 @@ lint: setup-test  ## ruff, and the import contracts of pyproject.toml (plugins u
 	PYTHONPATH=examples/turnout-example-backend:examples/turnout-example-model:examples/turnout-example-gemma2 $(BIN)/lint-imports
 
 images: setup-test  ## the README's screenshots of the chat page, taken by tests/test_web_page.py
-	TURNOUT_TEST_IMAGES=docs/images $(BIN)/python -m pytest -q tests/test_web_page.py
+	WEB_PAGE_IMAGES=docs/images $(BIN)/python -m pytest -q tests/test_web_page.py
 
 format: setup-test
 	$(BIN)/ruff format .

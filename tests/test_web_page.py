@@ -2,7 +2,7 @@
 protocol: one server (the embedded model, with --api-key) and one page for every test, in file order. The
 page's answers are checked against the HTTP API, its selection panel against the engine's start-up line and
 `turnout explain --json`, its names against Chromium's accessibility tree. The screenshots land in
-build/test-artifacts/, or where TURNOUT_TEST_IMAGES names: `make images` writes the README's, docs/images/."""
+build/test-artifacts/, or where WEB_PAGE_IMAGES names: `make images` writes the README's, docs/images/."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from turnout.entrypoints.openai.api_server import build_app
 from turnout.metrics import PrometheusStatLogger
 
 ROOT = Path(__file__).parents[1]
-IMAGES = ROOT / os.environ.get("TURNOUT_TEST_IMAGES", "build/test-artifacts")
+IMAGES_VAR = "WEB_PAGE_IMAGES"  # not TURNOUT_*: the engine reads those as its settings, refusing unknown ones
+IMAGES = ROOT / os.environ.get(IMAGES_VAR, "build/test-artifacts")
 CHROMIUM = shutil.which("chromium")
 
 
@@ -199,6 +200,17 @@ def test_no_web_page_serves_the_api_without_the_page() -> None:
     assert on.get("/").headers["content-type"].startswith("text/html")
 
 
+def test_make_images_sets_only_what_the_engine_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make images` runs this file with its variables set, so the server and explain here inherit them."""
+    recipe = re.search(r"^images:.*\n\t(.*)$", (ROOT / "Makefile").read_text(), re.M)[1]
+    assigned = dict(re.findall(r"(\w+)=(\S+)", recipe.split("$(BIN)")[0]))
+    assert set(assigned) == {IMAGES_VAR} and assigned[IMAGES_VAR] == "docs/images", recipe
+    for name, value in assigned.items():
+        monkeypatch.setenv(name, value)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["explain", "--json", *[a for a in SMOL if a not in ("--api-key", KEY)]]) == 0
+
+
 def test_the_page_asks_for_the_key_and_keeps_it_in_this_tab_only(page: Chromium, server: Server) -> None:
     page.js("sessionStorage.clear()")
     page.goto(f"{server.url}/")
@@ -240,7 +252,14 @@ def test_the_streamed_answer_is_the_api_greedy_answer(page: Chromium, server: Se
         "temperature": 0,
         "top_p": 1,
     }
-    ref = server.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    sent = [
+        e["params"]["request"]
+        for e in page.events
+        if e["method"] == "Network.requestWillBeSent"
+        and e["params"]["request"]["url"] == f"{server.url}/v1/chat/completions"
+    ]
+    assert json.loads(sent[-1]["postData"]) == {**body, "stream": True}  # the system prompt and settings
+    ref = server.client().chat.completions.create(**body).choices[0].message.content
     assert shown == ref and ref
     assert len({n for n in page.js("window.lengths") if 0 < n < len(ref)}) >= 2  # it grew piece by piece
     assert page.js("document.getElementById('prompt').value") == ""
@@ -254,7 +273,9 @@ def test_stop_ends_the_stream_and_the_request_mid_way(page: Chromium, server: Se
     page.click("#send")
     # the live figures follow /metrics while it runs
     page.wait("document.getElementById('m-running').textContent === '1' && "
-              "Number(document.getElementById('m-tps').textContent) > 0", timeout=30)  # fmt: skip
+              "Number(document.getElementById('m-tps').textContent) > 0 && "
+              "document.getElementById('m-waiting').textContent === '0' && "
+              "parseFloat(document.getElementById('m-kv').textContent) > 0", timeout=30)  # fmt: skip
     page.wait(f"{LAST}.querySelector('.text').textContent.length >= 10")
     page.click("#stop")
     page.wait(f"{LAST}.dataset.state === 'stopped'")
@@ -329,7 +350,8 @@ def test_the_page_loads_nothing_from_elsewhere(page: Chromium, server: Server) -
 
 
 def test_screenshots_and_the_phone_sized_layout(page: Chromium) -> None:
-    page.wait("document.getElementById('m-tps').textContent === '0.0'")  # idle figures: a stable picture
+    tps, kv = (f"document.getElementById('{id_}').textContent" for id_ in ("m-tps", "m-kv"))
+    page.wait(f"{tps} === '0.0' && {kv} === '0.0 %'")  # idle figures: a stable picture
     page.screenshot(IMAGES / "web-page.png", 1280, 800)
     page.screenshot(IMAGES / "web-page-375x667.png", 375, 667)
     assert page.js("document.documentElement.scrollWidth") <= 375  # nothing runs off the side
