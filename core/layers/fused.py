@@ -125,21 +125,21 @@ def qk_norm_rope(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    return _gated(x, "silu_and_mul_kernel")
+    return _act_and_mul(x, "silu")
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str) -> torch.Tensor:  # [T, 2I] -> [T, I]
     """approximate: "none" (erf) or "tanh", as torch.nn.functional.gelu takes it."""
-    return _gated(x, "gelu_and_mul_kernel", TANH=approximate == "tanh")
+    return _act_and_mul(x, "gelu_tanh" if approximate == "tanh" else "gelu")
 
 
-def _gated(x: torch.Tensor, kernel: str, **flags: bool) -> torch.Tensor:
+def _act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     kn = kernels()
     t, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     block = min(1024, kn.next_power_of_2(n))
     if t:
-        getattr(kn, kernel)[(t, -(-n // block))](
-            x, out, x.stride(0), out.stride(0), n, **flags, BLOCK=block, num_warps=4, **pdl.launch()
+        kn.act_and_mul_kernel[(t, -(-n // block))](
+            x, out, x.stride(0), out.stride(0), n, ACT=kn.ACTS[act], BLOCK=block, num_warps=4, **pdl.launch()
         )
     return out

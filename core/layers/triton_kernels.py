@@ -98,9 +98,13 @@ def qk_norm_rope_kernel(
     tl.store(k_dst + HALF + i, o2, mask=km)
 
 
+ACTS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # act_and_mul_kernel's ACT
+
+
 @triton.jit
-def silu_and_mul_kernel(x, out, s_xt, s_ot, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Grid (T, cdiv(n, BLOCK)): out[t, j] = silu(x[t, j]) * x[t, n + j], rounded as torch does."""
+def act_and_mul_kernel(x, out, s_xt, s_ot, n, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Grid (T, cdiv(n, BLOCK)): out[t, j] = act(x[t, j]) * x[t, n + j], act (ACTS) SiLU, the exact (erf) GELU
+    or its tanh approximation, in float32 and rounded before the product as torch does."""
     pdl_wait(PDL)
     t, b = tl.program_id(0), tl.program_id(1)
     j = b * BLOCK + tl.arange(0, BLOCK)
@@ -108,25 +112,12 @@ def silu_and_mul_kernel(x, out, s_xt, s_ot, n, BLOCK: tl.constexpr, PDL: tl.cons
     g = tl.load(x + t * s_xt + j, mask=m, other=0.0)
     u = tl.load(x + t * s_xt + n + j, mask=m, other=0.0).to(tl.float32)
     gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-    tl.store(out + t * s_ot + j, (act * u).to(out.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def gelu_and_mul_kernel(x, out, s_xt, s_ot, n, TANH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Grid (T, cdiv(n, BLOCK)): out[t, j] = gelu(x[t, j]) * x[t, n + j], the GELU exact (erf) or, with TANH,
-    its tanh approximation, in float32 and rounded before the product as torch does."""
-    pdl_wait(PDL)
-    t, b = tl.program_id(0), tl.program_id(1)
-    j = b * BLOCK + tl.arange(0, BLOCK)
-    m = j < n
-    g = tl.load(x + t * s_xt + j, mask=m, other=0.0)
-    u = tl.load(x + t * s_xt + n + j, mask=m, other=0.0).to(tl.float32)
-    gf = g.to(tl.float32)
-    if TANH:  # 1 + tanh(y) = 2 - 2 / (exp(2y) + 1); past 2y = 40 the quotient is below float32's ulp
+    if ACT == 0:  # silu
+        act = gf / (1.0 + tl.exp(-gf))
+    elif ACT == 2:  # gelu_tanh, with 1 + tanh(y) = 2 - 2 / (exp(2y) + 1), clamped where it is 2 to an ulp
         y = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
         act = 0.5 * gf * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * y, 40.0)) + 1.0))
-    else:
+    else:  # gelu
         act = 0.5 * gf * (1.0 + tl.math.erf(gf * 0.7071067811865476))
     tl.store(out + t * s_ot + j, (act.to(g.dtype).to(tl.float32) * u).to(out.dtype.element_ty), mask=m)
 
