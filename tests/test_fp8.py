@@ -125,10 +125,12 @@ def test_a_malformed_quantization_config_fails_start_up_with_one_line(
     _assert_refused(tiny_bf16, tmp_path, _edit_config, *MALFORMED[case])
 
 
-def _assert_refused(tiny_bf16: Path, tmp_path: Path, edit_copy, edit, needle: str) -> None:
-    """An HF block-FP8 checkpoint, copied with edit applied by edit_copy, fails start-up with one line
+def _assert_refused(
+    tiny_bf16: Path, tmp_path: Path, edit_copy, edit, needle: str, fmt: str = "hf-block"
+) -> None:
+    """An FP8 checkpoint of format fmt, copied with edit applied by edit_copy, fails start-up with one line
     holding needle."""
-    src = quantize_checkpoint(tiny_bf16, tmp_path / "fp8", **FORMATS["hf-block"])
+    src = quantize_checkpoint(tiny_bf16, tmp_path / "fp8", **FORMATS[fmt])
     with pytest.raises(TurnoutError) as e:
         LLM(str(edit_copy(src, tmp_path / "bad", edit)), dtype="float32", cpu_kv_cache_bytes=1 << 22)
     assert "\n" not in str(e.value) and needle in str(e.value), str(e.value)
@@ -329,10 +331,7 @@ def test_a_malformed_fp8_moe_expert_fails_start_up_with_the_tensor_named(
     case: str, tiny_moe: Path, tmp_path: Path
 ) -> None:
     fmt, edit, needle = BAD_MOE_TENSORS[case]
-    src = quantize_checkpoint(tiny_moe, tmp_path / "fp8", **FORMATS[fmt])
-    with pytest.raises(TurnoutError) as e:
-        LLM(str(_edit_tensors(src, tmp_path / "bad", edit)), dtype="float32", cpu_kv_cache_bytes=1 << 22)
-    assert "\n" not in str(e.value) and needle in str(e.value), str(e.value)
+    _assert_refused(tiny_moe, tmp_path, _edit_tensors, edit, needle, fmt)
 
 
 def test_fp8_moe_blocks_that_split_unevenly_over_tp_ranks_are_refused(tmp_path: Path) -> None:
