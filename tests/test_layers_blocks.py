@@ -145,21 +145,30 @@ def test_rms_norm_is_llamas_form() -> None:
     assert torch.equal(ours(x), hf(x))
 
 
-def test_unit_offset_qk_norms_never_take_the_fused_rope_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused q/k-norm + rope kernel applies the weight as w, so Gemma's norms keep the torch path."""
+def test_qk_norms_of_one_kind_take_the_fused_rope_kernel_with_their_offset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fused q/k-norm + rope kernel applies the weight as w (RMSNorm) or as 1 + w (GemmaRMSNorm, with
+    unit_offset): two norms of one kind reach it with their offset, a mixed pair keeps the torch path."""
     t, hq, hkv, d = 3, 4, 2, 8
     qkv = torch.randn(t, (hq + 2 * hkv) * d)
     q = qkv[:, : hq * d].view(t, hq, d)
     k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
     rope, pos = RotaryEmbedding(d, 16, 10000.0, None), torch.arange(t)
-    expected = rope(pos, GemmaRMSNorm(d)(q), GemmaRMSNorm(d)(k))
-    calls: list[int] = []
+    expected = rope(pos, q, k)
+    calls: list[bool] = []
     monkeypatch.setattr(fused, "enabled", lambda x: True)
-    monkeypatch.setattr(fused, "qk_norm_rope", lambda *a: calls.append(1) or (q, k))
-    got = rope(pos, q, k, GemmaRMSNorm(d), GemmaRMSNorm(d))
-    assert not calls and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    monkeypatch.setattr(
+        fused, "qk_norm_rope", lambda *a, unit_offset=False: calls.append(unit_offset) or (q, k)
+    )
+    rope(pos, q, k, GemmaRMSNorm(d), GemmaRMSNorm(d))
     rope(pos, q, k, RMSNorm(d), RMSNorm(d))
-    assert calls == [1]  # the packed layout does reach the kernel with plain RMSNorms
+    assert calls == [True, False]
+    norms: list[bool] = []  # each norm's own kernel, here the identity: the rotation is the torch path's
+    monkeypatch.setattr(fused, "rms_norm", lambda x, *a, unit_offset=False: norms.append(unit_offset) or x)
+    got = rope(pos, q, k, GemmaRMSNorm(d), RMSNorm(d))
+    assert calls == [True, False] and norms == [True, False]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
 # ---- RotaryEmbedding ----
