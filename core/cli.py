@@ -173,6 +173,7 @@ def _explain_doc(sel: Selection, config: EngineConfig) -> dict[str, Any]:
         "model": str(sel.model_info.path),
         "architecture": sel.model_info.architecture,
         "dtype": _dtype_name(sel.dtype),
+        "kv_cache_dtype": {"requested": sel.kv_cache_dtype, "dtype": _dtype_name(sel.kv_cache_torch_dtype)},
         "kinds": kinds,
         "graph_mode": _graph_mode(sel),
         "settings": _settings(config, sel),
@@ -229,6 +230,7 @@ def _print_explain(sel: Selection, config: EngineConfig) -> None:
 
     print(f"platform: {sel.platform.describe()}")
     print(f"model:    {sel.model_info.path} ({sel.model_info.architecture}, {_dtype_name(sel.dtype)})")
+    print(f"KV cache: {sel.kv_cache_description()}")
     header = ["candidate", "plugin", "priority", "valid", "chosen", "why not chosen"]
     for c in sel.choices:
         print(f"\n{KIND_LABELS[c.kind]} (requested: {c.requested})")

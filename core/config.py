@@ -59,6 +59,11 @@ class EngineConfig(BaseModel):
     cpu_kv_cache_bytes: int = Field(1 << 30, ge=1 << 20, description="KV-cache bytes on CPU")
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="force this many KV blocks")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of identical prefixes")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto",
+        description="KV-cache element type (vLLM's names): auto = the model dtype; fp8 or fp8_e4m3 = "
+        "float8_e4m3fn with per-layer k/v scales (1.0 where the checkpoint gives none), half of bf16's bytes",
+    )
     # selection
     attention_backend: str = Field(
         "auto",

@@ -1,6 +1,8 @@
 """A float64 paged-attention reference and random paged layouts for the attention conformance suite.
 
-Independent of every backend: keys are gathered from the cache through block_table in plain torch.
+Independent of every backend: keys are gathered from the cache through block_table in plain torch. An FP8
+cache (float8_e4m3fn) is written here by vLLM's formula, e4m3(clamp(x / scale, -448, 448)), and read by
+the reference as stored * scale in float64.
 """
 
 from __future__ import annotations
@@ -13,6 +15,12 @@ import torch
 from turnout.attention import AttentionMetadata
 
 KINDS = ("decode", "prefill", "prefix", "chunked")
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as an FP8 KV cache stores it: e4m3(clamp(x / scale, -448, 448)), computed in float32."""
+    return (x.float() / scale).clamp(-448.0, 448.0).to(FP8)
 
 
 def ref_paged_attention(
@@ -23,9 +31,12 @@ def ref_paged_attention(
     num_kv_heads: int,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention in float64 -> [num_actual_tokens, H, D]; a query at position p sees the keys
-    (p - sliding_window, p] under a window, and scores s become cap * tanh(s / cap) under a soft-cap."""
+    (p - sliding_window, p] under a window, and scores s become cap * tanh(s / cap) under a soft-cap. An
+    FP8 cache's keys and values are read as stored * k_scale and stored * v_scale."""
     h, d = q.shape[1:]
     bs = kv_cache.shape[2]
     cu, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
@@ -36,6 +47,8 @@ def ref_paged_attention(
             continue
         blocks = meta.block_table[b, : -(-seq_len // bs)].long()
         kv = kv_cache[:, blocks].reshape(2, -1, num_kv_heads, d)[:, :seq_len].double()  # [2, S, KVH, D]
+        if kv_cache.dtype == FP8:
+            kv = torch.stack([kv[0] * k_scale, kv[1] * v_scale])
         kv = kv.repeat_interleave(h // num_kv_heads, dim=2)  # [2, S, H, D]
         qb = q[q0:q1].double()  # [L, H, D]
         s = torch.einsum("qhd,khd->hqk", qb, kv[0]) * scale  # [H, L, S]
@@ -93,10 +106,13 @@ def make_case(
     pad_tokens: int = 0,
     decode_first: bool = True,
     device: str | torch.device = "cpu",
+    fp8_scales: tuple[float, float] | None = None,
 ) -> Case:
     """A random step: each request's kind is drawn from `kinds`; blocks are shuffled (block 0 never used,
     so padded block_table entries point at poison); the last block of each request is usually partial;
-    `pad_tokens` graph-padding tokens with slot -1 follow the real ones."""
+    `pad_tokens` graph-padding tokens with slot -1 follow the real ones. fp8_scales (k_scale, v_scale): the
+    cache is float8_e4m3fn, its context and this step's k, v quantized with them (poison stays NaN), and
+    the reference reads it dequantized."""
     reqs = [
         (kind, *_draw_request(rng, kind, block_size, max_ctx, max_query))
         for kind in rng.choices(kinds, k=num_reqs)
@@ -128,10 +144,12 @@ def make_case(
         flat[:, pslots[:ctx]] = torch.randn(2, ctx, num_kv_heads, head_size, generator=gen).to(dtype)
         slots[tok : tok + ql] = pslots[ctx:]
         tok += ql
+    new = torch.stack([k[:t_act], v[:t_act]])
+    if fp8_scales is not None:
+        cache = torch.stack([fp8_quantize(cache[i], fp8_scales[i]) for i in (0, 1)])
+        new = torch.stack([fp8_quantize(new[i], fp8_scales[i]) for i in (0, 1)])
     expected_cache = cache.clone()
-    expected_cache.view(2, -1, num_kv_heads, head_size)[:, slots[:t_act]] = torch.stack(
-        [k[:t_act], v[:t_act]]
-    )
+    expected_cache.view(2, -1, num_kv_heads, head_size)[:, slots[:t_act]] = new
 
     num_decode = next((i for i, ql in enumerate(qlens) if ql != 1), num_reqs)
     meta = AttentionMetadata(
@@ -145,7 +163,9 @@ def make_case(
         num_decode_tokens=num_decode,
     )
     scale = head_size**-0.5
-    expected = ref_paged_attention(q, expected_cache, meta, scale, num_kv_heads)
+    k_scale, v_scale = fp8_scales or (1.0, 1.0)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    expected = ref_paged_attention(q, expected_cache, meta, scale, num_kv_heads, **scales)
     dev = torch.device(device)
     for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_table"):
         setattr(meta, f, getattr(meta, f).to(dev))

@@ -9,7 +9,10 @@ and checks:
   - that q, k, v were not modified.
 The scale cases give a softmax scale other than head_size ** -0.5, so a backend must use spec.scale; the
 per-layer cases run a layer with its own scale, sliding window or logit soft-cap (AttentionLayerSpec), for
-the backends that declare those attention_features, so a backend must use the layer it is given.
+the backends that declare those attention_features, so a backend must use the layer it is given. The FP8
+cases run a float8_e4m3fn cache (kv_cache_dtype fp8) with per-layer scales for the backends that declare
+"fp8" in kv_cache_dtypes: the cache bit for bit against vLLM's quantization formula, and the output
+against the reference on the dequantized cache.
 Off CUDA, Triton backends run under TRITON_INTERPRET=1, which is set only while the backends are
 discovered (and their libraries imported) and while this module's tests run (triton imports more of
 itself lazily), so the other test modules do not see it.
@@ -43,6 +46,11 @@ PLATFORM = current_platform()
 ON_CUDA = PLATFORM.is_cuda
 DEVICE = "cuda" if ON_CUDA else "cpu"
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+# Over an FP8 cache the reference reads the dequantized cache, so only the backend's own rounding counts.
+# bfloat16 gets twice TOL: Triton's interpreter casts float32 to bfloat16 by truncation (32,499 of 65,536
+# randn values differ from round-to-nearest), and its K/V tiles are dequantized in float32 and cast to
+# bfloat16 (measured with the interpreter: up to 9.6e-3, CPU backend 3.0e-3; float16 3.0e-4, float32 2.7e-7)
+TOL_FP8 = {**TOL, torch.bfloat16: 2e-2}
 BATCHES = {  # name -> (request kinds drawn from, graph-padding tokens, decode rows first)
     "decode": (("decode",), 0, True),
     "prefill": (("prefill",), 0, True),
@@ -112,33 +120,40 @@ def _block_size(be: AttentionBackend, want: int = 16) -> int:
     return want if want % m == 0 else m * -(-want // m)
 
 
-def _layers(scale: float, layer: AttentionLayerSpec | None) -> tuple[AttentionLayerSpec, ...]:
-    """The spec's layers: one plain layer at scale, or that one and `layer` (index 1) after it."""
-    return (AttentionLayerSpec(0, scale),) + ((layer,) if layer is not None else ())
+def _layers(
+    scale: float, layer: AttentionLayerSpec | None, fp8: tuple[float, float] | None = None
+) -> tuple[AttentionLayerSpec, ...]:
+    """The spec's layers: one plain layer at scale (with fp8's k_scale, v_scale), or that one and `layer`
+    (index 1) after it."""
+    k_scale, v_scale = fp8 or (1.0, 1.0)
+    return (AttentionLayerSpec(0, scale, k_scale=k_scale, v_scale=v_scale),) + ((layer,) if layer else ())
 
 
 def _run(be: AttentionBackend, batch: str, gqa: int, head: int, dtype: torch.dtype, seed: int, shape: dict,
-         block_size: int | None = None, scale: float | None = None,
-         layer: AttentionLayerSpec | None = None) -> None:  # fmt: skip
+         block_size: int | None = None, scale: float | None = None, layer: AttentionLayerSpec | None = None,
+         fp8: tuple[float, float] | None = None) -> float:  # fmt: skip
     """One random step through be; with `layer`, as the second of two layers, the first plain at the
-    spec's scale, the second with layer's scale and features."""
+    spec's scale, the second with layer's scale and features; with fp8 (k_scale, v_scale), over an FP8
+    cache. Returns the relative error."""
     bs = block_size or _block_size(be)
-    layers = _layers(scale or head**-0.5, layer)
+    layers = _layers(scale or head**-0.5, layer, fp8)
     features = AttentionSpec(1, 1, head, dtype, bs, layers[0].scale, len(layers), layers).features
     kv_heads = shape["num_kv_heads"]
-    ctx = AttentionContext(PLATFORM, dtype, head, kv_heads * gqa, kv_heads, bs, features)
+    kv_dtype = "auto" if fp8 is None else "fp8"
+    ctx = AttentionContext(PLATFORM, dtype, head, kv_heads * gqa, kv_heads, bs, features, kv_dtype)
     if reasons := be.check(ctx):
         pytest.skip(f"{be.name}: " + "; ".join(reasons))
     kinds, pad, decode_first = BATCHES[batch]
     rng = random.Random(f"{seed}-{batch}-{gqa}-{head}-{dtype}-{bs}")
     c = make_case(rng, gqa=gqa, head_size=head, dtype=dtype, block_size=bs, kinds=kinds, pad_tokens=pad,
-                  decode_first=decode_first, device=DEVICE, **shape)  # fmt: skip
+                  decode_first=decode_first, device=DEVICE, fp8_scales=fp8, **shape)  # fmt: skip
     run = layers[-1]
     if scale is not None or layer is not None:  # the same step under the layer's scale and features
         features = dict(sliding_window=run.sliding_window, logits_soft_cap=run.logits_soft_cap)
         expected = ref_paged_attention(c.q, c.expected_cache, c.meta, run.scale, c.num_kv_heads, **features)
         c = dataclasses.replace(c, scale=layers[0].scale, expected=expected)
-    spec = AttentionSpec(c.q.shape[1], c.num_kv_heads, head, dtype, bs, c.scale, len(layers), layers)
+    heads = (c.q.shape[1], c.num_kv_heads, head)
+    spec = AttentionSpec(*heads, dtype, bs, c.scale, len(layers), layers, kv_dtype)
     be.setup(spec)
     inputs = [x.clone() for x in (c.q, c.k, c.v)]
     c.meta.backend_data = be.build_metadata(c.meta)
@@ -147,16 +162,19 @@ def _run(be: AttentionBackend, batch: str, gqa: int, head: int, dtype: torch.dty
     where = f"{be.name} {batch}: {c.kinds}, seq_lens={m.seq_lens.tolist()} cu={m.query_start_loc.tolist()}"
     where += f", scale {c.scale:.4g}" if scale is not None else ""
     where += f", layer {run}" if layer is not None else ""
+    where += f", FP8 cache, scales {fp8}" if fp8 is not None else ""
     assert out.shape == c.q.shape and out.dtype == dtype, where
     assert torch.isfinite(out[:n]).all(), f"non-finite output: {where}"
     err = ((out[:n].double() - c.expected).norm() / c.expected.norm()).item()
     if log := os.environ.get("TURNOUT_CONFORMANCE_ERRORS"):  # for the recorded H200 summary
         with open(log, "a") as f:
             f.write(f"{be.name}\t{str(dtype)[6:]}\t{head}\t{gqa}\t{batch}\t{err:.3e}\n")
-    assert err <= TOL[dtype], f"relative error {err:.2e} > {TOL[dtype]:.0e}: {where}"
+    tol = (TOL if fp8 is None else TOL_FP8)[dtype]
+    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}: {where}"
     changed = (c.kv_cache.view(torch.uint8) != c.expected_cache.view(torch.uint8)).nonzero()
     assert changed.numel() == 0, f"cache differs from a write at slot_mapping at bytes {changed[:4].tolist()}"
     assert all(torch.equal(a, b) for a, b in zip(inputs, (c.q, c.k, c.v))), f"q, k or v modified: {where}"
+    return err
 
 
 def _covering() -> list:
@@ -234,6 +252,33 @@ def test_per_layer_scale(be: AttentionBackend, batch: str) -> None:
     spec.scale instead of the layer's fails."""
     _run(be, batch, 2, 64, torch.float32, seed=8, shape=LARGE if ON_CUDA else SMALL,
          layer=AttentionLayerSpec(1, 0.3))  # fmt: skip
+
+
+FP8_CASES = [  # (batch, dtype, gqa, head, (k_scale, v_scale)): every phase, each dtype, vLLM's default
+    # scale 1.0 and scales that put the inputs (std 1) near e4m3's top (448 * 0.01 = 4.5 sigma)
+    ("decode", torch.bfloat16, 4, 64, (1.0, 1.0)),
+    ("decode", torch.float32, 2, 128, (0.01, 0.02)),
+    ("prefill", torch.float16, 2, 64, (0.01, 0.02)),
+    ("prefix", torch.bfloat16, 1, 128, (0.02, 0.5)),
+    ("chunked", torch.bfloat16, 4, 64, (0.01, 0.02)),
+    ("mixed", torch.float16, 8, 64, (1.0, 1.0)),
+    ("padded", torch.bfloat16, 2, 64, (0.01, 0.02)),
+    ("unordered", torch.float32, 4, 64, (0.02, 0.01)),
+]
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize(
+    "batch,dtype,gqa,head,scales", FP8_CASES, ids=[f"{b}-{str(d)[6:]}-{s[0]}" for b, d, _, _, s in FP8_CASES]
+)
+def test_fp8_kv_cache(
+    be: AttentionBackend, batch: str, gqa: int, head: int, dtype: torch.dtype, scales: tuple[float, float]
+) -> None:
+    """kv_cache_dtype fp8: the cache holds e4m3(clamp(x / scale)) bit for bit, poison untouched, and the
+    output matches the float64 reference on the dequantized cache within the activations' dtype's tolerance
+    (the backend's own rounding; e4m3's is in the reference). Backends without "fp8" skip: selection refuses
+    them an FP8 cache."""
+    _run(be, batch, gqa, head, dtype, seed=11, shape=LARGE if ON_CUDA else SMALL, fp8=scales)
 
 
 @pytest.mark.slow
@@ -337,3 +382,48 @@ def test_triton_decode_split_count_does_not_change_bits(dtype: torch.dtype) -> N
     assert err <= TOL[dtype]
     for (s, p), out in outs.items():
         assert torch.equal(out, first), f"{s} splits on {p} programs differ from {base} on {base}"
+
+
+def test_triton_fp8_store_rounds_as_torch() -> None:
+    """The Triton store writes the bits torch's clamp-and-cast gives (round to nearest even, saturation
+    at 448, e4m3 subnormals, the sign of zero), at two scales, from every activation dtype: the rounding
+    the interpreter's own float32 -> e4m3 cast gets wrong on ties and mantissa carries."""
+    be = next(
+        (p.values[0] for p in BACKENDS if p.values[0] is not None and p.values[0].name == "triton"), None
+    )
+    if be is None:
+        pytest.skip("triton backend not installed")
+    from turnout_triton import kernels as kn
+
+    from attention_reference import FP8, fp8_quantize
+
+    gen = torch.Generator().manual_seed(12)
+    edges = [
+        0.0,
+        -0.0,
+        448.0,
+        -448.0,
+        464.0,
+        -480.0,
+        1e4,
+        2.0**-10,
+        3 * 2.0**-10,
+        2.0**-9,
+        2.0**-6,
+        8.5,
+        -31.0,
+    ]
+    for dtype in DTYPES:
+        for scale in (1.0, 0.037):
+            x = torch.cat(
+                [torch.randn(4001, generator=gen) * m for m in (0.01, 1.0, 100.0)]
+            )  # 12003 + 13 edges: 16 | n
+            x = torch.cat([x, torch.tensor(edges) * scale]).to(dtype).view(-1, 1, 16)
+            cache = torch.zeros(2, x.shape[0], 1, 1, 16, dtype=FP8, device=DEVICE)
+            slots = torch.arange(x.shape[0], device=DEVICE)
+            kn.store_kv(x.to(DEVICE), x.to(DEVICE), cache, slots, scale, scale)
+            want = fp8_quantize(x, scale).view(torch.uint8).to(DEVICE)
+            bad = (cache[0].view(torch.uint8).view_as(want) != want).sum().item()
+            assert bad == 0, (
+                f"{bad} of {want.numel()} e4m3 values differ from torch's ({dtype}, scale {scale})"
+            )

@@ -22,42 +22,49 @@ from turnout_triton import kernels
 
 LOG2E = kernels.LOG2E
 INTS = {"counts", "cu", "seq_lens", "block_table"}
+FLOATS = {"scale_log2", "k_scale", "v_scale"}
 
 
-def compile_(fn, consts, **opts):
+def compile_(fn, consts, fp8, **opts):
     sig = {}
     for n in fn.arg_names:
         sig[n] = "constexpr" if n in consts else "*i32" if n in INTS else "*i64" if n == "slot_mapping" \\
-            else "*fp32" if n in ("part_o", "part_lse") else "fp32" if n == "scale_log2" \\
-            else "i32" if n.startswith("s_") or n == "num_reqs" else "*bf16"
+            else "*fp32" if n in ("part_o", "part_lse") else "fp32" if n in FLOATS \\
+            else "i32" if n.startswith("s_") or n in ("num_reqs", "block_size", "num_kv_heads") \\
+            else "*fp8e4nv" if fp8 and n in ("k_cache", "v_cache") else "*bf16"
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["cubin"]
 
 
-for window, cap in [(int(w), float(c) * LOG2E) for w, c in (v.split(":") for v in sys.argv[1:])]:
-    feats = dict(WINDOW=window, SOFT_CAP=cap, PDL=True, PREC="tf32", HEAD=128, HEAD_P2=128, BLOCK_SIZE=16)
+for window, cap, cache in (v.split(":") for v in sys.argv[1:]):
+    window, cap, fp8 = int(window), float(cap) * LOG2E, cache == "fp8"
+    feats = dict(WINDOW=window, SOFT_CAP=cap, PDL=True, PREC="tf32", HEAD=128, HEAD_P2=128, BLOCK_SIZE=16,
+                 FP8=fp8)
     for qpk in (2, 4):  # the tiles an H200 gets at 16 / 8 and 32 / 8 heads, the register cap included
         cfg = kernels._decode_config(128, qpk, False, sm90=True)
         tiles = dict(QPK=qpk, ROWS=cfg["rows"], BLOCK_N=cfg["block_n"], NUM_SPLITS=4, SPLIT_KEYS=512,
                      MAX_SPLITS=16)
-        compile_(kernels._decode_kernel, dict(**tiles, **feats), num_warps=cfg["warps"],
+        compile_(kernels._decode_kernel, dict(**tiles, **feats), fp8, num_warps=cfg["warps"],
                  num_stages=cfg["stages"], **kernels._maxnreg(cfg))
     compile_(kernels._prefill_kernel, dict(QPK=2, QPK_P2=2, BLOCK_Q=64, BLOCK_N=128, K_T=False, **feats),
-             num_warps=8, num_stages=3)
+             fp8, num_warps=8, num_stages=3)
+    store = dict(HEAD=128, HEAD_P2=128, KVH_P2=8, PDL=True, FP8=fp8)
+    compile_(kernels._store_kv_kernel, store, fp8, num_warps=4)
 print("compiled")
 """
 
 
 @pytest.mark.slow
 def test_the_per_layer_feature_variants_compile_for_sm90() -> None:
-    """A sliding window, a soft-cap, and both (window:cap; 0 is none), on the bf16 paths' H200 tiles. (triton
-    is not imported here: this process may need it under the interpreter.)"""
+    """A sliding window, a soft-cap, and both (window:cap:cache; 0 is none), on the bf16 paths' H200 tiles,
+    over a bf16 cache and an FP8 one (kv_cache_dtype fp8). (triton is not imported here: this process may
+    need it under the interpreter.)"""
     if importlib.util.find_spec("triton") is None or not importlib.util.find_spec("triton.backends.nvidia"):
         pytest.skip("needs triton with its NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, without its warning
     res = subprocess.run(
-        [sys.executable, "-c", SCRIPT, "7:0", "0:50", "4096:50"], env=env, capture_output=True, text=True,
-        timeout=300,
+        [sys.executable, "-c", SCRIPT, "7:0:bf16", "0:50:bf16", "4096:50:bf16", "0:0:fp8", "7:50:fp8"],
+        env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]

@@ -1,7 +1,9 @@
 """The attention-backend contract: what a backend declares, the spec (shared and per layer) and metadata it
-gets, and the KV write through slot_mapping that backends whose libraries do not write the cache share."""
+gets, the KV cache dtypes (vLLM's kv_cache_dtype names) with FP8's quantization, and the KV write through
+slot_mapping that backends whose libraries do not write the cache share."""
 
 from turnout.attention.backend import (
+    KV_CACHE_DTYPES,
     LAYER_FEATURES,
     AttentionBackend,
     AttentionContext,
@@ -9,10 +11,14 @@ from turnout.attention.backend import (
     AttentionMetadata,
     AttentionSpec,
     CudagraphSupport,
+    dequantize_kv,
+    kv_cache_torch_dtype,
+    quantize_kv,
 )
 from turnout.attention.kv_store import store_kv, valid_rows
 
 __all__ = [
+    "KV_CACHE_DTYPES",
     "LAYER_FEATURES",
     "AttentionBackend",
     "AttentionContext",
@@ -20,6 +26,9 @@ __all__ = [
     "AttentionMetadata",
     "AttentionSpec",
     "CudagraphSupport",
+    "dequantize_kv",
+    "kv_cache_torch_dtype",
+    "quantize_kv",
     "store_kv",
     "valid_rows",
 ]

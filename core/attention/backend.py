@@ -5,7 +5,8 @@ and before the KV cache is sized; then per step `build_metadata(meta)` once and 
 
 Shapes (T = tokens in the step, B = requests in the step, H / Hkv / D from the AttentionSpec):
   q: [T, H, D]                         k, v: [T, Hkv, D]
-  kv_cache: kv_cache_shape(...)        default [2, num_blocks, block_size, Hkv, D]: keys, then values
+  kv_cache: kv_cache_shape(...)        default [2, num_blocks, block_size, Hkv, D]: keys, then values, in
+                                       spec.cache_dtype: the model dtype, or float8_e4m3fn (kv_cache_dtype)
   slot_mapping: [T] int64              slot = block_id * block_size + offset; -1 writes nowhere
   query_start_loc: [B + 1] int32       cu_seqlens of the queries
   seq_lens: [B] int32                  tokens in the KV cache after this step (context + query)
@@ -13,6 +14,11 @@ Shapes (T = tokens in the step, B = requests in the step, H / Hkv / D from the A
 Query token i of request b sits at position seq_lens[b] - query_len[b] + i and attends causally to every
 cached token up to and including that position; a layer may narrow that to a sliding window and cap its
 scores (AttentionLayerSpec), where its backend declares the feature (attention_features).
+
+An FP8 cache (kv_cache_dtype "fp8", vLLM's names and format) holds float8_e4m3fn with per-layer scalar
+scales: key x is stored as e4m3(clamp(x / layer.k_scale, -448, 448)), rounded to nearest even, and read as
+stored * layer.k_scale in float32; values likewise with v_scale. A backend reads the cache dtypes it
+declares in kv_cache_dtypes; selection refuses it the others.
 """
 
 from __future__ import annotations
@@ -51,6 +57,37 @@ class CudagraphSupport(enum.IntEnum):
         return cls[value]
 
 
+# vLLM's kv_cache_dtype names: "auto" is the model dtype; "fp8" and its alias "fp8_e4m3" are float8_e4m3fn
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+KV_CACHE_ALIASES = {"fp8_e4m3": "fp8"}  # the name a backend declares for each alias
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The element dtype of a KV cache of kv_cache_dtype (a KV_CACHE_DTYPES name) for a model run in dtype."""
+    return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+
+
+def quantize_kv(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of cache_dtype stores it: unchanged in the model dtype; for float8_e4m3fn,
+    e4m3(clamp(x / scale, -448, 448)) computed in float32, rounded to nearest even."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return x.to(cache_dtype)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache contents x read in dtype: unchanged where x is already dtype; FP8 contents as x * scale in
+    float32, then cast to dtype."""
+    if x.dtype == dtype:
+        return x
+    return (x.float() * scale).to(dtype)
+
+
 # What a layer may set for itself, by vLLM's names: its own softmax scale (a feature where the layers'
 # scales differ), a sliding window and a logit soft-cap.
 LAYER_FEATURES = ("scale", "sliding_window", "logits_soft_cap")
@@ -63,12 +100,15 @@ class AttentionLayerSpec:
     sliding_window: a query at position p attends to keys in (p - sliding_window, p], its own included
     (HF's and vLLM's convention); None attends to every earlier key. logits_soft_cap: each score s (after the
     scale) becomes cap * tanh(s / cap) before the causal mask and the softmax, as Gemma 2 does; None leaves
-    it."""
+    it. k_scale and v_scale: the FP8 KV cache's scales of this layer (the checkpoint's, else vLLM's 1.0);
+    a cache in the model dtype ignores them."""
 
     index: int  # layer_idx: this layer's KV cache
     scale: float  # softmax scale
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 def layer_features(layers: Iterable[AttentionLayerSpec]) -> frozenset[str]:
@@ -82,8 +122,9 @@ def layer_features(layers: Iterable[AttentionLayerSpec]) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class AttentionContext:
-    """What selection knows when it asks a backend whether it can serve: the model's head counts and the
-    per-layer features (LAYER_FEATURES names) its layers use, as its ModelArchitecture declares them."""
+    """What selection knows when it asks a backend whether it can serve: the model's head counts, the
+    per-layer features (LAYER_FEATURES names) its layers use, as its ModelArchitecture declares them, and the
+    KV cache's dtype (a KV_CACHE_DTYPES name)."""
 
     platform: Platform
     dtype: torch.dtype
@@ -92,6 +133,7 @@ class AttentionContext:
     num_kv_heads: int
     block_size: int
     features: frozenset[str] = frozenset()
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -102,11 +144,17 @@ class AttentionSpec:
     num_heads: int  # query heads on this rank: the model's / tensor_parallel_size
     num_kv_heads: int  # KV heads on this rank: the model's / tensor_parallel_size, at least 1 (replicated)
     head_size: int
-    dtype: torch.dtype  # of q, k, v, the output and the KV cache
+    dtype: torch.dtype  # of q, k, v and the output; of the KV cache where kv_cache_dtype is "auto"
     block_size: int  # tokens per KV block
     scale: float  # softmax scale of every layer; where layers differ ("scale" feature), layer 0's
     num_layers: int  # attention layers on this rank (this pipeline stage's)
     layers: tuple[AttentionLayerSpec, ...] = ()  # by layer_idx; empty: every layer is plain, at `scale`
+    kv_cache_dtype: str = "auto"  # a KV_CACHE_DTYPES name
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's element dtype: dtype, or float8_e4m3fn for an FP8 cache."""
+        return kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
 
     def layer(self, i: int) -> AttentionLayerSpec:
         """Layer i's own features: layers[i], or plain causal attention at `scale` where layers is empty."""
@@ -181,6 +229,8 @@ class AttentionBackend:
     cudagraph_support: ClassVar[CudagraphSupport] = CudagraphSupport.NEVER
     # the LAYER_FEATURES forward serves: a model whose layers use another is refused by selection
     attention_features: ClassVar[frozenset[str]] = frozenset()
+    # the KV_CACHE_DTYPES names whose cache forward reads and writes ("fp8" covers its alias "fp8_e4m3")
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
 
     _spec: AttentionSpec | None = None
     _takes_layer: ClassVar[bool] = True  # forward takes `layer`; False for a forward written before it
@@ -198,6 +248,12 @@ class AttentionBackend:
             )
         if unknown := set(cls.attention_features) - set(LAYER_FEATURES):
             raise TypeError(f"attention backend {cls.__name__}: unknown attention_features {sorted(unknown)}")
+        names = [k for k in KV_CACHE_DTYPES if k not in KV_CACHE_ALIASES]
+        if unknown := set(cls.kv_cache_dtypes) - set(names):
+            raise TypeError(
+                f"attention backend {cls.__name__}: unknown kv_cache_dtypes {sorted(unknown)}; "
+                f"declare some of {', '.join(names)}"
+            )
         if cls.attention_features and not cls._takes_layer:
             if "attention_features" in vars(cls):
                 raise TypeError(
@@ -241,6 +297,9 @@ class AttentionBackend:
         if missing := sorted(ctx.features - set(self.attention_features)):
             have = ", ".join(sorted(self.attention_features)) or "none"
             reasons.append(f"per-layer {', '.join(missing)} unsupported (supports {have})")
+        if KV_CACHE_ALIASES.get(ctx.kv_cache_dtype, ctx.kv_cache_dtype) not in self.kv_cache_dtypes:
+            have = ", ".join(self.kv_cache_dtypes) or "none"
+            reasons.append(f"kv_cache_dtype {ctx.kv_cache_dtype} unsupported (supports {have})")
         if not reasons and (err := self.import_error()):
             reasons.append(err)
         return reasons
@@ -260,7 +319,8 @@ class AttentionBackend:
         return self._spec
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
-        """Shape of one layer's KV cache tensor, in spec.dtype. Its size must grow linearly in num_blocks."""
+        """Shape of one layer's KV cache tensor, in spec.cache_dtype. Its size must grow linearly in
+        num_blocks."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def build_metadata(self, meta: AttentionMetadata) -> Any:
@@ -282,7 +342,8 @@ class AttentionBackend:
         meta: AttentionMetadata,
         layer: AttentionLayerSpec | None = None,
     ) -> torch.Tensor:
-        """Write k, v into kv_cache at meta.slot_mapping (skipping -1), then attend as `layer` says: its
+        """Write k, v into kv_cache at meta.slot_mapping (skipping -1), quantized with the layer's k_scale and
+        v_scale where the cache is FP8 (see the module docstring), then attend as `layer` says: its
         scale, and its sliding window and soft-cap where attention_features declares them; None (a direct
         call, as a benchmark makes) means spec.layer(0). Returns [T, H, D]; must not modify q, k or v.
 

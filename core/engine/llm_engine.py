@@ -161,8 +161,8 @@ class LLMEngine:
         capacity = num_blocks * cfg.block_size
         self.max_model_len = min(cfg.max_model_len or model_max, capacity)
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
-            num_blocks, cfg.block_size, capacity, self.max_model_len,
+            "KV cache: %d blocks of %d tokens = %d tokens in %s; max_model_len %d",
+            num_blocks, cfg.block_size, capacity, self.selection.kv_cache_description(), self.max_model_len,
         )  # fmt: skip
         self.num_blocks = num_blocks
         self.scheduler = self._new_scheduler()

@@ -76,6 +76,8 @@ class Attention(nn.Module):
             scale,
         )
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        # an FP8 KV cache's scales of this layer: vLLM's 1.0 unless a loader sets the checkpoint's
+        self.k_scale, self.v_scale = 1.0, 1.0
         self.layer_idx: int | None = None  # set by bind_attention_layers: this layer's KV cache
         self.layer_spec: AttentionLayerSpec | None = None  # likewise: what the backend's forward gets
 
@@ -88,9 +90,12 @@ class Attention(nn.Module):
         return out.reshape(q.shape[0], -1)
 
 
-def bind_attention_layers(model: nn.Module, dtype: torch.dtype, block_size: int) -> AttentionSpec:
+def bind_attention_layers(
+    model: nn.Module, dtype: torch.dtype, block_size: int, kv_cache_dtype: str = "auto"
+) -> AttentionSpec:
     """Number the model's Attention layers 0..n-1 in module order (layer i reads and writes kv_caches[i])
-    and return the AttentionSpec they share, with each layer's own features in its `layers`."""
+    and return the AttentionSpec they share, with each layer's own features (and KV scales) in its
+    `layers`, over a KV cache of kv_cache_dtype."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if not layers:
         raise TurnoutError(
@@ -105,7 +110,11 @@ def bind_attention_layers(model: nn.Module, dtype: torch.dtype, block_size: int)
         )
     for i, m in enumerate(layers):
         m.layer_idx = i
-        m.layer_spec = AttentionLayerSpec(i, m.scale, m.sliding_window, m.logits_soft_cap)
+        m.layer_spec = AttentionLayerSpec(
+            i, m.scale, m.sliding_window, m.logits_soft_cap, k_scale=m.k_scale, v_scale=m.v_scale
+        )
     heads, kv_heads, head_size = shapes.pop()
     specs = tuple(m.layer_spec for m in layers)
-    return AttentionSpec(heads, kv_heads, head_size, dtype, block_size, layers[0].scale, len(layers), specs)
+    return AttentionSpec(
+        heads, kv_heads, head_size, dtype, block_size, layers[0].scale, len(layers), specs, kv_cache_dtype
+    )

@@ -17,14 +17,18 @@ from turnout.selection.choice import Candidate, Choice, choose, plugin_candidate
 
 
 def attention_context(
-    info: ModelInfo, arch: ModelArchitecture, platform: Platform, dtype: torch.dtype, block_size: int | None
+    info: ModelInfo,
+    arch: ModelArchitecture,
+    platform: Platform,
+    dtype: torch.dtype,
+    block_size: int | None,
+    kv_cache_dtype: str = "auto",
 ) -> AttentionContext:
-    """What the attention backends are checked against: the checkpoint's heads, and the per-layer features
-    the chosen model class declares for it."""
+    """What the attention backends are checked against: the checkpoint's heads, the per-layer features
+    the chosen model class declares for it, and the KV cache dtype the config asks for."""
     features = arch.layer_features(info.hf_config)
-    return AttentionContext(
-        platform, dtype, info.head_size, info.num_heads, info.num_kv_heads, block_size, features
-    )
+    heads = (info.head_size, info.num_heads, info.num_kv_heads)
+    return AttentionContext(platform, dtype, *heads, block_size, features, kv_cache_dtype)
 
 
 def attention_candidates(pm: PluginManager, ctx: AttentionContext) -> list[Candidate]:
@@ -57,9 +61,16 @@ def select_attention(
     platform: Platform,
     dtype: torch.dtype,
 ) -> Choice:
-    """config.attention_backend among the backends that can serve info's heads and model's layers."""
-    ctx = attention_context(info, model, platform, dtype, config.block_size)
-    return choose_attention(attention_candidates(pm, ctx), config.attention_backend, ctx)
+    """config.attention_backend among the backends that can serve info's heads and model's layers and read
+    a cache of config.kv_cache_dtype: the cache dtype is never changed to find a backend."""
+    ctx = attention_context(info, model, platform, dtype, config.block_size, config.kv_cache_dtype)
+    try:
+        return choose_attention(attention_candidates(pm, ctx), config.attention_backend, ctx)
+    except SelectionError as e:
+        if config.kv_cache_dtype == "auto" or "kv_cache_dtype" not in str(e):
+            raise
+        keep = str(dtype).removeprefix("torch.")
+        raise SelectionError(f"{e}; or set kv_cache_dtype = auto (a {keep} KV cache)") from None
 
 
 def _auto_phases(choice: Choice, candidates: list[Candidate], ctx: AttentionContext) -> Choice:

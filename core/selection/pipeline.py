@@ -55,7 +55,7 @@ def select_all(
         fitted=fitted, moe=moe, quantization=quantization, measured=measured,
         quantization_notes=quantization_notes(quantization, config, info, platform, dtype),
         experts=expert_placement(config, info) if moe is not None else None,
-        async_scheduling=async_on, async_scheduling_note=async_note,
+        async_scheduling=async_on, async_scheduling_note=async_note, kv_cache_dtype=config.kv_cache_dtype,
     )  # fmt: skip
 
 

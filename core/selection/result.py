@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from turnout.attention.backend import AttentionBackend
+from turnout.attention.backend import AttentionBackend, kv_cache_torch_dtype
 from turnout.config import EngineConfig
 from turnout.executor.base import ExecutorSpec
 from turnout.graphs.modes import GraphPolicy
@@ -45,10 +45,21 @@ class Selection:
     quantization_notes: list[str] = field(default_factory=list)  # how its layers compute (method.notes)
     experts: dict[str, Any] | None = None  # MoE models: the experts each rank holds (describe_placement)
     measured: MeasuredTier | None = None  # the tuning record read, and its decision
+    kv_cache_dtype: str = "auto"  # as configured, a KV_CACHE_DTYPES name; kv_cache_torch_dtype: its dtype
 
     def apply(self, config: EngineConfig) -> EngineConfig:
         """config with every setting it left unset replaced by its fitted value."""
         return config.model_copy(update={k: v for k, (v, _) in self.fitted.items()})
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element dtype: the model dtype, or float8_e4m3fn for kv_cache_dtype fp8."""
+        return kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
+
+    def kv_cache_description(self) -> str:
+        """The KV cache dtype in words: "bfloat16", or "float8_e4m3fn (kv_cache_dtype fp8)"."""
+        name = str(self.kv_cache_torch_dtype).removeprefix("torch.")
+        return name if self.kv_cache_dtype == "auto" else f"{name} (kv_cache_dtype {self.kv_cache_dtype})"
 
     @property
     def attention_backend(self) -> AttentionBackend:
@@ -98,11 +109,13 @@ class Selection:
         return [self.attention, self.model, self.executor, self.graph, *extra]
 
     def summary(self) -> str:
-        """One line: the chosen backend, model, executor and graph mode, each with its plugin."""
+        """One line: the chosen backend, model, executor and graph mode, each with its plugin, and the KV
+        cache dtype where kv_cache_dtype sets one."""
         a, m, e, g = (c.chosen for c in self.choices[:4])
         graph = g.name if g.name == self.effective_graph.name else f"{g.name} -> {self.effective_graph.name}"
         extra = [f"MoE kernel {self.moe.chosen.name}"] if self.moe else []
         extra += [f"quantization {self.quantization.chosen.name}"] if self.quantization else []
+        extra += [f"KV cache {self.kv_cache_description()}"] if self.kv_cache_dtype != "auto" else []
         return ", ".join([
             f"attention {a.name} ({a.plugin}), model {m.name} ({m.plugin}), executor {e.name} ({e.plugin})",
             f"graph mode {graph}, {self.platform.device_type} {str(self.dtype).removeprefix('torch.')}",

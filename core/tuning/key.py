@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from turnout.attention.backend import kv_cache_torch_dtype
 from turnout.config import EngineConfig
 from turnout.models.info import ModelInfo
 from turnout.platform import Platform
@@ -27,11 +28,16 @@ _MISSING = object()
 def tuning_key(
     config: EngineConfig, info: ModelInfo, platform: Platform, pm: PluginManager, workload: str
 ) -> dict[str, Any]:
-    """The record key of this machine, software, model, parallel layout and workload profile (JSON-able)."""
+    """The record key of this machine, software, model, parallel layout and workload profile (JSON-able).
+    An FP8 KV cache adds model.kv_cache_dtype, so records measured with the model-dtype cache (whose keys
+    lack it) do not decide for it."""
+    dtype = info.resolve_dtype(config.dtype, platform)
+    kv = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+    cache = {"kv_cache_dtype": str(kv).removeprefix("torch.")} if kv != dtype else {}
     return {
         "device": {"gpu": platform.device_name, "gpu_count": platform.device_count},
         "versions": {**software_versions(platform), **plugin_versions(pm)},
-        "model": model_shape(info, info.resolve_dtype(config.dtype, platform)),
+        "model": {**model_shape(info, dtype), **cache},
         "parallel": {
             "tensor_parallel_size": config.tensor_parallel_size,
             "pipeline_parallel_size": config.pipeline_parallel_size,

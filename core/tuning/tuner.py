@@ -158,7 +158,8 @@ class Search:
 
     def _valid_backends(self) -> dict[str, Any]:
         """name -> backend, of every backend valid for this model here (at any block size), by rank."""
-        ctx = attention_context(self.info, self.sel.model_architecture, self.platform, self.sel.dtype, None)
+        arch, kv = self.sel.model_architecture, self.base.kv_cache_dtype
+        ctx = attention_context(self.info, arch, self.platform, self.sel.dtype, None, kv)
         out: dict[str, Any] = {}
         for c in ranked(attention_candidates(self.pm, ctx)):
             if c.valid:

@@ -15,8 +15,8 @@ def _layer_shape(backend: AttentionBackend, spec: AttentionSpec, num_blocks: int
 
 
 def kv_bytes_per_block(backend: AttentionBackend, spec: AttentionSpec) -> int:
-    """Bytes one block takes over every attention layer of this rank."""
-    return spec.num_layers * math.prod(_layer_shape(backend, spec, 1)) * spec.dtype.itemsize
+    """Bytes one block takes over every attention layer of this rank, in the cache's dtype."""
+    return spec.num_layers * math.prod(_layer_shape(backend, spec, 1)) * spec.cache_dtype.itemsize
 
 
 def blocks_in(budget_bytes: float, backend: AttentionBackend, spec: AttentionSpec) -> int:
@@ -27,10 +27,11 @@ def blocks_in(budget_bytes: float, backend: AttentionBackend, spec: AttentionSpe
 def allocate_kv_caches(
     backend: AttentionBackend, spec: AttentionSpec, num_blocks: int, device: torch.device
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per attention layer: kv_caches[i] belongs to the layer with layer_idx i."""
+    """One zeroed tensor of spec.cache_dtype per attention layer: kv_caches[i] belongs to the layer with
+    layer_idx i."""
     shape = _layer_shape(backend, spec, num_blocks)
     zeros = _lazy_zeros if device.type == "cpu" else torch.zeros
-    return [zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    return [zeros(shape, dtype=spec.cache_dtype, device=device) for _ in range(spec.num_layers)]
 
 
 def _lazy_zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -114,7 +114,7 @@ class ModelRunner:
         self.info = selection.model_info
         self.block_size = config.block_size
         self.model = self._load_model()
-        self.attn_spec = bind_attention_layers(self.model, self.dtype, self.block_size)
+        self.attn_spec = bind_attention_layers(self.model, self.dtype, self.block_size, config.kv_cache_dtype)
         self._check_layer_features()
         self.backend.setup(self.attn_spec)
         self.sampler = Sampler()

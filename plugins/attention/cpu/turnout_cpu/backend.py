@@ -13,6 +13,10 @@ spec.
 A layer with a sliding window or a logit soft-cap runs explicit matmuls instead (SDPA cannot cap scores):
 decode rows batched as above, with the window narrowing the length mask; prefill rows in slices of
 ROW_SLICE queries, each against only the keys its window reaches.
+
+An FP8 cache (kv_cache_dtype fp8) is written quantized with the layer's k_scale / v_scale and read back
+dequantized into the activations' dtype (turnout.attention.quantize_kv / dequantize_kv) wherever keys and
+values are gathered; a fresh prompt attends over its own k, v as the cache holds them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from turnout.attention import (
     AttentionLayerSpec,
     AttentionMetadata,
     CudagraphSupport,
+    dequantize_kv,
+    quantize_kv,
     valid_rows,
 )
 
@@ -82,6 +88,7 @@ class CPUAttentionBackend(AttentionBackend):
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     cudagraph_support = CudagraphSupport.NEVER
     attention_features = frozenset(LAYER_FEATURES)
+    kv_cache_dtypes = ("auto", "fp8")
 
     def build_metadata(self, meta: AttentionMetadata) -> CPUMetadata:
         qsl = meta.query_start_loc.tolist()
@@ -119,18 +126,20 @@ class CPUAttentionBackend(AttentionBackend):
         md: CPUMetadata = meta.backend_data
         layer = layer or self.spec.layer(0)
         plain = layer.sliding_window is None and layer.logits_soft_cap is None
-        self._store(kv_cache, k, v, meta, md)
+        self._store(kv_cache, k, v, meta, md, layer)
         out = torch.zeros_like(q)
         if len(md.decode_tokens):
             dq = q.index_select(0, md.decode_tokens)
             if plain:
-                o = self._decode(dq, kv_cache, md, layer.scale)
+                o = self._decode(dq, kv_cache, md, layer)
             else:
                 o = self._decode_features(dq, kv_cache, md, layer)
             out.index_copy_(0, md.decode_tokens, o)
+        if md.prefills and kv_cache.dtype != k.dtype:  # fresh prompts attend over k, v as cached
+            k, v = _as_cached(k, layer.k_scale, kv_cache.dtype), _as_cached(v, layer.v_scale, kv_cache.dtype)
         for p in md.prefills:
             if plain:
-                _prefill(q, k, v, kv_cache, p, layer.scale, out)
+                _prefill(q, k, v, kv_cache, p, layer, out)
             else:
                 _prefill_features(q, kv_cache, p, layer, out)
         return out
@@ -142,27 +151,32 @@ class CPUAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         meta: AttentionMetadata,
         md: CPUMetadata,
+        layer: AttentionLayerSpec,
     ) -> None:
         t = meta.num_actual_tokens
         slots, k, v = meta.slot_mapping[:t], k[:t], v[:t]
         if md.store_rows is not None:
             slots, k, v = slots[md.store_rows], k[md.store_rows], v[md.store_rows]
+        if (cache_dtype := kv_cache.dtype) != k.dtype:
+            k, v = quantize_kv(k, layer.k_scale, cache_dtype), quantize_kv(v, layer.v_scale, cache_dtype)
         hkv, d = kv_cache.shape[-2:]
-        kv_cache[0].view(-1, hkv, d).index_copy_(0, slots, k)
-        kv_cache[1].view(-1, hkv, d).index_copy_(0, slots, v)
+        _bytes(kv_cache[0]).view(-1, hkv, d).index_copy_(0, slots, _bytes(k))
+        _bytes(kv_cache[1]).view(-1, hkv, d).index_copy_(0, slots, _bytes(v))
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: CPUMetadata, scale: float) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: CPUMetadata, layer: AttentionLayerSpec
+    ) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D]."""
         bd, hkv, d = md.decode_blocks.shape[0], *kv_cache.shape[-2:]
-        keys, vals = _decode_kv(kv_cache, md)
+        keys, vals = _decode_kv(kv_cache, md, layer, q.dtype)
         if q.dtype == torch.float32:
             o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, vals, attn_mask=md.decode_mask, scale=scale, enable_gqa=True
+                q.unsqueeze(2), keys, vals, attn_mask=md.decode_mask, scale=layer.scale, enable_gqa=True
             )
             return o.squeeze(2)
         # torch's CPU SDPA is ~3x slower than plain matmuls at these sizes in bf16/fp16
         qg = q.view(bd, hkv, -1, d)  # [Bd, Hkv, G, D]: the G query heads sharing one KV head
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [Bd, Hkv, G, L]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * layer.scale  # [Bd, Hkv, G, L]
         scores.masked_fill_(~md.decode_mask, float("-inf"))
         return torch.matmul(scores.softmax(-1).to(q.dtype), vals).view_as(q)
 
@@ -171,17 +185,45 @@ class CPUAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """q [Bd, H, D] -> [Bd, H, D] under the layer's window and soft-cap."""
         bd, hkv, d = md.decode_blocks.shape[0], *kv_cache.shape[-2:]
-        keys, vals = _decode_kv(kv_cache, md)
+        keys, vals = _decode_kv(kv_cache, md, layer, q.dtype)
         qg = q.view(bd, hkv, -1, 1, d)  # [Bd, Hkv, G, 1, D]
         mask = md.window_mask(layer.sliding_window)[..., None, :]  # [Bd, 1, 1, 1, L]
         return _explicit(qg, keys, vals, mask, layer).view_as(q)
 
 
-def _decode_kv(kv_cache: torch.Tensor, md: CPUMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every decode row's cached keys and values, [Bd, Hkv, L, D] each (L = the longest row)."""
+def _decode_kv(
+    kv_cache: torch.Tensor, md: CPUMetadata, layer: AttentionLayerSpec, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decode row's cached keys and values in dtype, [Bd, Hkv, L, D] each (L = the longest row)."""
     bd, (hkv, d) = md.decode_blocks.shape[0], kv_cache.shape[-2:]
-    k, v = (c.view(-1, hkv, d).index_select(0, md.decode_slots).view(bd, -1, hkv, d) for c in kv_cache)
+    k, v = (
+        _bytes(c).view(-1, hkv, d).index_select(0, md.decode_slots).view(c.dtype).view(bd, -1, hkv, d)
+        for c in kv_cache
+    )
+    k, v = dequantize_kv(k, layer.k_scale, dtype), dequantize_kv(v, layer.v_scale, dtype)
     return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """x, or an FP8 x's bytes as uint8: torch's CPU index_select and index_copy_ take no float8."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
+
+def _as_cached(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of cache_dtype gives it back: quantized with scale, then dequantized into x's dtype."""
+    return dequantize_kv(quantize_kv(x, scale, cache_dtype), scale, x.dtype)
+
+
+def _cached_kv(
+    kv_cache: torch.Tensor, p: _Prefill, layer: AttentionLayerSpec, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's cached keys and values in dtype, [seq_len, Hkv, D] each."""
+    hkv, d = kv_cache.shape[-2:]
+    # index_select, not kv_cache[0, blocks]: advanced indexing is orders of magnitude slower on CPU
+    keys, vals = (
+        _bytes(c).index_select(0, p.blocks).view(c.dtype).view(-1, hkv, d)[: p.seq_len] for c in kv_cache
+    )
+    return dequantize_kv(keys, layer.k_scale, dtype), dequantize_kv(vals, layer.v_scale, dtype)
 
 
 def _explicit(
@@ -203,7 +245,7 @@ def _prefill_features(
     """One request's chunk of queries into out[q_start:q_end] under the layer's window and soft-cap, in
     slices of ROW_SLICE queries, each against the cached keys its window reaches (this chunk's included)."""
     hkv, d = kv_cache.shape[-2:]
-    keys, vals = (kv_cache[i].index_select(0, p.blocks).view(-1, hkv, d)[: p.seq_len] for i in (0, 1))
+    keys, vals = _cached_kv(kv_cache, p, layer, q.dtype)
     ctx, window = p.seq_len - (p.q_end - p.q_start), layer.sliding_window
     for start in range(p.q_start, p.q_end, ROW_SLICE):
         end = min(start + ROW_SLICE, p.q_end)
@@ -301,18 +343,16 @@ def _prefill(
     v: torch.Tensor,
     kv_cache: torch.Tensor,
     p: _Prefill,
-    scale: float,
+    layer: AttentionLayerSpec,
     out: torch.Tensor,
 ) -> None:
-    """One request's chunk of queries into out[q_start:q_end]."""
-    sdpa = functools.partial(F.scaled_dot_product_attention, scale=scale, enable_gqa=True)
+    """One request's chunk of queries into out[q_start:q_end]; k, v as the cache holds them."""
+    sdpa = functools.partial(F.scaled_dot_product_attention, scale=layer.scale, enable_gqa=True)
     qq = q[p.q_start : p.q_end].transpose(0, 1)[None]  # [1, H, q_len, D]
     if p.seq_len == p.q_end - p.q_start:  # a fresh prompt: its keys are this chunk's
         keys, vals = (t[p.q_start : p.q_end].transpose(0, 1)[None] for t in (k, v))
         out[p.q_start : p.q_end] = _causal(sdpa, qq, keys, vals, p.mask, p.causal_heads)[0].transpose(0, 1)
         return
-    # index_select, not kv_cache[0, blocks]: advanced indexing is orders of magnitude slower on CPU
-    hkv, d = kv_cache.shape[-2:]
-    keys, vals = (kv_cache[i].index_select(0, p.blocks).view(-1, hkv, d)[: p.seq_len] for i in (0, 1))
+    keys, vals = _cached_kv(kv_cache, p, layer, q.dtype)
     keys, vals = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]
     out[p.q_start : p.q_end] = _tiled(sdpa, qq, keys, vals, p.mask)[0].transpose(0, 1)

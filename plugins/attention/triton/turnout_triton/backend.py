@@ -48,6 +48,7 @@ class TritonAttentionBackend(AttentionBackend):
     cudagraph_support = CudagraphSupport.ALWAYS
     # a sliding window and a soft-cap compile their own kernel variants (constexpr), one per value
     attention_features = frozenset(LAYER_FEATURES)
+    kv_cache_dtypes = ("auto", "fp8")  # FP8: e4m3 stores, tiles read as stored * scale (kernels.py)
 
     def __init__(self) -> None:
         if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every kernel on the host
@@ -91,6 +92,7 @@ class TritonAttentionBackend(AttentionBackend):
         return kn.paged_attention(
             q, k, v, kv_cache, meta.slot_mapping, *lens, layer.scale, meta.max_query_len, splits, counts,
             sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap,
+            k_scale=layer.k_scale, v_scale=layer.v_scale,
         )  # fmt: skip
 
     def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:

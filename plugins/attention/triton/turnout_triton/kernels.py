@@ -23,6 +23,11 @@ none), one compiled variant per value. Under a window, prefill skips the key til
 window and masks every tile it reads; decode splits only the keys [seq_len - WINDOW, seq_len), from the
 start of the tile holding the first, and masks that tile. A soft-capped score is capped in float32 from the
 raw dot, SOFT_CAP * tanh(s * scale_log2 / SOFT_CAP), before the mask.
+
+FP8 (a constexpr, set where the cache is float8_e4m3fn: kv_cache_dtype fp8) stores k / k_scale and
+v / v_scale rounded to e4m3 (_to_e4m3: nearest even, saturated at +-448, the bits torch's cast gives), and
+every K/V tile is read as stored * scale in float32, then cast to q's dtype for the dots. Without FP8 the
+scales are unused and the kernels are those of a model-dtype cache.
 """
 
 from __future__ import annotations
@@ -64,10 +69,45 @@ def _pdl_wait(PDL: tl.constexpr):
 
 
 @triton.jit
+def _to_e4m3(x):
+    """float32 x rounded to the nearest float8_e4m3fn value (ties to even), saturated at +-448, still in
+    float32: the value torch's clamp-and-cast gives, which then converts to e4m3 exactly (the interpreter's
+    own float32 -> e4m3 rounding is not round-to-nearest-even). Normals keep 3 of float32's 23 mantissa
+    bits; below 2^-6 (e4m3's subnormals, steps of 2^-9) adding and removing 1.5 * 2^14 rounds to a step."""
+    a = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    bits = a.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    mag = (tl.abs(a) + 24576.0) - 24576.0
+    sub = tl.where((bits >> 31) != 0, -mag, mag)  # the sign of zero kept
+    return tl.where(tl.abs(a) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _to_cache(x, scale, cache_ptr, FP8: tl.constexpr):
+    """x as the cache at cache_ptr stores it: x itself, or under FP8 e4m3(x / scale). (One return: the
+    compiler types every return of a function, constexpr branches included.)"""
+    if FP8:
+        y = _to_e4m3(x.to(tl.float32) / scale).to(cache_ptr.dtype.element_ty)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
+def _from_cache(x, scale, dtype: tl.constexpr, FP8: tl.constexpr):
+    """Cache contents x as the dots read them: x itself, or under FP8 x * scale in float32, cast to dtype."""
+    if FP8:
+        y = (x.to(tl.float32) * scale).to(dtype)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
 def _store_kv_kernel(
-    k, v, k_cache, v_cache, slot_mapping,
+    k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     s_kt, s_kh, s_vt, s_vh, s_cb, s_cs, s_ch, block_size, num_kv_heads,
-    HEAD: tl.constexpr, HEAD_P2: tl.constexpr, KVH_P2: tl.constexpr, PDL: tl.constexpr,
+    HEAD: tl.constexpr, HEAD_P2: tl.constexpr, KVH_P2: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     _pdl_wait(PDL)
     t = tl.program_id(0)
@@ -76,8 +116,10 @@ def _store_kv_kernel(
     d = tl.arange(0, HEAD_P2)[None, :]
     mask = (h < tl.where(slot >= 0, num_kv_heads, 0)) & (d < HEAD)  # [KVH_P2, HEAD_P2]
     dst = (slot // block_size) * s_cb + (slot % block_size) * s_cs + h * s_ch + d
-    tl.store(k_cache + dst, tl.load(k + t * s_kt + h * s_kh + d, mask=mask), mask=mask)
-    tl.store(v_cache + dst, tl.load(v + t * s_vt + h * s_vh + d, mask=mask), mask=mask)
+    kx = _to_cache(tl.load(k + t * s_kt + h * s_kh + d, mask=mask), k_scale, k_cache, FP8)
+    vx = _to_cache(tl.load(v + t * s_vt + h * s_vh + d, mask=mask), v_scale, v_cache, FP8)
+    tl.store(k_cache + dst, kx, mask=mask)
+    tl.store(v_cache + dst, vx, mask=mask)
 
 
 @triton.jit
@@ -156,9 +198,10 @@ def _soft_cap(s, CAP: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    qt, m, den, acc, k_cache, v_cache, blk, j, kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2,
-    HEAD: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    qt, m, den, acc, k_cache, v_cache, blk, j, kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2, k_scale,
+    v_scale, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     MASK: tl.constexpr, K_T: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     """Keys [j, j + BLOCK_N) (j a multiple of BLOCK_N, blk their _block_ids) against qt [M, HEAD_P2];
     m is in log2 units (scale_log2 > 0).
@@ -166,7 +209,8 @@ def _attend_tile(
     MASK False: every key is below the causal diagonal of every row and < kv_end, so nothing is masked
     and m stays finite; under a WINDOW, every key is also inside every row's window. MASK True: keys past a
     row's position or >= kv_end are masked, and under a WINDOW those at or before its position - WINDOW.
-    SOFT_CAP (log2 units): scores are capped first, and are then in log2 units already."""
+    SOFT_CAP (log2 units): scores are capped first, and are then in log2 units already. FP8: K and V are
+    read as stored * k_scale / v_scale, in qt's dtype."""
     pos = j + tl.arange(0, BLOCK_N)
     kmask = pos < kv_end
     off = blk.to(tl.int64) * s_cb + (pos % BLOCK_SIZE) * s_cs + kv_off  # [BLOCK_N] element offset of each key
@@ -175,6 +219,7 @@ def _attend_tile(
     else:
         kt = tl.trans(_gather_rows(k_cache, off, d, kmask, HEAD, HEAD_P2, MASK, False))
     vt = _gather_rows(v_cache, off, d, kmask, HEAD, HEAD_P2, MASK, False)  # [BLOCK_N, HEAD_P2]
+    kt, vt = _from_cache(kt, k_scale, qt.dtype, FP8), _from_cache(vt, v_scale, qt.dtype, FP8)
     s = _dot(qt, kt, PREC)  # [M, BLOCK_N] raw scores
     if SOFT_CAP > 0:
         s = _soft_cap(s * scale_log2, SOFT_CAP)
@@ -199,11 +244,11 @@ def _attend_tile(
 
 @triton.jit(do_not_specialize=["num_reqs", "s_bt"])
 def _prefill_kernel(
-    q, k_cache, v_cache, out, cu, seq_lens, block_table, scale_log2, num_reqs,
+    q, k_cache, v_cache, out, cu, seq_lens, block_table, scale_log2, num_reqs, k_scale, v_scale,
     s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
     QPK: tl.constexpr, QPK_P2: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, K_T: tl.constexpr,
-    PREC: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+    PREC: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """Grid (T // BLOCK_Q + B, num_kv_heads). Requests with query_len 1 are left to the decode kernel.
 
@@ -241,8 +286,8 @@ def _prefill_kernel(
         for j in range(lo, kv_end, BLOCK_N):
             m, den, acc = _attend_tile(
                 qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, kv_end, BLOCK_N, BLOCK_SIZE), j,
-                kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, True,
-                K_T, PREC, WINDOW, SOFT_CAP,
+                kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2, k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N,
+                BLOCK_SIZE, True, K_T, PREC, WINDOW, SOFT_CAP, FP8,
             )  # fmt: skip
     else:
         # The block ids of the next tile are read one iteration ahead, so the K/V loads, whose addresses
@@ -255,13 +300,13 @@ def _prefill_kernel(
             ids = _block_ids(bt_row, j + BLOCK_N, full_end, BLOCK_N, BLOCK_SIZE)
             m, den, acc = _attend_tile(
                 qt, m, den, acc, k_cache, v_cache, cur, j, kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2,
-                HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, K_T, PREC, 0, SOFT_CAP,
+                k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, K_T, PREC, 0, SOFT_CAP, FP8,
             )  # fmt: skip
         for j in range(full_end, kv_end, BLOCK_N):  # the tiles that cross the diagonal: masked
             m, den, acc = _attend_tile(
                 qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, kv_end, BLOCK_N, BLOCK_SIZE), j,
-                kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, True,
-                K_T, PREC, 0, SOFT_CAP,
+                kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2, k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N,
+                BLOCK_SIZE, True, K_T, PREC, 0, SOFT_CAP, FP8,
             )  # fmt: skip
     acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
     o_ptr = out + row[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
@@ -271,11 +316,11 @@ def _prefill_kernel(
 @triton.jit(do_not_specialize=["s_bt"])  # the block table's width changes from step to step
 def _decode_kernel(
     q, k, v, k_cache, v_cache, out, part_o, part_lse, counts, slot_mapping, cu, seq_lens, block_table,
-    scale_log2, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
+    scale_log2, k_scale, v_scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
     QPK: tl.constexpr, ROWS: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
     SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
+    SOFT_CAP: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, num_kv_heads, P); only requests with query_len 1. A request's keys [0, seq_len) fall into
     chunks of max(SPLIT_KEYS, seq_len / MAX_SPLITS) keys, split s covering chunk s; program p computes
@@ -307,8 +352,10 @@ def _decode_kernel(
     slot = tl.load(slot_mapping + q0, mask=is_dec, other=-1)
     if (slot >= 0) & ((written - 1) % tl.num_programs(2) == tl.program_id(2)):
         dst = (slot // BLOCK_SIZE) * s_cb + (slot % BLOCK_SIZE) * s_cs + kvh * s_ch + d
-        tl.store(k_cache + dst, tl.load(k + q0 * s_kt + kvh * s_kh + d, mask=d < HEAD), mask=d < HEAD)
-        tl.store(v_cache + dst, tl.load(v + q0 * s_vt + kvh * s_vh + d, mask=d < HEAD), mask=d < HEAD)
+        kx = _to_cache(tl.load(k + q0 * s_kt + kvh * s_kh + d, mask=d < HEAD), k_scale, k_cache, FP8)
+        vx = _to_cache(tl.load(v + q0 * s_vt + kvh * s_vh + d, mask=d < HEAD), v_scale, v_cache, FP8)
+        tl.store(k_cache + dst, kx, mask=d < HEAD)
+        tl.store(v_cache + dst, vx, mask=d < HEAD)
         tl.debug_barrier()  # the key is read back below by other threads of this program
     r = tl.arange(0, ROWS)
     head = kvh * QPK + r
@@ -331,8 +378,8 @@ def _decode_kernel(
             if sp == 0:
                 m, den, acc = _attend_tile(
                     qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, start, end, BLOCK_N, BLOCK_SIZE),
-                    start, end, qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N,
-                    BLOCK_SIZE, True, False, PREC, WINDOW, SOFT_CAP,
+                    start, end, qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2, k_scale, v_scale, HEAD, HEAD_P2,
+                    BLOCK_N, BLOCK_SIZE, True, False, PREC, WINDOW, SOFT_CAP, FP8,
                 )  # fmt: skip
                 start = tl.minimum(start + BLOCK_N, end)
         full = start + (end - start) // BLOCK_N * BLOCK_N  # start is a multiple of BLOCK_N (or end)
@@ -342,13 +389,13 @@ def _decode_kernel(
             ids = _block_ids(bt_row, j + BLOCK_N, full, BLOCK_N, BLOCK_SIZE)
             m, den, acc = _attend_tile(
                 qt, m, den, acc, k_cache, v_cache, cur, j, end, qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2,
-                HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, False, PREC, 0, SOFT_CAP,
+                k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, False, PREC, 0, SOFT_CAP, FP8,
             )  # fmt: skip
         for j in range(full, end, BLOCK_N):  # at most one
             m, den, acc = _attend_tile(
                 qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, end, BLOCK_N, BLOCK_SIZE), j, end,
-                qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, True, False,
-                PREC, 0, SOFT_CAP,
+                qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2, k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N,
+                BLOCK_SIZE, True, False, PREC, 0, SOFT_CAP, FP8,
             )  # fmt: skip
         acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
         if (NUM_SPLITS == 1) | (written == 1):  # a lone split: the merge would give these bits
@@ -407,8 +454,16 @@ def _merge_splits(
     tl.store(o_ptr, res.to(o_ptr.dtype.element_ty), mask=io_mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, num_kv_heads, head_size] -> kv_cache[:, slot] for every slot_mapping[t] >= 0."""
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """k, v: [T, num_kv_heads, head_size] -> kv_cache[:, slot] for every slot_mapping[t] >= 0; an FP8 cache
+    gets e4m3(k / k_scale) and e4m3(v / v_scale)."""
     t, kvh, hs = k.shape
     if t == 0:
         return
@@ -416,9 +471,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     kc, vc = kv_cache[0], kv_cache[1]
     p2 = triton.next_power_of_2
     _store_kv_kernel[(t,)](
-        k, v, kc, vc, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, kc, vc, slot_mapping, k_scale, v_scale, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.shape[1], kvh,
-        HEAD=hs, HEAD_P2=_head_p2(hs), KVH_P2=p2(kvh), num_warps=1 if INTERPRET else 4, **pdl_launch(),
+        HEAD=hs, HEAD_P2=_head_p2(hs), KVH_P2=p2(kvh), FP8=_fp8(kv_cache), num_warps=1 if INTERPRET else 4,
+        **pdl_launch(),
     )  # fmt: skip
 
 
@@ -439,10 +495,13 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Write k, v to the cache at slot_mapping, then q [T, H, D] against the cache -> [T, H, D]. Rows past
-    query_start_loc[-1] (padding) stay unwritten. sliding_window and logits_soft_cap: the layer's (None:
-    none), as turnout.attention.AttentionLayerSpec defines them.
+    query_start_loc[-1] (padding) stay unwritten. sliding_window, logits_soft_cap, k_scale and v_scale: the
+    layer's (None: none), as turnout.attention.AttentionLayerSpec defines them; the scales apply where the
+    cache is float8_e4m3fn.
 
     The decode kernel always runs (its programs skip requests with query_len != 1) and writes the k, v of
     the requests it serves; store_kv and the prefill kernel run only when max_query_len > 1 (the prefill
@@ -457,7 +516,7 @@ def paged_attention(
     if t == 0 or b == 0:
         return out
     if max_query_len > 1:
-        store_kv(k, v, kv_cache, slot_mapping)
+        store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     qpk = h // kvh
     prec = _precision(q.dtype)
@@ -472,17 +531,23 @@ def paged_attention(
     p = programs or decode_programs(b, kvh, s)
     _decode_kernel[(b, kvh, p)](
         q, k, v, kc, vc, out, part_o, part_lse, counts, slot_mapping, query_start_loc, seq_lens, block_table,
-        scale_log2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), block_table.stride(0),
+        scale_log2, k_scale, v_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        block_table.stride(0),
         QPK=qpk, ROWS=dec["rows"], HEAD=hs, HEAD_P2=hp2, BLOCK_N=dec["block_n"], BLOCK_SIZE=bs,
-        NUM_SPLITS=s, PREC=prec, SPLIT_KEYS=SPLIT_KEYS, MAX_SPLITS=MAX_SPLITS, num_warps=dec["warps"],
-        num_stages=dec["stages"], **_maxnreg(dec), **_features(sliding_window, logits_soft_cap),
-        **pdl_launch(),
+        NUM_SPLITS=s, PREC=prec, SPLIT_KEYS=SPLIT_KEYS, MAX_SPLITS=MAX_SPLITS, FP8=_fp8(kv_cache),
+        num_warps=dec["warps"], num_stages=dec["stages"], **_maxnreg(dec),
+        **_features(sliding_window, logits_soft_cap), **pdl_launch(),
     )  # fmt: skip
     if max_query_len > 1:
         _launch_prefill(q, kv_cache, out, query_start_loc, seq_lens, block_table, scale, None,
-                        sliding_window, logits_soft_cap)  # fmt: skip
+                        sliding_window, logits_soft_cap, k_scale, v_scale)  # fmt: skip
     return out
+
+
+def _fp8(kv_cache: torch.Tensor) -> bool:
+    """The kernels' FP8 flag: the cache holds float8_e4m3fn (kv_cache_dtype fp8)."""
+    return kv_cache.dtype == torch.float8_e4m3fn
 
 
 def _features(sliding_window: int | None, logits_soft_cap: float | None) -> dict:
@@ -508,13 +573,15 @@ def prefill_attention(
     *,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """The prefill kernel alone (for tuning): rows of requests with query_len > 1 of q [T, H, D]. config
     (block_m, block_n, warps, stages, trans_k) overrides _prefill_config; rows it skips stay unwritten."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if q.shape[0] and seq_lens.shape[0]:
         _launch_prefill(_last_dim_contiguous(q), kv_cache, out, query_start_loc, seq_lens, block_table, scale,
-                        config, sliding_window, logits_soft_cap)  # fmt: skip
+                        config, sliding_window, logits_soft_cap, k_scale, v_scale)  # fmt: skip
     return out
 
 
@@ -529,6 +596,8 @@ def _launch_prefill(
     config: dict | None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> object:
     """Launch the prefill kernel; returns what the launch returns (the compiled kernel, on a GPU)."""
     t, h, hs = q.shape
@@ -541,11 +610,12 @@ def _launch_prefill(
     cfg = _fit_config(config or _prefill_config(hp2, qpk_p2, q.dtype == torch.float32), qpk_p2)
     bq = cfg["block_m"] // qpk_p2
     return _prefill_kernel[(t // bq + b, kvh)](
-        q, kc, vc, out, query_start_loc, seq_lens, block_table, scale * LOG2E, b,
+        q, kc, vc, out, query_start_loc, seq_lens, block_table, scale * LOG2E, b, k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         block_table.stride(0), QPK=qpk, QPK_P2=qpk_p2, HEAD=hs, HEAD_P2=hp2, BLOCK_Q=bq,
-        BLOCK_N=cfg["block_n"], BLOCK_SIZE=bs, K_T=cfg["trans_k"], PREC=prec, num_warps=cfg["warps"],
-        num_stages=cfg["stages"], **_features(sliding_window, logits_soft_cap), **pdl_launch(),
+        BLOCK_N=cfg["block_n"], BLOCK_SIZE=bs, K_T=cfg["trans_k"], PREC=prec, FP8=_fp8(kv_cache),
+        num_warps=cfg["warps"], num_stages=cfg["stages"], **_features(sliding_window, logits_soft_cap),
+        **pdl_launch(),
     )  # fmt: skip
 
 
