@@ -107,6 +107,28 @@ def test_router_matches_hf(renormalize: bool) -> None:
     assert torch.allclose(weights, hf_weights, rtol=1e-6)
 
 
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_custom_routing_function_routes_the_layer(kernel: str) -> None:
+    """FusedMoE(custom_routing_function=f) weights each token's experts as f gives them (here the two lowest
+    logits, weighted 1.5 and -0.5, as no softmax top-k would), and passes f its top_k and renormalize."""
+    t, e, h, i = 9, 8, 32, 16
+    x, w13, w2, _, _ = _problem(t, e, 2, h, i, torch.float32)
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(1), device=DEV)
+    seen = []
+
+    def lowest_two(router_logits, top_k, renormalize):
+        seen.append((top_k, renormalize))
+        ids = router_logits.topk(top_k, dim=-1, largest=False).indices
+        return torch.tensor([1.5, -0.5], device=ids.device).expand(ids.shape).contiguous(), ids
+
+    layer = moe.FusedMoE(e, 2, h, i, renormalize=False, custom_routing_function=lowest_two).to(DEV)
+    layer.w13_weight.data.copy_(w13), layer.w2_weight.data.copy_(w2)
+    layer.kernel = {"triton": moe.TRITON_KERNEL, "torch": moe.TORCH_KERNEL}[kernel]
+    weights, ids = lowest_two(logits, 2, False)
+    assert _rel(layer(x, logits), _reference(x, w13, w2, weights, ids)) < _tol(torch.float32)
+    assert seen == [(2, False)] * 2
+
+
 def test_expert_ranges_split_evenly() -> None:
     assert moe.expert_ranges(8, 2) == [range(0, 4), range(4, 8)]
     assert [len(r) for r in moe.expert_ranges(10, 4)] == [3, 3, 2, 2]

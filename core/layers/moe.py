@@ -47,12 +47,15 @@ from turnout.layers.activation import SiluAndMul
 from turnout.platform import Platform
 
 ExpertOutputs = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (router_logits [T, E], top_k, renormalize) -> (weights [T, k] float32, expert ids [T, k] int64)
+RoutingFunction = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
 
 
 def num_experts(hf_config: dict[str, Any]) -> int:
-    """Routed experts per MoE layer from config.json (Qwen: num_experts, Mixtral: num_local_experts); 0 =
-    a dense model."""
-    return int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0)
+    """Routed experts per MoE layer from config.json (Qwen: num_experts, Mixtral: num_local_experts,
+    DeepSeek: n_routed_experts); 0 = a dense model."""
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return int(next((hf_config[k] for k in keys if hf_config.get(k)), 0))
 
 
 def expert_ranges(n: int, ep_size: int) -> list[range]:
@@ -288,14 +291,26 @@ def _param(*shape: int, loader: Callable[..., bool]) -> nn.Parameter:
 
 class FusedMoE(nn.Module):
     """The experts of one sparse MoE block. forward(x [T, H], router_logits [T, E]) -> [T, H], the same on
-    every TP rank. `kernel` is bound at start-up to the chosen MoEKernel (ModelRunner)."""
+    every TP rank. `kernel` is bound at start-up to the chosen MoEKernel (ModelRunner).
+
+    custom_routing_function (vLLM's name): `(router_logits, top_k, renormalize) -> (weights [T, k] float32,
+    expert ids [T, k] int64)` in place of select_experts' softmax top-k, for a model whose router differs
+    (DeepSeek's group-limited top-k and routed_scaling_factor); it must give each token's ids and weights
+    from that token's logits alone, as every expert-parallel rank routes its own chunk of tokens."""
 
     def __init__(
-        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        custom_routing_function: RoutingFunction | None = None,
     ) -> None:
         super().__init__()
         ps = get_parallel_state()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.route: RoutingFunction = custom_routing_function or select_experts
         self.ep_rank, self.ep_size = ps.ep_rank, ps.ep_size
         # under expert parallelism experts stay whole; otherwise each is split over the TP ranks
         self.tp_rank, self.tp_size = (0, 1) if self.ep_size > 1 else (ps.tp_rank, ps.tp_size)
@@ -332,10 +347,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] through each token's top_k experts (from router_logits [T, num_experts]), weighted
-        by their router probabilities (renormalised over the top_k where renormalize) -> [T, hidden], whole
-        on every rank: with EP the pairs travel to their experts' ranks and back, else the TP shards' partial
-        sums are all-reduced."""
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        by their router probabilities (renormalised over the top_k where renormalize; or as the
+        custom_routing_function gives them) -> [T, hidden], whole on every rank: with EP the pairs travel to
+        their experts' ranks and back, else the TP shards' partial sums are all-reduced."""
+        topk_weights, topk_ids = self.route(router_logits, self.top_k, self.renormalize)
         if self.ep_size > 1:
             return self._forward_ep(x, topk_weights, topk_ids)
         y = self.kernel.expert_outputs(x, self.w13_weight, self.w2_weight, topk_ids)

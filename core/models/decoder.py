@@ -197,6 +197,9 @@ class DecoderForCausalLM(nn.Module):
     qkv_bias: bool = False
     qk_norm: bool = False
     implemented_keys: frozenset[str] = frozenset()  # the MATH_KEYS a subclass implements itself
+    # config.json keys that change the math, refused unless implemented; a subclass adds its architecture's
+    # own as {**DecoderForCausalLM.math_keys, key: cfg -> the value it does not implement, or None}
+    math_keys: dict[str, Callable[[dict[str, Any]], Any]] = MATH_KEYS
     packed = {  # checkpoint name -> (our parameter, shard id)
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -219,14 +222,14 @@ class DecoderForCausalLM(nn.Module):
 
     def check_config(self, cfg: dict[str, Any]) -> None:
         """Refuse, in one line, a config.json key that changes the math and that this class does not
-        implement; implemented_keys must name MATH_KEYS only."""
+        implement; implemented_keys must name math_keys (MATH_KEYS and the class's own) only."""
         name = type(self).__qualname__
-        if unknown := sorted(set(self.implemented_keys) - MATH_KEYS.keys()):
+        if unknown := sorted(set(self.implemented_keys) - self.math_keys.keys()):
             raise TurnoutError(
-                f"{name}.implemented_keys names {', '.join(unknown)}, not among DecoderForCausalLM's "
-                f"MATH_KEYS ({', '.join(MATH_KEYS)}); a bug in the model plugin {type(self).__module__}"
+                f"{name}.implemented_keys names {', '.join(unknown)}, not among its math_keys "
+                f"({', '.join(self.math_keys)}); a bug in the model plugin {type(self).__module__}"
             )
-        for key, changes in MATH_KEYS.items():
+        for key, changes in self.math_keys.items():
             if key not in self.implemented_keys and (value := changes(cfg)) is not None:
                 raise ConfigError(
                     f"config.json sets {key} = {value!r}, which changes the model's math and {name} "

@@ -35,7 +35,7 @@ from torch import nn
 from turnout.errors import ConfigError, WeightLoadError
 from turnout.hookspecs import Priority
 from turnout.layers.linear import ColumnParallelLinear, RowParallelLinear
-from turnout.layers.moe import FusedMoE
+from turnout.layers.moe import FusedMoE, num_experts
 from turnout.platform import Platform
 
 LinearLayer = ColumnParallelLinear | RowParallelLinear
@@ -163,7 +163,7 @@ class QuantizationMethod:
 
 
 def _has_experts(hf_config: dict[str, Any]) -> bool:
-    return bool(hf_config.get("num_experts") or hf_config.get("num_local_experts"))
+    return bool(num_experts(hf_config))
 
 
 def linear_layers(model: nn.Module) -> Iterator[tuple[str, LinearLayer, list[str]]]:
