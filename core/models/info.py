@@ -48,7 +48,12 @@ class ModelInfo:
 
     @property
     def head_size(self) -> int:
-        return self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.num_heads
+        """The Attention layers' head size. Multi-head latent attention (config.json sets kv_lora_rank) runs
+        on the standard layout with one size for q, k and v: max(qk_nope + qk_rope, v_head_dim)."""
+        c = self.hf_config
+        if c.get("kv_lora_rank"):
+            return max(c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"])
+        return c.get("head_dim") or c["hidden_size"] // self.num_heads
 
     @property
     def num_layers(self) -> int:

@@ -1,0 +1,12 @@
+"""DeepSeek-V2 (DeepSeek-V2, -V2-Lite, -V2.5 and their chat models): multi-head latent attention, whose K and
+V the cache holds per head (not the latent vector), and shared plus routed experts on turnout's FusedMoE."""
+
+from turnout import hookimpl
+from turnout.models import ModelArchitecture
+
+
+@hookimpl
+def turnout_model_architectures() -> list[ModelArchitecture]:
+    """DeepseekV2ForCausalLM, with tensor, pipeline and expert parallelism."""
+    target = "turnout_deepseek_v2.model:DeepseekV2ForCausalLM"
+    return [ModelArchitecture("DeepseekV2ForCausalLM", target, expert_parallel=True)]

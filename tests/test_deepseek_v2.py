@@ -1,0 +1,223 @@
+"""The bundled DeepSeek-V2 plugin generates like HF transformers' DeepseekV2ForCausalLM (float32, each prompt
+alone, eager attention): greedy tokens exactly for 8 prompts, batched and one at a time, on prefix-cache hits,
+with chunked prefill, under tensor (and expert, and pipeline) parallelism over gloo, and with the Triton
+attention backend and MoE kernel in Triton's interpreter. Two tiny random checkpoints cover both query paths
+(q_lora_rank set and None), YaRN rope with mscale_all_dim (and default rope), both top-k methods
+(group_limited_greedy with n_group / topk_group, greedy), routed_scaling_factor, one and two shared experts,
+a dense first layer (first_k_dense_replace = 1), attention biases, and v_head_dim above and below the q/k
+head size. The router is checked against HF's alone; a config value the plugin does not implement, and a
+checkpoint missing one expert's tensor, are refused in one line."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from turnout_deepseek_v2.model import deepseek_routing, head_size
+
+from turnout import LLM, SamplingParams, TurnoutError
+from turnout.layers import moe
+from turnout.models.info import ModelInfo
+
+from tiny_models import TOKENIZER_VOCAB, _tokenizer
+
+MAX_NEW = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+KW = {"dtype": "float32", "cpu_kv_cache_bytes": 1 << 22, "block_size": 4}
+COMMON = dict(
+    vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=8,
+    first_k_dense_replace=1, num_experts_per_tok=2, max_position_embeddings=512, bos_token_id=1,
+    eos_token_id=2, tie_word_embeddings=False,
+)  # fmt: skip
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+CONFIGS = {  # case -> its own keys
+    # DeepSeek-V2's shape: q through the LoRA pair, YaRN, group-limited routing, v narrower than q/k (16 < 32)
+    "lora-yarn-grouped": dict(num_hidden_layers=3, q_lora_rank=48, v_head_dim=16, n_routed_experts=8,
+                              n_shared_experts=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                              routed_scaling_factor=1.5, rope_parameters=YARN),
+    # DeepSeek-V2-Lite's: q_proj, greedy routing; here also biases and v wider than q/k (40 > 32)
+    "q-proj-greedy": dict(num_hidden_layers=2, q_lora_rank=None, v_head_dim=40, n_routed_experts=4,
+                          n_shared_experts=2, topk_method="greedy", attention_bias=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}  # fmt: skip
+
+_rng = random.Random(7)
+PROMPTS = [[_rng.randrange(3, TOKENIZER_VOCAB) for _ in range(_rng.randrange(10, 40))] for _ in range(8)]
+
+
+def _write(path: Path, case: str) -> Path:
+    """A tiny random checkpoint, weights widened so that logits are far from ties."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV2Config(**COMMON, **CONFIGS[case])
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            # matrices N(0, 0.2); norms (initialised to ones) N(1, 0.1), biases (zeros) N(0, 0.1)
+            p.normal_(0, 0.2) if p.dim() > 1 else p.normal_(1.0 if p.abs().sum() else 0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer(path)
+    return path
+
+
+def _hf_greedy(path: Path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    outs = []
+    for p in PROMPTS:
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(MAX_NEW):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        outs.append(ids[len(p) :])
+    return outs
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """checkpoint(case) -> (its tiny checkpoint, HF's greedy tokens for PROMPTS), each written once."""
+    made: dict[str, tuple[Path, list[list[int]]]] = {}
+
+    def get(case: str) -> tuple[Path, list[list[int]]]:
+        if case not in made:
+            path = _write(tmp_path_factory.mktemp(case), case)
+            made[case] = path, _hf_greedy(path)
+        return made[case]
+
+    return get
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_greedy_matches_hf(checkpoint, case: str) -> None:
+    """Batched, then each prompt again alone (every one a prefix hit), then chunked by a 16-token budget."""
+    path, ref = checkpoint(case)
+    llm = LLM(str(path), **KW)
+    model, experts = llm.selection.model.chosen, llm.selection.moe.chosen
+    assert (model.name, model.plugin, experts.name) == ("DeepseekV2ForCausalLM", "deepseek_v2", "torch")
+    assert _tokens(llm, PROMPTS) == ref
+    for p, r in zip(PROMPTS, ref):
+        out = llm.generate([p], GREEDY, use_tqdm=False)[0]
+        assert out.token_ids == r and out.num_cached_tokens >= len(p) - 4, out.num_cached_tokens
+    chunked = LLM(str(path), max_num_batched_tokens=16, max_num_seqs=4, **KW)
+    assert max(map(len, PROMPTS)) > 16 and _tokens(chunked, PROMPTS) == ref
+
+
+def test_cache_holds_per_head_k_and_v_of_one_head_size(checkpoint) -> None:
+    """Every layer's Attention takes q, k and v of max(qk_nope + qk_rope, v_head_dim) on 4 heads, the size
+    selection checks the backend against; the layers share one rotary table."""
+    path, _ = checkpoint("q-proj-greedy")
+    llm = LLM(str(path), **KW)
+    model = llm.engine.executor.worker.runner.model
+    cfg = json.loads((path / "config.json").read_text())
+    attns = [layer.self_attn for layer in model.model.layers]
+    assert head_size(cfg) == ModelInfo.from_dir(path).head_size == 40
+    assert {(a.attn.num_heads, a.attn.head_size) for a in attns} == {(4, 40)}
+    assert len({id(a.rotary) for a in attns}) == 1 and attns[0].rotary.cos.shape[1] == 8 // 2  # rope dims
+
+
+PARALLEL = [
+    pytest.param("lora-yarn-grouped", dict(tensor_parallel_size=2), id="lora-yarn-tp2"),
+    pytest.param("q-proj-greedy", dict(tensor_parallel_size=2), id="q-proj-tp2"),
+    pytest.param("lora-yarn-grouped", dict(tensor_parallel_size=2, enable_expert_parallel=True), id="tp2-ep"),
+    pytest.param("lora-yarn-grouped", dict(pipeline_parallel_size=2), id="pp2"),
+]
+
+
+@pytest.mark.parametrize("case,parallel", PARALLEL)
+def test_parallel_matches_hf(checkpoint, case: str, parallel: dict) -> None:
+    """Two ranks over gloo, chunked prefill on four prompts, then two of them again as prefix hits."""
+    path, ref = checkpoint(case)
+    llm = LLM(str(path), max_num_batched_tokens=16, **parallel, **KW)
+    try:
+        assert _tokens(llm, PROMPTS[:4]) == ref[:4]
+        again = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in again] == ref[:2] and all(o.num_cached_tokens >= 8 for o in again)
+    finally:
+        llm.shutdown()
+
+
+def test_triton_in_the_interpreter_matches_hf(checkpoint, triton_kernels) -> None:
+    """Triton's attention kernels and grouped-GEMM experts (in the interpreter off CUDA): two prompts
+    chunked by a 16-token budget, then one again as a prefix hit; HF's first three tokens (the interpreter is
+    slow)."""
+    triton_kernels(moe._kernel)
+    path, ref = checkpoint("lora-yarn-grouped")
+    llm = LLM(str(path), max_num_batched_tokens=16, attention_backend="triton", moe_kernel="triton", **KW)
+    assert (llm.selection.attention.chosen.name, llm.selection.moe.chosen.name) == ("triton", "triton")
+    three = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    two = [PROMPTS[0], PROMPTS[3]]
+    outs = llm.generate(two + [PROMPTS[0]], three, use_tqdm=False)
+    assert min(map(len, two)) > 16 and [o.token_ids for o in outs] == [ref[0][:3], ref[3][:3], ref[0][:3]]
+    assert outs[2].num_cached_tokens >= len(PROMPTS[0]) - 4, outs[2].num_cached_tokens
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_router_matches_hf(case: str) -> None:
+    """deepseek_routing gives HF's DeepseekV2TopkRouter's experts and weights, token by token."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    config = DeepseekV2Config(**COMMON, **CONFIGS[case])
+    torch.manual_seed(1)
+    hf = DeepseekV2TopkRouter(config)
+    torch.nn.init.normal_(hf.weight)
+    x = torch.randn(50, config.hidden_size)
+    logits, hf_weights, hf_ids = hf(x)
+    weights, ids = deepseek_routing(config.to_dict())(logits, config.num_experts_per_tok, False)
+    order, hf_order = ids.argsort(-1), hf_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    assert torch.equal(weights.gather(1, order), hf_weights.gather(1, hf_order))
+
+
+WRONG = [  # config.json key, a value the plugin does not implement, the line that says so
+    ("norm_topk_prob", True, "sets norm_topk_prob = True, which changes the model's math and DeepseekV2"),
+    ("topk_method", "noaux_tc", "sets topk_method = 'noaux_tc', which changes the model's math and Deep"),
+    ("scoring_func", "sigmoid", "sets scoring_func = 'sigmoid', which changes the model's math"),
+    ("moe_layer_freq", 2, "sets moe_layer_freq = 2, which changes the model's math"),
+    ("num_key_value_heads", 2, "sets num_key_value_heads = 2, which changes the model's math"),
+    ("n_group", 3, "group_limited_greedy needs n_group dividing n_routed_experts \\(8\\)"),
+    ("rope_parameters", {"rope_type": "proportional", "rope_theta": 1e4},
+     "config.json's rope scaling: rope scaling 'proportional' is not supported"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("key,value,why", WRONG, ids=[w[0] for w in WRONG])
+def test_what_the_plugin_does_not_implement_is_refused(checkpoint, tmp_path: Path, key, value, why) -> None:
+    """One line naming the config key, before any weight loads."""
+    path = Path(shutil.copytree(checkpoint("lora-yarn-grouped")[0], tmp_path / "ckpt"))
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, key: value}))
+    with pytest.raises(TurnoutError, match=why) as e:
+        LLM(str(path), **KW)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "name", ["model.layers.2.mlp.experts.5.up_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight",
+             "model.layers.1.mlp.shared_experts.gate_proj.weight"],
+)  # fmt: skip
+def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(checkpoint, tmp_path: Path, name: str) -> None:
+    """One line naming the missing checkpoint tensor, and no start."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(shutil.copytree(checkpoint("lora-yarn-grouped")[0], tmp_path / "ckpt"))
+    tensors = load_file(path / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TurnoutError, match=f"the checkpoint lacks {re.escape(name)}, which fills ") as e:
+        LLM(str(path), **KW)
+    assert "\n" not in str(e.value)
