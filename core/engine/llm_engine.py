@@ -329,12 +329,14 @@ class LLMEngine:
            N is read there, so its tokens reach the grammars before N + 1's bitmask is made.
         4. Read N (if 3 did not) and return its outputs; N + 1 stays in flight.
         Invariant: at most one step is in flight, and every launched step is read once, in launch order."""
-        prev, self._in_flight = self._in_flight, None
+        prev = self._in_flight  # stays in flight until read or replaced: an interrupt never loses it
         if prev is not None and (prev.feeds_next or self._sync):
+            self._in_flight = None
             return self._read(prev)
         out = self.scheduler.schedule()
         if not out.requests:
             self._idle(out)
+            self._in_flight = None
             return self._read(prev)
         reqs = {s.req_id: self.requests[s.req_id] for s in out.requests}
         read: list[StepOutput] | None = None
