@@ -24,7 +24,13 @@ from turnout import LLM, SamplingParams, TurnoutError
 from turnout.layers import moe
 from turnout.models.info import ModelInfo
 
-from tiny_models import TOKENIZER_VOCAB, _tokenizer
+from tiny_models import (
+    TOKENIZER_VOCAB,
+    _tokenizer,
+    assert_matches_reference,
+    assert_parallel_matches_reference,
+    checkpoints,
+)
 
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -86,19 +92,7 @@ def _hf_greedy(path: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """checkpoint(case) -> (its tiny checkpoint, HF's greedy tokens for PROMPTS), each written once."""
-    made: dict[str, tuple[Path, list[list[int]]]] = {}
-
-    def get(case: str) -> tuple[Path, list[list[int]]]:
-        if case not in made:
-            path = _write(tmp_path_factory.mktemp(case), case)
-            made[case] = path, _hf_greedy(path)
-        return made[case]
-
-    return get
-
-
-def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return checkpoints(tmp_path_factory.mktemp, _write, _hf_greedy)
 
 
 @pytest.mark.parametrize("case", list(CONFIGS))
@@ -108,12 +102,7 @@ def test_greedy_matches_hf(checkpoint, case: str) -> None:
     llm = LLM(str(path), **KW)
     model, experts = llm.selection.model.chosen, llm.selection.moe.chosen
     assert (model.name, model.plugin, experts.name) == ("DeepseekV2ForCausalLM", "deepseek_v2", "torch")
-    assert _tokens(llm, PROMPTS) == ref
-    for p, r in zip(PROMPTS, ref):
-        out = llm.generate([p], GREEDY, use_tqdm=False)[0]
-        assert out.token_ids == r and out.num_cached_tokens >= len(p) - 4, out.num_cached_tokens
-    chunked = LLM(str(path), max_num_batched_tokens=16, max_num_seqs=4, **KW)
-    assert max(map(len, PROMPTS)) > 16 and _tokens(chunked, PROMPTS) == ref
+    assert_matches_reference(llm, path, ref, PROMPTS, GREEDY, **KW)
 
 
 def test_cache_holds_per_head_k_and_v_of_one_head_size(checkpoint) -> None:
@@ -140,14 +129,7 @@ PARALLEL = [
 @pytest.mark.parametrize("case,parallel", PARALLEL)
 def test_parallel_matches_hf(checkpoint, case: str, parallel: dict) -> None:
     """Two ranks over gloo, chunked prefill on four prompts, then two of them again as prefix hits."""
-    path, ref = checkpoint(case)
-    llm = LLM(str(path), max_num_batched_tokens=16, **parallel, **KW)
-    try:
-        assert _tokens(llm, PROMPTS[:4]) == ref[:4]
-        again = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
-        assert [o.token_ids for o in again] == ref[:2] and all(o.num_cached_tokens >= 8 for o in again)
-    finally:
-        llm.shutdown()
+    assert_parallel_matches_reference(*checkpoint(case), PROMPTS, GREEDY, parallel, **KW)
 
 
 def test_triton_in_the_interpreter_matches_hf(checkpoint, triton_kernels) -> None:

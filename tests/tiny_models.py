@@ -116,3 +116,44 @@ def teacher_forced_agreement(llm, prompts: list[list[int]], conts: list[list[int
         for i, t in enumerate(c)
     ]
     return sum(a == b for a, b in steps), len(steps)
+
+
+def checkpoints(mktemp, write, reference):
+    """checkpoint(case) -> (write(folder, case), reference(that path)), each case written once."""
+    made: dict[str, tuple[Path, list[list[int]]]] = {}
+
+    def get(case: str) -> tuple[Path, list[list[int]]]:
+        if case not in made:
+            path = write(mktemp(case), case)
+            made[case] = path, reference(path)
+        return made[case]
+
+    return get
+
+
+def assert_matches_reference(llm, path: Path, ref: list[list[int]], prompts: list[list[int]], greedy, **kw):
+    """llm's greedy tokens for prompts equal ref: batched, then each prompt again alone (every one a prefix
+    hit), then in a second engine on path with chunked prefill (a 16-token budget)."""
+    from turnout import LLM
+
+    tokens = lambda e: [o.token_ids for o in e.generate(prompts, greedy, use_tqdm=False)]  # noqa: E731
+    assert tokens(llm) == ref
+    for p, r in zip(prompts, ref):
+        out = llm.generate([p], greedy, use_tqdm=False)[0]
+        assert out.token_ids == r and out.num_cached_tokens >= len(p) - 4, out.num_cached_tokens
+    chunked = LLM(str(path), max_num_batched_tokens=16, max_num_seqs=4, **kw)
+    assert max(map(len, prompts)) > 16 and tokens(chunked) == ref
+
+
+def assert_parallel_matches_reference(path: Path, ref, prompts, greedy, parallel: dict, **kw) -> None:
+    """Under parallel (ranks over gloo), chunked prefill on four prompts equals ref, then two of them again
+    as prefix hits."""
+    from turnout import LLM
+
+    llm = LLM(str(path), max_num_batched_tokens=16, **parallel, **kw)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts[:4], greedy, use_tqdm=False)] == ref[:4]
+        again = llm.generate(prompts[:2], greedy, use_tqdm=False)
+        assert [o.token_ids for o in again] == ref[:2] and all(o.num_cached_tokens >= 8 for o in again)
+    finally:
+        llm.shutdown()

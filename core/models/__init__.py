@@ -10,6 +10,7 @@ from turnout.models.registry import ModelArchitecture
 __all__ = [
     "CausalLM",
     "DecoderForCausalLM",
+    "DecoderMLP",
     "GemmaDecoderLayer",
     "GemmaForCausalLM",
     "GemmaModel",
@@ -20,6 +21,7 @@ __all__ = [
 
 _LAZY = {  # imported on first use: registering a model plugin must not build torch layers
     "DecoderForCausalLM": "turnout.models.decoder",
+    "DecoderMLP": "turnout.models.decoder",
     "layer_range": "turnout.models.decoder",
     "GemmaDecoderLayer": "turnout.models.gemma",
     "GemmaForCausalLM": "turnout.models.gemma",

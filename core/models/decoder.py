@@ -108,6 +108,8 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
+    """The SwiGLU feed-forward block (gate_proj and up_proj fused): x [T, hidden] -> [T, hidden]."""
+
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2)
@@ -115,6 +117,7 @@ class DecoderMLP(nn.Module):
         self.act = SiluAndMul(feeds_linear=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down_proj(silu(gate) * up)."""
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 

@@ -38,17 +38,15 @@ from turnout.layers import (
     Attention,
     ColumnParallelLinear,
     FusedMoE,
-    MergedColumnParallelLinear,
     ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    SiluAndMul,
     VocabParallelEmbedding,
     num_experts,
     rope_parameters_for,
 )
-from turnout.models import DecoderForCausalLM, get_parallel_state, layer_range
+from turnout.models import DecoderForCausalLM, DecoderMLP, get_parallel_state, layer_range
 
 LORA_EPS = 1e-6  # HF's q_a_layernorm and kv_a_layernorm take the norm's default eps, not rms_norm_eps
 
@@ -151,19 +149,6 @@ class DeepseekV2Attention(nn.Module):
         return self.o_proj(out.reshape(t, h * self.v_dim))
 
 
-class DeepseekV2MLP(nn.Module):
-    """The SwiGLU block (gate_proj and up_proj fused): x [T, hidden] -> [T, hidden]."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2)
-        self.down_proj = RowParallelLinear(intermediate, hidden)
-        self.act = SiluAndMul(feeds_linear=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 def deepseek_routing(cfg: dict[str, Any]) -> Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, ...]]:
     """FusedMoE's custom_routing_function for DeepSeek-V2's router, as HF's DeepseekV2TopkRouter: softmax over
     the logits in float32; "group_limited_greedy" keeps the topk_group of n_group groups with the highest best
@@ -201,7 +186,7 @@ class DeepseekV2MoE(nn.Module):
             custom_routing_function=deepseek_routing(cfg),
         )  # fmt: skip
         shared = cfg.get("n_shared_experts") or 0
-        self.shared_experts = DeepseekV2MLP(hidden, inter * shared) if shared else None
+        self.shared_experts = DecoderMLP(hidden, inter * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.experts(x, F.linear(x.float(), self.gate.weight.float()))
@@ -216,7 +201,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         self.self_attn = DeepseekV2Attention(cfg, rotary, scale)
         sparse = num_experts(cfg) and layer >= (cfg.get("first_k_dense_replace") or 0)
-        self.mlp = DeepseekV2MoE(cfg) if sparse else DeepseekV2MLP(hidden, cfg["intermediate_size"])
+        self.mlp = DeepseekV2MoE(cfg) if sparse else DecoderMLP(hidden, cfg["intermediate_size"])
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
