@@ -30,6 +30,7 @@ from tiny_models import (
     assert_matches_reference,
     assert_parallel_matches_reference,
     checkpoints,
+    hf_greedy,
 )
 
 MAX_NEW = 6
@@ -75,18 +76,7 @@ def _write(path: Path, case: str) -> Path:
 
 
 def _hf_greedy(path: Path) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    model.eval()
-    outs = []
-    for p in PROMPTS:
-        ids = list(p)
-        with torch.no_grad():
-            for _ in range(MAX_NEW):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-        outs.append(ids[len(p) :])
-    return outs
+    return hf_greedy(path, PROMPTS, MAX_NEW, attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")

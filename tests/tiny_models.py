@@ -59,12 +59,12 @@ def make_tiny_model(
     return path
 
 
-def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int, **load) -> list[list[int]]:
     """Each prompt alone through HF's forward, float32, argmax at every step, EOS not special: the
-    reference for `ignore_eos=True` greedy runs."""
+    reference for `ignore_eos=True` greedy runs. load: from_pretrained's further arguments."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load).eval()
     outs = []
     for p in prompts:
         ids = list(p)
