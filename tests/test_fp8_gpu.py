@@ -39,8 +39,8 @@ def _weights(n: int, k: int, block) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @pytest.mark.parametrize("m", [1, 3, 4, 17, 300])
 def test_fp8_linear_matches_float64(block, m: int) -> None:
-    """Every route (the GEMV up to GEMV_MAX_M rows, _scaled_mm or the block GEMM above) against
-    x @ (q * scale)^T in float64, bias included; outputs are poisoned first."""
+    """The default route at M rows (ROUTES: the GEMV, the Triton GEMM or _scaled_mm) against
+    x @ (q * scale)^T in float64, bias included."""
     n, k = 384, 512
     q, s = _weights(n, k, block)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -55,13 +55,14 @@ def test_fp8_linear_matches_float64(block, m: int) -> None:
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @pytest.mark.parametrize("route", ["gemv", "triton", "cublas"])
 def test_each_route_matches_float64(monkeypatch, block, route: str) -> None:
-    """Each route taken at every M (ROUTES set to it alone) against float64, at M of 2, 40 and 257."""
+    """Each route taken at every M (ROUTES set to it alone) against float64, at M of 1, 2, 40 and 257 (M
+    not a multiple of 4: cuBLASLt's block scaling takes M padded)."""
     if route == "cublas" and block and not kernels.cublas_block_scaling(0):
         pytest.skip("this torch's cuBLASLt takes no 1 x 128 by 128 x 128 block scales")
     monkeypatch.setitem(kernels.ROUTES, "block" if block else "channel", [(1 << 62, route)])
     n, k = 384, 512
     q, s = _weights(n, k, block)
-    for m in (2, 40, 257):
+    for m in (1, 2, 40, 257):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = x.double() @ dequantize(q, s, block).double().t()
         assert _rel(kernels.fp8_linear(x, q, s, block, None, None), ref) < (1e-2 if route == "gemv" else 8e-2)

@@ -14,6 +14,7 @@ Each accumulates in float32 and rounds once. No host sync: CUDA graphs capture a
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -21,7 +22,7 @@ import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-GEMV_MAX_M = 2  # on an H200 at the Qwen3-8B shapes _scaled_mm wins from M = 4 (benchmarks/bench_fp8.py)
+GEMV_MAX_M = 1
 
 
 @triton.jit
@@ -37,19 +38,22 @@ def _quant_kernel(x, q, s, stride_x, stride_q, stride_sm, stride_sg, K, GROUP, B
 
 
 def quant_fp8(
-    x: torch.Tensor, group: int | None = None, col_major: bool = False
+    x: torch.Tensor, group: int | None = None, col_major: bool = False, rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] e4m3, scale [M, K / group] float32): one scale per row (group None) or per
+    """x [M, K] -> (q [rows, K] e4m3, scale [rows, K / group] float32): one scale per row (group None) or per
     1 x group slice, amax / 448; col_major lays the scales out M-fastest, as cuBLASLt's 1 x 128 scaling
-    reads them."""
+    reads them. rows (default M) pads the result: rows past M are zero with scale 1."""
     m, k = x.shape
-    group = group or k
+    rows, group = rows or m, group or k
     n_groups = triton.cdiv(k, group)
-    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    q = torch.empty(rows, k, dtype=FP8, device=x.device)
     if col_major:
-        s = torch.empty(n_groups, m, dtype=torch.float32, device=x.device).t()
+        s = torch.empty(n_groups, rows, dtype=torch.float32, device=x.device).t()
     else:
-        s = torch.empty(m, n_groups, dtype=torch.float32, device=x.device)
+        s = torch.empty(rows, n_groups, dtype=torch.float32, device=x.device)
+    if rows > m:
+        q[m:].zero_()
+        s[m:].fill_(1.0)
     block = triton.next_power_of_2(group)
     if m:
         _quant_kernel[(m, n_groups)](
@@ -143,32 +147,36 @@ def _gemv_kernel(
     BLOCKED: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
     M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(N, BLOCK_N),): output features [pid * BLOCK_N, +BLOCK_N) for all M rows; w read once."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Grid (cdiv(N, BLOCK_N),): output features [pid * BLOCK_N, +BLOCK_N) for all M rows, w read once.
+    Products accumulate elementwise over K and are summed once at the end. Block scales: BLOCK_N divides
+    BN_SCALE, so one row block covers the program and its scales multiply x, not every weight."""
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, M_P2)[:, None]
     ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((M_P2, BLOCK_N), dtype=tl.float32)
+    s_row = s + (pid * BLOCK_N // BN_SCALE) * stride_sn
+    acc = tl.zeros((M_P2, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         wm = (rn[:, None] < N) & (kk[None, :] < K)
         wv = tl.load(w + rn[:, None] * stride_wn + kk[None, :], mask=wm, other=0.0).to(tl.float32)
-        if BLOCKED:  # each weight times its (row block, column block) scale
-            sp = s + (rn[:, None] // BN_SCALE) * stride_sn + kk[None, :] // BK_SCALE
-            wv = wv * tl.load(sp, mask=wm, other=0.0)
         xv = tl.load(x + rm * stride_xm + kk[None, :], mask=(rm < M) & (kk[None, :] < K), other=0.0)
-        acc += tl.sum(xv.to(tl.float32)[:, None, :] * wv[None, :, :], axis=2)
+        xv = xv.to(tl.float32)
+        if BLOCKED:
+            xv = xv * tl.load(s_row + kk // BK_SCALE, mask=kk < K, other=0.0)[None, :]
+        acc += xv[:, None, :] * wv[None, :, :]
+    out = tl.sum(acc, axis=2)
     if not BLOCKED:
-        acc = acc * tl.load(s + rn, mask=rn < N, other=0.0)[None, :]
-    tl.store(y + rm * stride_ym + rn[None, :], acc.to(y.dtype.element_ty), mask=(rm < M) & (rn[None, :] < N))
+        out = out * tl.load(s + rn, mask=rn < N, other=0.0)[None, :]
+    tl.store(y + rm * stride_ym + rn[None, :], out.to(y.dtype.element_ty), mask=(rm < M) & (rn[None, :] < N))
 
 
 def gemv_tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): a whole row of up to 4096 in one tile, else tiles of 2048 / M_P2;
-    few output features a program, so every SM gets programs: 4 at M = 1 up to N = 8192, else 8, the
-    fastest of bench_fp8.py's tile sweep on an H200 at the Qwen3-8B shapes."""
+    """(BLOCK_N, BLOCK_K, num_warps): the accumulator holds M_P2 x BLOCK_N x BLOCK_K floats, at most 8,192
+    (64 a thread) up to 64 rows; at M = 1 and 2 the fastest of bench_fp8.py --sweep on an H200."""
     m_p2 = triton.next_power_of_2(m)
-    block_k = triton.next_power_of_2(k) if k * m_p2 <= 4096 else max(128, 2048 // m_p2)
-    return (4 if n <= 8192 and m_p2 == 1 else 8), block_k, 4
+    block_k = max(16, 1024 // m_p2)
+    return max(1, min(8, 8192 // (m_p2 * block_k))), block_k, 4
 
 
 def fp8_gemv(
@@ -179,7 +187,8 @@ def fp8_gemv(
     (m, k), n = x.shape, w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = tile or gemv_tiles(m, n, k)
-    bn, bk = block or (1, 1)
+    bn, bk = block or (block_n, 1)
+    block_n = math.gcd(block_n, bn)  # one scale row block a program
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, ws, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), ws.stride(0),
         BLOCKED=block is not None, BN_SCALE=bn, BK_SCALE=bk, M_P2=triton.next_power_of_2(m), BLOCK_N=block_n,
@@ -188,11 +197,14 @@ def fp8_gemv(
     return y
 
 
-# The fastest route by rows M, per scale layout: (largest M, route), first match; from bench_fp8.py on an
-# H200 at the Qwen3-8B shapes. "gemv": fp8_gemv; "triton": fp8_gemm; "cublas": torch._scaled_mm.
+# The fastest route by rows M, per scale layout: (largest M, route), first match. From bench_fp8.py --sweep on
+# an H200, summed over the Qwen3-8B linears, each timed inside a CUDA graph over weights beyond L2 (us;
+# bf16 cuBLAS: 120 at M = 1, 110-124 up to 128, 157 at 256): "gemv" 91 (channel) / 98 (block) at M = 1;
+# "triton" (fp8_gemm) 98-110 from 4 to 128 rows (channel), 107 at M = 2 (block); "cublas" (_scaled_mm)
+# 109 at 128 and 123 at 256 (channel), 92-122 from 4 to 128 (block), and the least from 256 rows on.
 ROUTES: dict[str, list[tuple[int, str]]] = {
-    "channel": [(GEMV_MAX_M, "gemv"), (1 << 62, "cublas")],
-    "block": [(GEMV_MAX_M, "gemv"), (128, "triton"), (1 << 62, "cublas")],
+    "channel": [(GEMV_MAX_M, "gemv"), (64, "triton"), (1 << 62, "cublas")],
+    "block": [(GEMV_MAX_M, "gemv"), (3, "triton"), (1 << 62, "cublas")],
 }
 
 
@@ -236,8 +248,9 @@ def fp8_linear(
     if r == "gemv":
         y = fp8_gemv(x, w, ws, block)
     else:
-        if block is not None:
-            xq, xs = quant_fp8(x, block[1], col_major=r == "cublas")
+        if block is not None:  # cuBLASLt's M-major 1 x 128 scales need 16-byte rows: M padded to 4
+            rows = -(-m // 4) * 4 if r == "cublas" else m
+            xq, xs = quant_fp8(x, block[1], col_major=r == "cublas", rows=rows)
         elif input_scale is not None:
             xq = (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
             xs = input_scale.expand(m, 1).contiguous()
@@ -245,7 +258,7 @@ def fp8_linear(
             xq, xs = quant_fp8(x)
         if r == "cublas":  # block scales: cuBLASLt's 1 x 128 by 128 x 128 scaling (CUDA 12.9 and later)
             scale_b = ws.t() if block is not None else ws.view(1, -1)
-            y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)
+            y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)[:m]
         else:
             y = fp8_gemm(xq, xs, w, ws, block, x.dtype)
     return y if bias is None else y + bias
