@@ -197,14 +197,16 @@ def fp8_gemv(
     return y
 
 
-# The fastest route by rows M, per scale layout: (largest M, route), first match. From bench_fp8.py --sweep on
-# an H200, summed over the Qwen3-8B linears, each timed inside a CUDA graph over weights beyond L2 (us;
-# bf16 cuBLAS: 120 at M = 1, 110-124 up to 128, 157 at 256): "gemv" 91 (channel) / 98 (block) at M = 1;
-# "triton" (fp8_gemm) 98-110 from 4 to 128 rows (channel), 107 at M = 2 (block); "cublas" (_scaled_mm)
-# 109 at 128 and 123 at 256 (channel), 92-122 from 4 to 128 (block), and the least from 256 rows on.
+# The fastest route by rows M, per scale layout: (largest M, route), first match. Every bound is a CUDA-graph
+# capture size, so a batch padded for its graph takes the route its eager run takes (the graph-mode identity
+# tests). From bench_fp8.py --sweep on an H200, summed over the Qwen3-8B linears, each timed inside a CUDA
+# graph over weights beyond L2 (us; bf16 cuBLAS: 120 at M = 1, 110-124 up to 128, 157 at 256): "gemv" 91
+# (channel) / 98 (block) at M = 1; "triton" (fp8_gemm) 98-110 from 4 to 64 rows (channel), 107 at M = 2
+# (block); "cublas" (_scaled_mm) 109 at 128 and 123 at 256 (channel), 92-122 from 4 to 128 (block), and the
+# least from 256 rows on.
 ROUTES: dict[str, list[tuple[int, str]]] = {
     "channel": [(GEMV_MAX_M, "gemv"), (64, "triton"), (1 << 62, "cublas")],
-    "block": [(GEMV_MAX_M, "gemv"), (3, "triton"), (1 << 62, "cublas")],
+    "block": [(GEMV_MAX_M, "gemv"), (2, "triton"), (1 << 62, "cublas")],
 }
 
 
