@@ -1,17 +1,24 @@
-"""Shared by the benchmark scripts: provenance of a result, a printed table, a JSON record."""
+"""Shared by the benchmark scripts: provenance of a result, a printed table, a JSON record, timers, and the
+spans of a torch.profiler trace."""
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
+import re
 import statistics
+import time
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from turnout.bench.records import provenance
+from turnout.bench import provenance
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
+    """rows as aligned columns, the first row's keys as the header; floats to two decimals."""
     if not rows:
         return
     cols = list(rows[0])
@@ -51,3 +58,95 @@ def cuda_time_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def version(name: str) -> str | None:
+    """The installed version of distribution name, None where it is not installed."""
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def sync() -> None:
+    """Waits for the current CUDA device's work, where there is one."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds of fn() between two synchronisations."""
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+# ---- torch.profiler traces ----
+DEVICE_ACTIVITIES = {"kernel", "gpu_memcpy", "gpu_memset"}  # not gpu_user_annotation (a label's GPU copy)
+
+
+@dataclass(frozen=True)
+class Span:
+    """A named interval of a trace, in µs from its start."""
+
+    name: str
+    start: float
+    end: float
+
+    @property
+    def us(self) -> float:
+        """The span's length in µs."""
+        return self.end - self.start
+
+
+def kernel_spans(events: Any) -> list[Span]:
+    """The device-side work (kernels, memcpys, memsets) of a profiler's events(), graph replays included."""
+    from torch.autograd import DeviceType
+
+    spans = []
+    for e in events:
+        kind = getattr(e, "activity_type", None)
+        if e.device_type != DeviceType.CUDA or (kind is not None and kind not in DEVICE_ACTIVITIES):
+            continue
+        if not getattr(e, "is_user_annotation", False):
+            spans.append(Span(e.name, e.time_range.start, e.time_range.end))
+    return spans
+
+
+def label_ranges(events: Any, label: str) -> list[Span]:
+    """The host-side record_function ranges named label, in time order."""
+    from torch.autograd import DeviceType
+
+    spans = [
+        Span(label, e.time_range.start, e.time_range.end)
+        for e in events
+        if e.name == label and e.device_type == DeviceType.CPU
+    ]
+    return sorted(spans, key=lambda s: s.start)
+
+
+def assign(kernels: list[Span], ranges: list[Span]) -> list[list[Span]]:
+    """For each range, the kernels that start inside it."""
+    kernels = sorted(kernels, key=lambda k: k.start)
+    starts = [k.start for k in kernels]
+    return [kernels[bisect_left(starts, r.start) : bisect_right(starts, r.end)] for r in ranges]
+
+
+def busy_us(spans: list[Span]) -> float:
+    """Length of the union of the spans (kernels of several streams may overlap)."""
+    total, end = 0.0, float("-inf")
+    for s in sorted(spans, key=lambda s: s.start):
+        if s.end > end:
+            total += s.end - max(s.start, end)
+            end = s.end
+    return total
+
+
+def short(name: str, width: int = 60) -> str:
+    """A kernel's name without "void " and a C++ parameter list, cut to width."""
+    s = re.sub(r"(?<=[\w>])\(.*\)$", "", name.removeprefix("void "))
+    return s if len(s) <= width else s[: width - 3] + "..."

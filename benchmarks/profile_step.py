@@ -29,18 +29,27 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_json  # noqa: E402
-from profile_decode import Span, assign, busy_us, kernel_spans, label_ranges, short  # noqa: E402
+from turnout.bench import CEILINGS, SHAPES, Shape, make_random_model, random_model_dir, stages
 
-from turnout.bench.random_models import SHAPES, make_random_model, random_model_dir  # noqa: E402
-from turnout.bench.roofline import CEILINGS, Shape  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (  # noqa: E402
+    Span,
+    assign,
+    busy_us,
+    kernel_spans,
+    label_ranges,
+    print_table,
+    short,
+    sync,
+    timed,
+    write_json,
+)
 
 LM_HEAD, SAMPLE = "step_lm_head", "step_sample"  # record_function labels
 # first match wins, on the lower-cased name: turnout_triton's, FlashInfer's, FlashAttention's kernels (FA4's
@@ -55,33 +64,11 @@ BUCKETS = [
     ("memcpy/memset", ("memcpy", "memset", "copy", "fill")),
 ]  # fmt: skip
 H200 = CEILINGS["H200"]
-# --gaps: (label, the attribute path from the engine to the object, its method); a gap goes to the
+# --gaps: each host stage of turnout.bench.STAGES profiled, as its record_function label; a gap goes to the
 # latest-starting range that covers its midpoint, the innermost stage
-HOST_STAGES = [
-    ("host:add_request", "", "add_request"),
-    ("host:schedule", "scheduler", "schedule"),
-    ("host:update", "scheduler", "update"),
-    ("host:prepare", "executor.worker.runner", "prepare"),
-    ("host:attention_metadata", "executor.worker.runner.backend", "build_metadata"),
-    ("host:forward", "executor.worker.runner.model", "forward"),
-    ("host:attention", "executor.worker.runner.backend", "forward"),
-    ("host:sample", "executor.worker.runner", "sample_tokens"),
-    ("host:sample", "executor.worker.runner", "sample_tokens_async"),
-]
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn) -> float:
-    """Seconds of fn() between two synchronisations."""
-    _sync()
-    t = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - t
+HOST_STAGES = {"add_request": "host:add_request", "schedule": "host:schedule", "update": "host:update",
+               "prepare": "host:prepare", "attention_metadata": "host:attention_metadata",
+               "model": "host:forward", "attention": "host:attention", "sample": "host:sample"}  # fmt: skip
 
 
 def bucket_of(name: str) -> str:
@@ -89,52 +76,25 @@ def bucket_of(name: str) -> str:
     return next((b for b, keys in BUCKETS if any(k in low for k in keys)), "other")
 
 
-@contextmanager
-def instrumented(methods: list[tuple[object, str, str]], sync: bool):
-    """Each (object, method name, label) runs inside a record_function range of its label, between two
-    synchronisations where sync; as instance attributes, which delattr takes back to the class's."""
+def labelled(llm, labels: dict[str, str], synced: bool):
+    """While the block runs, each stage of labels runs inside a record_function range of its label, between
+    two synchronisations where synced."""
 
-    def wrap(fn, label: str):
-        def run(*args, **kwargs):
-            if sync:
-                _sync()
-            with record_function(label):
-                res = fn(*args, **kwargs)
-                if sync:
-                    _sync()
-            return res
+    class Range:
+        def __init__(self, label: str) -> None:
+            self.range = record_function(label)
 
-        return run
+        def __enter__(self) -> None:
+            if synced:
+                sync()
+            self.range.__enter__()
 
-    done = []
-    for obj, name, label in methods:
-        if (obj, name) not in done:
-            setattr(obj, name, wrap(getattr(obj, name), label))
-            done.append((obj, name))
-    try:
-        yield
-    finally:
-        for obj, name in done:
-            delattr(obj, name)
+        def __exit__(self, *exc: object) -> None:
+            if synced:
+                sync()
+            self.range.__exit__(*exc)
 
-
-def labelled(runner):
-    """The LM head and the sampler each between two synchronisations, inside a record_function range."""
-    return instrumented(
-        [(runner.model, "compute_logits", LM_HEAD), (runner.sampler, "forward", SAMPLE)], True
-    )
-
-
-def host_stages(engine):
-    """Each of HOST_STAGES' methods the engine has inside a record_function range of its label."""
-    methods = []
-    for label, path, name in HOST_STAGES:
-        obj = engine
-        for attr in filter(None, path.split(".")):
-            obj = getattr(obj, attr)
-        if hasattr(obj, name):
-            methods.append((obj, name, label))
-    return instrumented(methods, sync=False)
+    return stages(llm, lambda name, args: Range(labels[name]), labels)
 
 
 def device_kernels(events) -> list[Span]:
@@ -146,7 +106,7 @@ def idle_by_stage(events, steps: int, top: int) -> dict:
     """The intervals between kernels (union of spans) per step, by the innermost host stage at each one's
     midpoint ("none" outside every stage), and the longest intervals with the kernels around them."""
     kernels = sorted(device_kernels(events), key=lambda k: k.start)
-    stages = sorted((r for label in {h[0] for h in HOST_STAGES} for r in label_ranges(events, label)),
+    ranges = sorted((r for label in set(HOST_STAGES.values()) for r in label_ranges(events, label)),
                     key=lambda r: r.start)  # fmt: skip
     gaps, end, last = [], float("-inf"), None
     for k in kernels:
@@ -157,7 +117,7 @@ def idle_by_stage(events, steps: int, top: int) -> dict:
     by: dict[str, float] = defaultdict(float)
     named = []
     for us, mid, before, after in gaps:
-        inside = [r for r in stages if r.start <= mid <= r.end]
+        inside = [r for r in ranges if r.start <= mid <= r.end]
         label = inside[-1].name if inside else "none"
         by[label] += us / steps
         named.append({"us": us, "stage": label, "after": short(before, 40), "before": short(after, 40)})
@@ -202,7 +162,7 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
     from turnout import SamplingParams
 
     engine, sel = llm.engine, llm.selection
-    runner, vocab = engine.executor.worker.runner, engine.info.hf_config["vocab_size"]
+    vocab = engine.info.hf_config["vocab_size"]
     prompt = lambda n: [rng.randrange(3, vocab) for _ in range(n)]
     t0 = time.perf_counter()
     if phase == "prefill":
@@ -231,8 +191,12 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
         tokens, kv_reads, pairs = batch, batch * ctx, batch * ctx
     wall = timed(lambda: [unit() for _ in range(n_timed)]) / n_timed * 1e6
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    stages = host_stages(engine) if a.gaps else nullcontext()
-    with labelled(runner), stages, profile(activities=acts) as prof:
+    host = labelled(llm, HOST_STAGES, synced=False) if a.gaps else nullcontext()
+    with (
+        labelled(llm, {"logits": LM_HEAD, "sampler": SAMPLE}, synced=True),
+        host,
+        profile(activities=acts) as prof,
+    ):
         prof_wall = timed(lambda: [unit() for _ in range(n_prof)]) / n_prof * 1e6
     if phase != "prefill":
         for r in reqs:
@@ -269,7 +233,7 @@ def median_us(fn, x: torch.Tensor, ws: list[torch.Tensor]) -> float:
 def cublas_rows(cfg: dict, ms: list[int], bandwidth: float) -> tuple[list[dict], list[dict]]:
     """torch.matmul (cuBLAS) at each linear and M, turnout's gemv at M = 1, over weight copies that hold 4x
     the L2 together; then the sums over one step's layers."""
-    from turnout.layers.gemv import gemv
+    from turnout.bench import gemv
 
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
     rows = []
