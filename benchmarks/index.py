@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from suites import SUITES  # noqa: E402
+from suites import ABOUT, RETIRED, SUITES  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 INDEX = RESULTS / "README.md"
@@ -56,7 +56,9 @@ def render() -> str:
         files = sorted(folder.iterdir(), reverse=True)
         if not files:
             continue
-        about = SUITES[folder.name].about if folder.name in SUITES else "No longer a suite"
+        about = ABOUT.get(folder.name, "No longer a suite")
+        if folder.name in RETIRED:
+            about += ". No longer run: each file names its command and commit"
         out += ["", f"## {folder.name}", "", f"{about}.", ""]
         out += ["| file | date | device | commit | what | command |", "|---|---|---|---|---|---|"]
         attached = set()

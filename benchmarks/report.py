@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from suites import SUITES  # noqa: E402
+from suites import ABOUT, RETIRED  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -321,7 +321,7 @@ IDLE = {
 
 
 def _idle_rows(doc: Doc) -> list[dict]:
-    """gpu_idle.py's rows; the suite's throughput records are in the throughput section's format."""
+    """The GPU-idle rows; the suite's throughput records are in the throughput section's format."""
     return doc["results"] if isinstance(doc, dict) else []
 
 
@@ -348,10 +348,10 @@ STEP = {
 
 
 def _step_rows(doc: Doc) -> list[dict]:
-    """A step profile's phases with their bucket times (us a step); kernel_time.py's rows and engines."""
+    """A step profile's phases with their bucket times (us a step); a kernel-time sum's rows and engines."""
     rows = []
     for r in doc["results"]:
-        if "phase" not in r:  # kernel_time.py's
+        if "phase" not in r:  # a kernel-time sum's
             rows.append(r)
             continue
         buckets = r.get("buckets_us") or {b["bucket"]: b["us/step"] for b in r.get("buckets", [])}
@@ -521,7 +521,7 @@ def cpu_section() -> list[str]:
     return out + table(["file", "commit", "bf16 vs HF bf16", "turnout default vs HF float32"], rows)
 
 
-CPU_TTFT = {  # bench_cpu.py ttft, its A/B records, and turnout bench latency's records
+CPU_TTFT = {  # the in-process TTFT records against HF, their A/B records, and turnout bench latency's
     "input_len": "prompt tokens", "run": "run", "tpot_ms": "TPOT (ms)",
     **{f"ttft_{n}_s": f"TTFT {n:,} (s)" for n in (512, 2048, 4096)},
     "turnout_first_s": "turnout, first run (s)", "turnout_ttft_s": "turnout (s)",
@@ -575,7 +575,8 @@ def render() -> str:
         ("moe", "Mixture of experts", lambda: per_file("moe", MOE, _moe_rows)),
     ]
     for suite, title, body in sections:
-        out += ["", f"## {title}", "", f"{SUITES[suite].about}.", *body()]
+        gone = " No longer run: each file names its command and commit." if suite in RETIRED else ""
+        out += ["", f"## {title}", "", f"{ABOUT[suite]}.{gone}", *body()]
     return "\n".join(out) + "\n"
 
 

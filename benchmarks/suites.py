@@ -1,5 +1,6 @@
 """Every benchmark suite: a name, what it measures, and the commands that measure it.
-`benchmarks/run.py SUITE` runs them; each writes its records under benchmarks/results/<suite>/.
+`benchmarks/run.py SUITE` runs them; each writes its records under benchmarks/results/<suite>/. RETIRED
+names the folders of suites no longer run, whose records stand.
 
 In a command, {out} is the suite's results folder, {stamp} the run's UTC date and time, and {tmp} a scratch
 folder for the run; `turnout`, `python` and `pytest` run in this interpreter.
@@ -17,6 +18,8 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 @dataclass(frozen=True)
 class Suite:
+    """A suite: what it measures, its commands, the GPUs they need and the environment they run in."""
+
     about: str
     commands: list[str]
     gpus: int = 1  # 0: runs anywhere
@@ -93,27 +96,6 @@ SUITES = {
         ["turnout bench throughput --num-prompts 4 --max-input-len 64 --max-output-len 16 --out {out}"],
         gpus=0,
     ),
-    "cpu-vs-hf": Suite(
-        "The embedded SmolLM2-135M on the CPU: turnout against HF transformers `generate` in the same "
-        "process, greedy, 64 new tokens per request, batch 1 and 16, median of 3 interleaved runs",
-        [
-            "python benchmarks/bench_cpu.py throughput --batch 1 16 --output-len 64 --repeats 3 "
-            "--json {out}/{stamp}-smollm2-median3.json"
-        ],
-        gpus=0,
-    ),
-    "graphs": Suite(
-        "CUDA-graph modes on the Qwen3-0.6B shape: outputs against NONE on 64 mixed prompts, decode TPOT "
-        "by batch, forward time, throughput on decode-heavy, prefill-heavy and mixed workloads, capture cost",
-        [
-            "python benchmarks/bench_graphs.py --backends triton --forward-batches 1 8 256 "
-            "--modes FULL_AND_PIECEWISE FULL FULL_DECODE_ONLY PIECEWISE NONE "
-            "--json {out}/{stamp}-triton-full-size-five-modes.json",
-            "python benchmarks/bench_graphs.py --backends flash_attn flashinfer "
-            "--modes NONE PIECEWISE FULL FULL_DECODE_ONLY FULL_AND_PIECEWISE --quick --skip-throughput "
-            "--tpot-batches 1 --json {out}/{stamp}-fa4-flashinfer-five-modes.json",
-        ],
-    ),
     "attention": Suite(
         "Attention kernels alone (bf16, 32 query / 8 KV heads of 128, block 16): decode at batch 1-256 and "
         "context 512-4096 against the memory ceiling, prefill of 4k and 16k tokens against the matmul "
@@ -134,25 +116,12 @@ SUITES = {
             "python benchmarks/bench_gemv.py --shape qwen3-8b --chain --json {out}/{stamp}-8b-chain.json",
         ],
     ),
-    "profile": Suite(
-        "One decode step, kernel by kernel (torch profiler): batch 1 in FULL, batch 256 in "
-        "FULL_AND_PIECEWISE",
-        [
-            "python benchmarks/profile_decode.py --modes FULL --batch 1 --json {out}/{stamp}-b1-full.json",
-            "python benchmarks/profile_decode.py --modes FULL_AND_PIECEWISE --batch 256 "
-            "--json {out}/{stamp}-b256-full-and-piecewise.json",
-        ],
-    ),
     "cpu-latency": Suite(
         "Time to first token on the CPU, the embedded SmolLM2-135M at 512, 2,048 and 4,096 prompt tokens: "
-        "turnout's generate with one output token on a fresh prompt against HF transformers' one forward in "
-        "bf16 and fp32, alternating, the first run apart and the median of 3 more; then `turnout bench "
-        "latency` on the same lengths (its first run and a repeat, each on fresh prompts)",
-        [
-            "python benchmarks/bench_cpu.py ttft --input-len 512 2048 4096 --repeats 3 "
-            "--json {out}/{stamp}-smollm2-ttft.json",
-            "turnout bench latency --ttft-lens 512,2048,4096 --out {out}/{stamp}-smollm2-bench-latency.json",
-        ],
+        "`turnout bench latency` (its first run and a repeat, each on fresh prompts); the records with HF "
+        "columns put turnout's generate with one output token on a fresh prompt against HF transformers' one "
+        "forward in bf16 and fp32, alternating, the first run apart and the median of 3 more",
+        ["turnout bench latency --ttft-lens 512,2048,4096 --out {out}/{stamp}-smollm2-bench-latency.json"],
         gpus=0,
     ),
     "tune": Suite(
@@ -168,8 +137,8 @@ SUITES = {
     "profile-step": Suite(
         "Engine steps kernel bucket by bucket (torch profiler) on the Qwen3-8B shape, default selection: "
         "batch-1 and batch-256 decode at 512 tokens of context, one 16,384-token prefill; wall, GPU busy "
-        "and idle per step, the floors; then cuBLAS against turnout's GEMV at the shape's linears "
-        "(kernel_time.py adds up nano-vllm's bench from such records)",
+        "and idle per step, the floors; then cuBLAS against turnout's GEMV at the shape's linears (one "
+        "record adds nano-vllm's bench up from such records' kernel rates)",
         [
             "python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,prefill "
             "--cublas --out {out}"
@@ -199,40 +168,12 @@ SUITES = {
         ],
         env={"TURNOUT_CONFORMANCE_ERRORS": "{tmp}/errors.tsv"},
     ),
-    "e2e": Suite(
-        "Greedy agreement with HF transformers bf16 on the same GPU (free-running and teacher-forced), "
-        "random-weight Qwen3-0.6B and Llama-360M shapes, every GPU backend",
-        ["python benchmarks/gpu_e2e.py --json {out}/{stamp}-qwen3-llama.json"],
-    ),
-    "parallel": Suite(
-        "Tensor and data parallelism on 2 GPUs (NCCL): outputs against TP=1, and the mixed workload's "
-        "throughput; float32 TP=2 against TP=1",
-        [
-            "python benchmarks/bench_parallel.py --configs tp1 tp2 dp2 --executor multiproc "
-            "--json {out}/{stamp}-tp-dp.json",
-            "python benchmarks/bench_parallel.py --configs tp1 tp2 --dtype float32 --executor multiproc "
-            "--skip-throughput --json {out}/{stamp}-fp32-tp1-vs-tp2.json",
-        ],
-        gpus=2,
-    ),
-    "moe": Suite(
-        "Expert parallelism on 2 GPUs: a Qwen3-30B-A3B-shaped random model (12 of 48 layers, 128 experts, "
-        "top-8), EP=1 (tp1), EP=2 with TP and with DP attention, and TP=2 with split experts: outputs "
-        "against EP=1, the mixed workload's throughput and memory per rank; then float32 EP=2 against EP=1",
-        [
-            "python benchmarks/bench_moe.py --json {out}/{stamp}-ep1-vs-ep2.json",
-            "python benchmarks/bench_moe.py --configs tp1 tp2ep dp2ep --dtype float32 --skip-throughput "
-            "--json {out}/{stamp}-fp32-ep1-vs-ep2.json",
-        ],
-        gpus=2,
-    ),
     "async-scheduling": Suite(
         "Async scheduling (step N+1 scheduled while step N runs on the GPU), off against on: its CUDA tests "
-        "(the same tokens as sync with graphs, no host sync in a steady decode step), the GPU's idle share "
-        "between decode steps at batch 256, and nano-vllm's bench, on the Qwen3-0.6B shape",
+        "(the same tokens as sync with graphs, no host sync in a steady decode step) and nano-vllm's bench, "
+        "on the Qwen3-0.6B shape; the tables hold the GPU's idle share between decode steps at batch 256",
         [
             "pytest -q -p no:cacheprovider tests/test_async_scheduling.py -rf",
-            "python benchmarks/gpu_idle.py --workdir {tmp} --json {out}/{stamp}-idle-b256.json",
             *(
                 f"turnout bench throughput {QWEN3} --{flag} --out {{out}}/{{stamp}}-throughput-{name}.json"
                 for flag, name in (("no-async-scheduling", "off"), ("async-scheduling", "on"))
@@ -251,3 +192,33 @@ SUITES = {
         gpus=0,
     ),
 }
+# Suites no longer run: their scripts answered their question and were deleted. Their records stay, each
+# naming the command and commit that made it, and index.py and report.py still show them.
+RETIRED = {
+    "cpu-vs-hf": (
+        "The embedded SmolLM2-135M on the CPU: turnout against HF transformers `generate` in the same "
+        "process, greedy, 64 new tokens per request, batch 1 and 16, median of 3 interleaved runs"
+    ),
+    "graphs": (
+        "CUDA-graph modes on the Qwen3-0.6B shape: outputs against NONE on 64 mixed prompts, decode TPOT by "
+        "batch, forward time, throughput on decode-heavy, prefill-heavy and mixed workloads, capture cost"
+    ),
+    "profile": (
+        "One decode step, kernel by kernel (torch profiler): batch 1 in FULL, batch 256 in FULL_AND_PIECEWISE"
+    ),
+    "e2e": (
+        "Greedy agreement with HF transformers bf16 on the same GPU (free-running and teacher-forced), "
+        "random-weight Qwen3-0.6B and Llama-360M shapes, every GPU backend"
+    ),
+    "parallel": (
+        "Tensor and data parallelism on 2 GPUs (NCCL): outputs against TP=1, and the mixed workload's "
+        "throughput; float32 TP=2 against TP=1"
+    ),
+    "moe": (
+        "Expert parallelism on 2 GPUs: a Qwen3-30B-A3B-shaped random model (12 of 48 layers, 128 experts, "
+        "top-8), EP=1 (tp1), EP=2 with TP and with DP attention, and TP=2 with split experts: outputs "
+        "against EP=1, the mixed workload's throughput and memory per rank; then float32 EP=2 against EP=1"
+    ),
+}
+# What each results folder holds, run or retired
+ABOUT = {**{name: s.about for name, s in SUITES.items()}, **RETIRED}
