@@ -28,13 +28,12 @@ from turnout.attention import (
     AttentionSpec,
     CudagraphSupport,
 )
-from turnout.platform import current_platform
+from turnout.bench import CEILINGS, current_platform
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cuda_time_ms, write_json  # noqa: E402
+from common import cuda_time_ms, version, write_json  # noqa: E402
 
-PEAK_BW = 4.3e12  # bytes/s, H200 device copy
-PEAK_FLOPS = 790e12  # bf16 dense matmul
+PEAK_BW, PEAK_FLOPS = CEILINGS["H200"].bytes_per_s, CEILINGS["H200"].flops_per_s  # copy, bf16 dense matmul
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -82,13 +81,8 @@ def make_step(
     return q, k, v, kv_cache, meta
 
 
-def time_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    """Median milliseconds of fn on the current stream, each run after a 256 MB write evicts L2."""
-    return cuda_time_ms(fn, iters, warmup)
-
-
 def graph_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    """time_ms of fn captured once in a CUDA graph and replayed."""
+    """cuda_time_ms of fn captured once in a CUDA graph and replayed."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -97,7 +91,7 @@ def graph_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return time_ms(g.replay, iters, warmup)
+    return cuda_time_ms(g.replay, iters, warmup)
 
 
 def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argparse.Namespace) -> dict | None:
@@ -120,7 +114,7 @@ def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argpar
     def fwd() -> torch.Tensor:
         return be.forward(q, k, v, kv_cache, meta)
 
-    ms = time_ms(fwd, args.iters, args.warmup)
+    ms = cuda_time_ms(fwd, args.iters, args.warmup)
     S = CudagraphSupport  # one prefill request is a uniform batch
     graphable = be.cudagraph_support >= (S.UNIFORM_DECODE if kind == "decode" else S.UNIFORM_BATCH)
     g_ms = graph_ms(fwd, args.iters, args.warmup) if graphable and not args.eager else None
@@ -134,13 +128,6 @@ def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argpar
         flops = 2 * ctx * ctx * args.num_heads * args.head_size  # 4 N^2 H D, halved by the causal mask
         row.update(tflops=flops / ms / 1e9, pct_peak=100 * flops / (ms * 1e-3) / PEAK_FLOPS)
     return row
-
-
-def version(name: str) -> str | None:
-    try:
-        return md.version(name)
-    except md.PackageNotFoundError:
-        return None
 
 
 def main() -> None:

@@ -142,7 +142,7 @@ def candidates(args: argparse.Namespace, name: str, m: int, k: int, norm: bool) 
 def env_entry(m: int, name: str, n: int, k: int, tile: tuple[int, int, int]) -> str:
     """tile as a TURNOUT_GEMV_TILES entry, or why it cannot be one: the variable sets (BLOCK_N, num_warps)
     and BLOCK_K stays tiles()'s for the shape's prologue."""
-    from turnout.layers.gemv import tiles
+    from turnout.bench import gemv_tiles as tiles
 
     bk = tiles(m, n, k, name in NORM, name in SILU)[1]
     if tile[1] != bk:
@@ -164,15 +164,16 @@ def time_ms(fn, smoke: bool, iters: int) -> float:
 def prologue_ref(x: torch.Tensor, res: torch.Tensor | None, norm_w: torch.Tensor | None, silu: bool):
     """The matmul's input as the model's unfused kernels compute it (layers/fused.py), which round as the
     GEMV's prologue does (under the interpreter too, whose float32 -> bf16 truncates)."""
-    from turnout.layers import fused
+    from turnout.bench import rms_norm, silu_and_mul
 
     if silu:  # x is [M, 2K]: gate, then up
-        return fused.silu_and_mul(x)
-    return x if norm_w is None else fused.rms_norm(x, norm_w, EPS, res)[0]
+        return silu_and_mul(x)
+    return x if norm_w is None else rms_norm(x, norm_w, EPS, res)[0]
 
 
 def bench_case(args, name: str, n: int, k: int, m: int, w: torch.Tensor, norm: bool, silu: bool) -> dict:
-    from turnout.layers.gemv import gemv, tiles
+    from turnout.bench import gemv
+    from turnout.bench import gemv_tiles as tiles
 
     smoke, iters = args.smoke, args.iters
     g = torch.Generator(device=w.device).manual_seed(n + k + m)
@@ -270,8 +271,7 @@ def chain_step(m: int, model: Model, layers: int, device: str):
     is one of ROUTES: F.linear after separate norm and SiLU-and-mul kernels, the Triton GEMV after them,
     or the Triton GEMV with the norm (qkv, gate_up) or SiLU-and-mul (down) in its prologue, as the model
     launches it; tile_of[shape] is the GEMV's tile."""
-    from turnout.layers import fused
-    from turnout.layers.gemv import gemv
+    from turnout.bench import gemv, qk_norm_rope, rms_norm, silu_and_mul
 
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -297,19 +297,19 @@ def chain_step(m: int, model: Model, layers: int, device: str):
         def normed(name, w, h, res):  # (RMSNorm(h + res) @ w^T, h + res)
             if route[name] == "fused":
                 return gemv(h, w, tile=tile_of[name], norm=(ones, EPS), residual=res)
-            a, res = fused.rms_norm(h, ones, EPS, res)
+            a, res = rms_norm(h, ones, EPS, res)
             return matmul(name, w, a), res
 
         h, res = x, x
         for w in weights:
             qkv, res = normed("qkv", w["qkv"], h, res)
-            q, _ = fused.qk_norm_rope(qkv, pos, *heads, cos, sin, head_ones, head_ones, EPS)
+            q, _ = qk_norm_rope(qkv, pos, *heads, cos, sin, head_ones, head_ones, EPS)
             gu, res = normed("gate_up", w["gate_up"], matmul("o", w["o"], q.view(m, -1)), res)
             if route["down"] == "fused":
                 h = gemv(gu, w["down"], tile=tile_of["down"], silu_mul=True)
             else:
-                h = matmul("down", w["down"], fused.silu_and_mul(gu))
-        return matmul("lm_head", lm_head, fused.rms_norm(h, ones, EPS, res)[0])
+                h = matmul("down", w["down"], silu_and_mul(gu))
+        return matmul("lm_head", lm_head, rms_norm(h, ones, EPS, res)[0])
 
     return step
 
@@ -327,7 +327,7 @@ def graph_us(fn, smoke: bool, iters: int) -> float:
 
 def run_chain(args: argparse.Namespace, model: Model) -> None:
     """Coordinate descent over the shapes' tiles, each candidate timed as a replayed CUDA graph of a step."""
-    from turnout.layers.gemv import tiles
+    from turnout.bench import gemv_tiles as tiles
 
     m = 1
     layers = args.layers or model.layers
@@ -397,7 +397,7 @@ def run_routes(args: argparse.Namespace, model: Model) -> None:
     shape in cuBLAS, each shape in turn takes the fastest of its routes (ROUTES) with the others held at
     their best so far; the GEMVs keep gemv.tiles()'s tiles. Every routing's logits are checked against
     the all-cuBLAS step's."""
-    from turnout.layers.gemv import tiles
+    from turnout.bench import gemv_tiles as tiles
 
     layers = args.layers or model.layers
     shapes = model.shapes(layers)

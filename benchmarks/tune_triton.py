@@ -46,7 +46,7 @@ from types import ModuleType
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cuda_time_ms, print_table, provenance, write_json  # noqa: E402
+from common import cuda_time_ms, print_table, provenance, version, write_json  # noqa: E402
 
 KERNELS = Path(__file__).resolve().parents[1] / "plugins/attention/triton/turnout_triton/kernels.py"
 SMEM_BYTES = 227 * 1024  # per block on an H100/H200
@@ -326,7 +326,7 @@ def decode_main(args: argparse.Namespace, cuda: bool) -> None:
     print_table(rows[: args.top])
     ok = summary(failed, best, verify, f"TURNOUT_TRITON_DECODE={best}")
     write_json(args.json, rows, args, workload="decode-tiles", heads=heads, block_size=bs, best=best,
-               default=default, device_kind=dev, triton=_version("triton"), interpret=kn.INTERPRET,
+               default=default, device_kind=dev, triton=version("triton"), interpret=kn.INTERPRET,
                verify_rel_err=verify, verify_ok=ok, failed=failed)  # fmt: skip
     if not ok:
         sys.exit(1)
@@ -434,7 +434,7 @@ def main() -> None:
     write_json(
         args.json, rows, args, heads=heads,
         block_size=bs, dtype=str(dtype), cases={n: c["qlens"] for n, c in cases.items()}, device_kind=dev,
-        triton=_version("triton"), interpret=kn.INTERPRET, best=best["config"], verify_rel_err=verify,
+        triton=version("triton"), interpret=kn.INTERPRET, best=best["config"], verify_rel_err=verify,
         verify_ok=ok, failed=failed,
     )  # fmt: skip
     if not ok:
@@ -443,15 +443,6 @@ def main() -> None:
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
-
-
-def _version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

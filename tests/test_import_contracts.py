@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import tomllib
@@ -42,7 +46,7 @@ def test_every_core_module_but_the_facades_is_forbidden_to_plugins():
 def test_every_plugin_package_is_checked():
     plugins = _plugin_packages()
     assert {"turnout_cpu", "turnout_qwen3", "turnout_ray", "turnout_example_backend"} <= plugins
-    assert set(LINTER["root_packages"]) == plugins | {"turnout"}
+    assert set(LINTER["root_packages"]) == plugins | {"turnout", "benchmarks"}
     assert set(CONTRACTS["facades"]["source_modules"]) == plugins
     assert set(CONTRACTS["independence"]["modules"]) == plugins
 
@@ -58,6 +62,65 @@ def test_every_core_module_has_a_layer():
         and not any(m.startswith(name + ".") for m in layers)  # a package placed by its submodules
     }
     assert unplaced == set()
+
+
+# ---- the benchmarks: turnout's facades only, and nothing shipped imports them ----
+
+
+def test_the_benchmarks_are_a_package_held_to_the_facades():
+    """Every script in benchmarks/ is in the graph lint-imports checks (the folder is a package), and may
+    import what a plugin may, and turnout.bench, the benchmarks' own facade, but none of its submodules."""
+    contract = CONTRACTS["benchmarks"]
+    assert (ROOT / "benchmarks" / "__init__.py").is_file() and contract["source_modules"] == ["benchmarks"]
+    plugins_may_not = set(CONTRACTS["facades"]["forbidden_modules"])
+    assert set(contract["forbidden_modules"]) == plugins_may_not - {"turnout.bench"} | {"turnout.bench.*"}
+    assert set(CONTRACTS["shipped"]["source_modules"]) == _plugin_packages() | {"turnout"}
+    assert CONTRACTS["shipped"]["forbidden_modules"] == ["benchmarks"]
+
+
+def _lint_probe(tmp_path: Path, source: str) -> subprocess.CompletedProcess:
+    """lint-imports with this repository's benchmarks contract over turnout and a benchmarks package whose
+    one module holds source."""
+    (tmp_path / "benchmarks").mkdir(exist_ok=True)
+    (tmp_path / "benchmarks" / "__init__.py").write_text("")
+    (tmp_path / "benchmarks" / "probe.py").write_text(source)
+    toml = [
+        "[tool.importlinter]",
+        'root_packages = ["turnout", "benchmarks"]',
+        "[[tool.importlinter.contracts]]",
+    ]
+    toml += [f"{key} = {json.dumps(value)}" for key, value in CONTRACTS["benchmarks"].items()]
+    (tmp_path / "pyproject.toml").write_text("\n".join(toml) + "\n")
+    lint = Path(sys.executable).with_name("lint-imports")
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([str(lint), "--no-cache"], cwd=tmp_path, env=env, capture_output=True, text=True)
+
+
+def test_a_benchmark_reaching_into_turnout_breaks_the_contract(tmp_path):
+    reaching = "\n".join(
+        [
+            "import turnout.platform",
+            "from turnout.bench.records import check",
+            "from turnout.engine import llm_engine",
+        ]
+    )
+    broken = _lint_probe(tmp_path, reaching)
+    assert broken.returncode == 1, broken.stdout
+    for target in (
+        "turnout.platform (l.1)",
+        "turnout.bench.records (l.2)",
+        "turnout.engine.llm_engine (l.3)",
+    ):
+        assert f"benchmarks.probe -> {target}" in broken.stdout
+    facades = "\n".join(
+        [
+            "from turnout import LLM",
+            "from turnout.attention import AttentionBackend",
+            "from turnout.bench import stages",
+        ]
+    )
+    kept = _lint_probe(tmp_path, facades)
+    assert kept.returncode == 0 and "1 kept, 0 broken" in kept.stdout, kept.stdout
 
 
 # ---- no private helper crosses a module boundary ----

@@ -1,7 +1,8 @@
 """Measurement's facade: `turnout bench` (workloads, peers, roofline, records) and `turnout bench serve`
-(serve.py), and what the scripts in benchmarks/ use, which import turnout through the public facades only
-(tests/test_import_contracts.py): random-weight checkpoints, records, roofline ceilings, the engine's host
-stages (profiling.py), and the kernels and loaders those scripts measure on their own.
+(serve.py), and what the scripts in benchmarks/ use, which import turnout through the public facades and
+this one only (the `benchmarks` contract of pyproject.toml): random-weight checkpoints, records, roofline
+ceilings, the engine's stages for timers and profilers (profiling.py: `stages`, the profiling hook), and the
+kernels and loaders those scripts measure on their own.
 
 Names but the CLI's are imported on first use: `turnout --help` stays light."""
 
