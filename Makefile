@@ -1,7 +1,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-test demo test test-all lint format images
+.PHONY: setup setup-test demo test test-all lint format images docs
 DEPS := pyproject.toml $(wildcard plugins/*/*/pyproject.toml) scripts/install.sh
 setup: $(VENV)/.installed  ## what turnout needs to run
 $(VENV)/.installed: $(DEPS)
@@ -25,6 +25,11 @@ lint: setup-test  ## ruff, and the import contracts of pyproject.toml (plugins u
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	PYTHONPATH=examples/turnout-example-backend:examples/turnout-example-model:examples/turnout-example-gemma2 $(BIN)/lint-imports
+
+docs: setup  ## the generated docs: the attention order in docs/writing-a-plugin.md, the results index, docs/performance.md
+	$(BIN)/python scripts/attention_order.py
+	$(BIN)/python benchmarks/index.py
+	$(BIN)/python benchmarks/report.py
 
 images: setup-test  ## the README's screenshots of the chat page, taken by tests/test_web_page.py
 	WEB_PAGE_IMAGES=docs/images $(BIN)/python -m pytest -q tests/test_web_page.py
