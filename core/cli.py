@@ -173,7 +173,10 @@ def _explain_doc(sel: Selection, config: EngineConfig) -> dict[str, Any]:
         "model": str(sel.model_info.path),
         "architecture": sel.model_info.architecture,
         "dtype": _dtype_name(sel.dtype),
-        "kv_cache_dtype": {"requested": sel.kv_cache_dtype, "dtype": _dtype_name(sel.kv_cache_torch_dtype)},
+        "kv_cache_dtype": {
+            "requested": config.kv_cache_dtype, "chosen": sel.kv_cache_dtype,
+            "dtype": _dtype_name(sel.kv_cache_torch_dtype), "why": sel.kv_cache_note or None,
+        },
         "kinds": kinds,
         "graph_mode": _graph_mode(sel),
         "settings": _settings(config, sel),

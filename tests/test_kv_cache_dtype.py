@@ -52,7 +52,8 @@ def test_the_flag_takes_vllms_values_and_refuses_others(tiny_llama, capsys) -> N
     assert e.value.code == 2 and "--kv-cache-dtype" in err and "fp8" in err and "\n" not in err, err
     assert main(["explain", "--model", str(tiny_llama), "--kv-cache-dtype", "fp8", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["kv_cache_dtype"] == {"requested": "fp8", "dtype": "float8_e4m3fn"}
+    kv = {"requested": "fp8", "chosen": "fp8", "dtype": "float8_e4m3fn", "why": None}
+    assert doc["kv_cache_dtype"] == kv
     assert doc["kinds"]["attention"]["chosen"] == "cpu"
 
 

@@ -29,6 +29,7 @@ from turnout.layers.linear import (
 from turnout.layers.moe import FusedMoE
 from turnout.layers.norm import RMSNorm
 from turnout.layers.rotary import RotaryEmbedding
+from turnout.quantization import kv_scale_name
 
 
 def _rope(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -278,20 +279,23 @@ class DecoderForCausalLM(nn.Module):
         one that no parameter takes, or one of another shape than config.json gives is refused with one line
         naming that tensor (WeightLoadError)."""
         self.check_layers()
-        parts, params, seen = self.checkpoint_parts(), dict(self.named_parameters()), set()
-        for name, tensor in weights:
-            if name in seen:
-                raise WeightLoadError(f"the checkpoint holds {name} twice; remove one from its files")
-            seen.add(name)
+        parts, params, seen = self.checkpoint_parts(), dict(self.named_parameters()), {}
+        for given, tensor in weights:
+            name = kv_scale_name(given) if given not in parts else given
+            if (first := seen.get(name)) is not None:
+                twice = f"{given} twice" if first == given else f"{first} and {given}, one tensor"
+                raise WeightLoadError(f"the checkpoint holds {twice}; remove one from its files")
+            seen[name] = given
             if name not in parts:
                 if self._local_name(name) is None:  # another stage's layer, a tied lm_head, rotary tables
                     continue
                 raise WeightLoadError(
-                    f"the checkpoint's {name} is used by no parameter of {self._who()}; re-convert the model "
-                    "to match config.json, or use a model plugin that implements the layer it belongs to"
+                    f"the checkpoint's {given} is used by no parameter of {self._who()}; re-convert the "
+                    "model to match config.json, or use a model plugin that implements the layer it belongs "
+                    "to"
                 )
             if (part := parts[name]) is not None:
-                self._load_part(name, tensor, params[part.param], part)
+                self._load_part(given, tensor, params[part.param], part)
         if missing := sorted(parts.keys() - seen):
             part, more = parts[missing[0]], f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             whose = _part_of(part.shard) if part else ""
@@ -320,6 +324,8 @@ class DecoderForCausalLM(nn.Module):
     ) -> dict[str, Part | None]:
         """The checkpoint names (global layer index) that fill parameter `name` of module m at `path`."""
         parent, _, ours = self._global_name(path).rpartition(".")
+        if isinstance(m, Attention):  # FP8 KV cache scales: vLLM's <attention module>.k_scale / .v_scale
+            return {f"{parent}.{leaf}": Part(name, (), None)}
         if isinstance(m, FusedMoE):
             kind, _, rest = leaf.partition("_")  # w13_weight: shards 0 and 1; w2_weight: shard 2
             return {
@@ -350,7 +356,7 @@ class DecoderForCausalLM(nn.Module):
             )
         try:
             getattr(p, "weight_loader", _default_loader)(p, tensor, *part.shard)
-        except (RuntimeError, IndexError) as e:  # a loader's own check, of a tensor without a known shape
+        except (RuntimeError, IndexError, ValueError) as e:  # a loader's own check of the tensor
             raise WeightLoadError(
                 f"the checkpoint's {name} (shape {list(tensor.shape)}) does not fit {self._who()}'s "
                 f"{part.param}: {' '.join(str(e).split())}; re-download or re-convert the model"

@@ -21,10 +21,19 @@ scales, named so that `w13_<suffix>` reads the checkpoint's `experts.<e>.gate_pr
 layer's own `weight_loader` shards its weights; after loading it leaves `w13_weight` and `w2_weight` in the
 compute dtype, as the layer's MoE kernel computes the experts. `notes` says how each layer kind computes,
 for `turnout explain`: a method that changes a layer's precision at load says so there.
+
+A method whose checkpoint holds static FP8 KV cache scales says so in `kv_cache_scales(ctx)`. Each
+`turnout.layers.Attention` layer then gets two float32 parameters, `k_scale` and `v_scale`, which the
+checkpoint fills from `<attention module>.k_scale` / `.v_scale` (vLLM's names; llm-compressor's
+`k_proj.output_scale` / `v_proj.output_scale` load into them too), one positive finite scale each; after
+loading they become the layer's float `k_scale` / `v_scale`, the FP8 KV cache's scales (stored
+e4m3(x / scale), read stored * scale). Selection then runs the KV cache in FP8 where `kv_cache_dtype` is
+auto, as vLLM does, and says so (`kv_cache_dtype_for`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +43,7 @@ from torch import nn
 
 from turnout.errors import ConfigError, WeightLoadError
 from turnout.hookspecs import Priority
+from turnout.layers.attention import Attention
 from turnout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from turnout.layers.moe import FusedMoE, num_experts
 from turnout.platform import Platform
@@ -149,6 +159,11 @@ class QuantizationMethod:
         it then runs in."""
         return []
 
+    def kv_cache_scales(self, ctx: QuantizationContext) -> bool:
+        """Whether ctx's checkpoint holds static per-tensor FP8 KV cache scales (a k_scale and a v_scale for
+        every attention layer) that the KV cache must use; False (the default): it holds none."""
+        return False
+
     def moe_method(self, ctx: QuantizationContext, prefix: str, projections: list[str]) -> MoEMethod | None:
         """The MoEMethod for the FusedMoE layer whose checkpoint tensors are `<prefix>.<expert>.<proj>.*`
         (projections: the checkpoint's names of shards 0, 1, 2, e.g. gate_proj, up_proj, down_proj); None
@@ -189,10 +204,68 @@ def moe_layers(model: nn.Module) -> Iterator[tuple[str, FusedMoE, list[str]]]:
             yield name, m, projections
 
 
-def quantize_linears(model: nn.Module, method: QuantizationMethod, ctx: QuantizationContext) -> int:
-    """Give every linear layer the method's LinearMethod, and where the method replaces "moe" every
-    FusedMoE layer its MoEMethod (before the checkpoint loads); returns how many layers took one."""
+KV_SCALES = ("k_scale", "v_scale")  # an Attention layer's FP8 KV cache scales, by vLLM's names
+# llm-compressor's older names of the KV cache scales -> vLLM's, as vLLM maps them (get_cache_scale)
+KV_SCALE_ALIASES = {".k_proj.output_scale": ".k_scale", ".v_proj.output_scale": ".v_scale"}
+
+
+def kv_scale_name(name: str) -> str:
+    """A checkpoint tensor's name with llm-compressor's KV cache scale names (`self_attn.k_proj.output_scale`)
+    read as vLLM's (`self_attn.k_scale`); any other name unchanged."""
+    for old, new in KV_SCALE_ALIASES.items():
+        if name.endswith(old):
+            return name.removesuffix(old) + new
+    return name
+
+
+def kv_cache_dtype_for(
+    requested: str, method: QuantizationMethod | None, ctx: QuantizationContext
+) -> tuple[str, str]:
+    """The KV cache dtype (a kv_cache_dtype name) for a checkpoint served by method, and why, in words (""
+    where nothing changes requested). A checkpoint with FP8 KV cache scales runs an FP8 cache where
+    requested is auto (vLLM does the same: its Attention sets fp8 wherever the checkpoint has a
+    kv_cache_scheme), and with requested fp8 the scales are the checkpoint's."""
+    if method is None or not method.kv_cache_scales(ctx):
+        return requested, ""
+    scales = "per-layer k_scale / v_scale from the checkpoint"
+    if requested == "auto":
+        return "fp8", f"auto: the checkpoint's kv_cache_scheme asks for an FP8 cache, as in vLLM; {scales}"
+    return requested, scales
+
+
+def _kv_scale_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if loaded.numel() != 1:
+        raise ValueError(
+            f"a per-tensor KV cache scale is one number, not shape {list(loaded.shape)} (kv_cache_scheme "
+            "strategy 'tensor')"
+        )
+    value = float(loaded.reshape(()).float())
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"a KV cache scale must be positive and finite, not {value:g}")
+    param.data.fill_(value)
+
+
+def add_kv_cache_scales(model: nn.Module) -> int:
+    """Give every Attention layer of model its `k_scale` and `v_scale` parameters (NaN until loaded), each
+    with a weight_loader that takes one positive finite number; returns how many layers took them."""
     n = 0
+    for m in model.modules():
+        if isinstance(m, Attention):
+            for name in KV_SCALES:
+                delattr(m, name)  # the float 1.0 gives way to the checkpoint's scale until loaded
+                p = nn.Parameter(torch.full((), math.nan, dtype=torch.float32), requires_grad=False)
+                p.weight_loader = _kv_scale_loader  # type: ignore[attr-defined]
+                m.register_parameter(name, p)
+            n += 1
+    return n
+
+
+def quantize_linears(model: nn.Module, method: QuantizationMethod, ctx: QuantizationContext) -> int:
+    """Give every linear layer the method's LinearMethod, where the method replaces "moe" every FusedMoE
+    layer its MoEMethod, and where the checkpoint holds KV cache scales (method.kv_cache_scales) every
+    Attention layer its scale parameters (add_kv_cache_scales), all before the checkpoint loads; returns
+    how many layers took one."""
+    n = add_kv_cache_scales(model) if method.kv_cache_scales(ctx) else 0
     for _, layer, parts in linear_layers(model):
         if (lm := method.linear_method(ctx, parts)) is not None:
             layer.quant_method = lm
@@ -207,8 +280,19 @@ def quantize_linears(model: nn.Module, method: QuantizationMethod, ctx: Quantiza
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Each quantized layer's process_weights_after_loading, once the checkpoint has loaded."""
-    for m in model.modules():
+    """Each quantized layer's process_weights_after_loading, once the checkpoint has loaded; an Attention
+    layer's loaded k_scale / v_scale parameters become its float scales."""
+    for path, m in model.named_modules():
+        if isinstance(m, Attention) and isinstance(getattr(m, "k_scale", None), nn.Parameter):
+            values = [float(getattr(m, name)) for name in KV_SCALES]
+            if not all(v > 0 for v in values):  # NaN: a loader that never filled it
+                raise WeightLoadError(
+                    f"attention layer {path} got no FP8 KV cache scales (k_scale, v_scale) from the "
+                    "checkpoint, which declares a kv_cache_scheme; re-download the model"
+                )
+            for name, value in zip(KV_SCALES, values):
+                delattr(m, name)
+                setattr(m, name, value)
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear, FusedMoE)) and m.quant_method is not None:
             m.quant_method.process_weights_after_loading(m)
 
@@ -216,12 +300,17 @@ def process_weights_after_loading(model: nn.Module) -> None:
 __all__ = [
     "ConfigError",
     "KNOWN_FORMATS",
+    "KV_SCALES",
+    "KV_SCALE_ALIASES",
     "LAYER_KINDS",
     "LinearLayer",
     "LinearMethod",
     "MoEMethod",
     "QuantizationContext",
     "QuantizationMethod",
+    "add_kv_cache_scales",
+    "kv_cache_dtype_for",
+    "kv_scale_name",
     "linear_layers",
     "moe_layers",
     "process_weights_after_loading",

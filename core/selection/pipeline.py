@@ -20,7 +20,7 @@ from turnout.selection.graph import effective_graph, select_graph
 from turnout.selection.measured import apply_records
 from turnout.selection.model import select_model
 from turnout.selection.moe import expert_placement, select_moe
-from turnout.selection.quantization import quantization_notes, select_quantization
+from turnout.selection.quantization import kv_cache_dtype, quantization_notes, select_quantization
 from turnout.selection.result import Selection
 
 logger = logging.getLogger("turnout")
@@ -39,6 +39,8 @@ def select_all(
     config, measured = apply_records(config, info, platform, pm)
     moe = select_moe(config, info, platform, dtype)  # first: a dense model's MoE settings say so
     quantization = select_quantization(pm, config, info, platform, dtype)
+    requested_kv = config.kv_cache_dtype
+    config, kv_note = kv_cache_dtype(config, quantization, info, platform, dtype)  # before attention
     model = select_model(pm, info.architecture, config)  # before attention: its layers' features
     attention = select_attention(pm, config, info, model.obj, platform, dtype)
     executor = select_executor(pm, config, platform)
@@ -49,6 +51,8 @@ def select_all(
     async_on, async_note = resolve_async_scheduling(config.async_scheduling, executor.obj, platform)
     if config.async_scheduling is None:
         fitted["async_scheduling"] = (async_on, async_note)
+    if config.kv_cache_dtype != requested_kv:
+        fitted["kv_cache_dtype"] = (config.kv_cache_dtype, kv_note)
     fitted |= measured.fitted()
     return Selection(
         platform, info, dtype, attention, model, executor, graph, effective, graph_note,
@@ -56,6 +60,7 @@ def select_all(
         quantization_notes=quantization_notes(quantization, config, info, platform, dtype),
         experts=expert_placement(config, info) if moe is not None else None,
         async_scheduling=async_on, async_scheduling_note=async_note, kv_cache_dtype=config.kv_cache_dtype,
+        kv_cache_note=kv_note,
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from turnout.errors import ConfigError, SelectionError
 from turnout.models.info import ModelInfo
 from turnout.platform import Platform
 from turnout.plugins import PluginManager
-from turnout.quantization import KNOWN_FORMATS, QuantizationContext
+from turnout.quantization import KNOWN_FORMATS, QuantizationContext, kv_cache_dtype_for
 from turnout.selection.choice import Choice, choose, plugin_candidates
 
 
@@ -70,3 +70,15 @@ def quantization_notes(
     if choice is None:
         return []
     return list(choice.obj.notes(quantization_context(config, info, platform, dtype)))
+
+
+def kv_cache_dtype(
+    config: EngineConfig, choice: Choice | None, info: ModelInfo, platform: Platform, dtype: torch.dtype
+) -> tuple[EngineConfig, str]:
+    """config with the KV cache dtype the checkpoint's quantization asks for (a checkpoint with FP8 KV
+    cache scales: fp8 where kv_cache_dtype is auto), and why, in words ("" where config's stands as set)."""
+    if choice is None:
+        return config, ""
+    ctx = quantization_context(config, info, platform, dtype)
+    kv, why = kv_cache_dtype_for(config.kv_cache_dtype, choice.obj, ctx)
+    return config.model_copy(update={"kv_cache_dtype": kv}), why

@@ -45,7 +45,8 @@ class Selection:
     quantization_notes: list[str] = field(default_factory=list)  # how its layers compute (method.notes)
     experts: dict[str, Any] | None = None  # MoE models: the experts each rank holds (describe_placement)
     measured: MeasuredTier | None = None  # the tuning record read, and its decision
-    kv_cache_dtype: str = "auto"  # as configured, a KV_CACHE_DTYPES name; kv_cache_torch_dtype: its dtype
+    kv_cache_dtype: str = "auto"  # as it runs, a KV_CACHE_DTYPES name; kv_cache_torch_dtype: its dtype
+    kv_cache_note: str = ""  # why it is not the one configured, or where its scales come from
 
     def apply(self, config: EngineConfig) -> EngineConfig:
         """config with every setting it left unset replaced by its fitted value."""
@@ -57,9 +58,13 @@ class Selection:
         return kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
 
     def kv_cache_description(self) -> str:
-        """The KV cache dtype in words: "bfloat16", or "float8_e4m3fn (kv_cache_dtype fp8)"."""
+        """The KV cache dtype in words: "bfloat16", or "float8_e4m3fn (kv_cache_dtype fp8)", with
+        kv_cache_note where there is one: "float8_e4m3fn (kv_cache_dtype fp8: auto: the checkpoint's ...)"."""
         name = str(self.kv_cache_torch_dtype).removeprefix("torch.")
-        return name if self.kv_cache_dtype == "auto" else f"{name} (kv_cache_dtype {self.kv_cache_dtype})"
+        if self.kv_cache_dtype == "auto":
+            return name
+        note = f": {self.kv_cache_note}" if self.kv_cache_note else ""
+        return f"{name} (kv_cache_dtype {self.kv_cache_dtype}{note})"
 
     @property
     def attention_backend(self) -> AttentionBackend:

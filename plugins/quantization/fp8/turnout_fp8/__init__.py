@@ -12,7 +12,11 @@ Fused MoE experts (Qwen3-MoE's `mlp.experts.<e>.{gate,up,down}_proj`) stored in 
 above, their scales sharded over tensor-parallel ranks as the experts' weights are (w13 by rows, w2 by
 columns) and held whole with their experts under expert parallelism; they are dequantized to the compute
 dtype at load on every device, as the MoE kernels compute in it, and `turnout explain` says so. Online
-quantization leaves the experts unquantized."""
+quantization leaves the experts unquantized.
+
+A compressed-tensors checkpoint with a kv_cache_scheme (static, per-tensor FP8) holds a k_scale and a
+v_scale for every attention layer; the FP8 KV cache uses them (kv_cache_scales), and with kv_cache_dtype
+auto the cache runs in FP8, as in vLLM. Without config_groups only the KV cache is quantized."""
 
 from turnout import hookimpl
 from turnout_fp8.method import Fp8Method

@@ -40,14 +40,28 @@ class Fp8Method(QuantizationMethod):
         """The base checks, and the quantization_config's fields (one reason naming a malformed one)."""
         why = super().check(ctx)
         try:
-            schemes.parse(ctx)
+            s = schemes.parse(ctx)
         except ConfigError as e:
-            why.append(str(e))
+            return [*why, str(e)]
+        if s.kv_cache and ctx.hf_config.get("kv_lora_rank"):
+            why.append(
+                "quantization_config.kv_cache_scheme: its scales are for multi-head latent attention's "
+                "latent cache, and the KV cache here holds per-head K and V; remove kv_cache_scheme"
+            )
         return why
+
+    def kv_cache_scales(self, ctx: QuantizationContext) -> bool:
+        """A compressed-tensors checkpoint with a kv_cache_scheme (static, per-tensor FP8)."""
+        return schemes.parse(ctx).kv_cache
 
     def notes(self, ctx: QuantizationContext) -> list[str]:
         """Where the weights stay in FP8 and where they are dequantized to the compute dtype at load."""
         s, dtype = schemes.parse(ctx), str(ctx.dtype).removeprefix("torch.")
+        if s.weight == "none":
+            return [
+                "weights: not quantized (the checkpoint's quantization_config quantizes its KV cache only)",
+                "KV cache: FP8 e4m3 with the checkpoint's per-layer k_scale / v_scale",
+            ]
         if ctx.platform.is_cuda:
             notes = ["linear layers: FP8 weights, FP8 GEMMs (decode: a GEMV that reads the FP8 weights)"]
         else:
@@ -63,12 +77,14 @@ class Fp8Method(QuantizationMethod):
                 f"fused MoE experts: dequantized to {dtype} at load (no FP8 MoE kernel); run in {dtype}, "
                 f"with {dtype}'s weight memory"
             )
+        if s.kv_cache:
+            notes.append("KV cache: FP8 e4m3 with the checkpoint's per-layer k_scale / v_scale")
         return notes
 
     def linear_method(self, ctx: QuantizationContext, checkpoint_names: list[str]) -> LinearMethod | None:
         """An Fp8LinearMethod, or None for a layer the checkpoint's ignore list names (all of its parts)."""
         s = schemes.parse(ctx)
-        if not _quantized(s, checkpoint_names):
+        if s.weight == "none" or not _quantized(s, checkpoint_names):
             return None
         return Fp8LinearMethod(s, checkpoint_names, ctx.platform.is_cuda)
 
@@ -77,7 +93,7 @@ class Fp8Method(QuantizationMethod):
         runs (the experts would compute in the compute dtype all the same) or the ignore list names them."""
         s = schemes.parse(ctx)
         names = [f"{prefix}.{e}.{proj}" for e in range(num_experts(ctx.hf_config)) for proj in projections]
-        if s.online or not _quantized(s, names):
+        if s.online or s.weight == "none" or not _quantized(s, names):
             return None
         from turnout_fp8.moe import Fp8MoEMethod
 

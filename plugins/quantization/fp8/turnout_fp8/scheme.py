@@ -11,11 +11,13 @@ from turnout.quantization import ConfigError, QuantizationContext
 
 @dataclass(frozen=True)
 class Scheme:
-    """weight: "tensor" (one scale a tensor), "channel" (one a row) or "block" (one a bn x bk tile);
+    """weight: "tensor" (one scale a tensor), "channel" (one a row), "block" (one a bn x bk tile) or "none"
+    (a checkpoint that quantizes only its KV cache: no layer is replaced);
     activation: "token" (dynamic, one scale a row), "group" (dynamic, one a 1 x bk group) or "static" (the
     checkpoint's input_scale); scale_name: the checkpoint's name of the weight scale; ignore: the modules
     left unquantized (names, or "re:" patterns); online: the checkpoint is not quantized, the weights are
-    quantized at load (per channel)."""
+    quantized at load (per channel); kv_cache: the checkpoint holds static per-tensor FP8 KV cache scales
+    (compressed-tensors' kv_cache_scheme), one k_scale and one v_scale a layer."""
 
     weight: str
     activation: str
@@ -23,6 +25,7 @@ class Scheme:
     block: tuple[int, int] | None = None
     ignore: tuple[str, ...] = ()
     online: bool = False
+    kv_cache: bool = False
 
     def ignores(self, name: str) -> bool:
         """Whether module `name` (a checkpoint name, e.g. model.layers.0.mlp.gate_proj) stays unquantized."""
@@ -77,14 +80,13 @@ def _block(value: Any, where: str) -> tuple[int, int]:
 
 def _compressed_tensors(qc: dict[str, Any]) -> Scheme:
     where = "quantization_config"
+    kv_cache = _kv_cache_scheme(qc.get("kv_cache_scheme"), f"{where}.kv_cache_scheme")
+    groups = qc.get("config_groups")
+    if kv_cache and not groups:  # the KV cache alone is quantized; the weights are as they are
+        return Scheme("none", "none", kv_cache=True)
     fmt = qc.get("format", "float-quantized")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise ConfigError(f"{where}.format is {fmt!r}; FP8 here reads 'float-quantized' checkpoints")
-    if qc.get("kv_cache_scheme"):
-        raise ConfigError(
-            f"{where}.kv_cache_scheme is set; an FP8 KV cache from checkpoint scales is not served"
-        )
-    groups = qc.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         n = len(groups) if isinstance(groups, dict) else 0
         raise ConfigError(f"{where}.config_groups has {n} groups; FP8 here serves exactly one")
@@ -114,7 +116,25 @@ def _compressed_tensors(qc: dict[str, Any]) -> Scheme:
         )
     if act == "group" and block and a.get("group_size") not in (None, block[1]):
         raise ConfigError(f"{where}.input_activations.group_size must equal block_structure's {block[1]}")
-    return Scheme(strategy, act, "weight_scale", block, tuple(qc.get("ignore") or ()))
+    return Scheme(strategy, act, "weight_scale", block, tuple(qc.get("ignore") or ()), kv_cache=kv_cache)
+
+
+def _kv_cache_scheme(kv: Any, where: str) -> bool:
+    """Whether the checkpoint holds FP8 KV cache scales: a kv_cache_scheme of 8-bit float, symmetric,
+    static, one scale a tensor (vLLM's per-tensor FP8 KV cache); None or {} holds none."""
+    if not kv:
+        return False
+    if not isinstance(kv, dict):
+        raise ConfigError(f"{where} is {kv!r}; expected an object such as compressed-tensors writes")
+    _fp8_args(kv, where)
+    if kv.get("dynamic"):
+        raise ConfigError(f"{where}.dynamic is true; the FP8 KV cache here reads static checkpoint scales")
+    if kv.get("strategy", "tensor") != "tensor":
+        raise ConfigError(
+            f"{where}.strategy is {kv.get('strategy')!r}; the FP8 KV cache here reads one k_scale and one "
+            "v_scale a layer (strategy 'tensor')"
+        )
+    return True
 
 
 def _fp8_args(args: dict[str, Any], where: str) -> None:
