@@ -15,8 +15,10 @@ from turnout.config import EngineConfig
 from turnout.llm import LLM
 from turnout.models.info import ModelInfo
 from turnout.platform import current_platform
+from turnout.plugins import get_plugin_manager
 from turnout.selection import select_all
 from turnout.tuning import Measured, TuningRecord, decide, find_record, save, tune, tuning_key
+from turnout.tuning.tuner import static_default
 from turnout.tuning.workload import Load
 
 from fake_dist import naive_backend_source
@@ -120,7 +122,8 @@ def test_tune_auto_tunes_an_unseen_key_once_before_the_engine(tiny_llama, cache,
 def test_cli_tune_stays_within_its_budget_and_says_what_it_skipped(tiny_llama, cache, capsys):
     assert main(["tune", str(tiny_llama), "--dtype", "float32", "--budget", "0.01", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["skipped"] and all("over budget" in s for s in doc["skipped"]) and doc["candidates"] == []
+    budget = [s for s in doc["skipped"] if not s.startswith("kv_cache_dtype: not searched")]
+    assert budget and all("over budget" in s for s in budget) and doc["candidates"] == []
     assert doc["decision"]["settings"] == {} and list(cache.glob("*.json"))
 
 
@@ -318,3 +321,58 @@ def test_tune_scores_no_warm_up_and_keeps_the_best_engine_across_axes(
     kept = 1 + 2 * (1 + 2)  # its build's warm-up, then per axis an unscored round and 2 scored rounds
     assert sorted(runs.values()) == [4, 4, 4, kept]
     assert sorted(len(c.runs) for c in record.candidates) == [2, 2, 2, 4]
+
+
+# ---- the KV cache dtype: measured only where the user lists it ----
+def test_tune_measures_kv_cache_dtypes_only_where_the_user_lists_them(tiny_llama, cache, one_thread):
+    """Without a list the record holds only the default cache (auto) and says the axis was not searched;
+    with --kv-cache-dtype auto,fp8 both caches are measured, each twice, and the record names them."""
+    config = EngineConfig(model=str(tiny_llama), dtype="float32")
+    axes = ("kv_cache_dtype", "max_num_batched_tokens")
+    plain = tune(config, budget=120, progress=False, load=SMALL, axes=axes)
+    assert plain.default["kv_cache_dtype"] == "auto"
+    assert {c.settings["kv_cache_dtype"] for c in plain.candidates} == {"auto"}
+    assert any(s.startswith("kv_cache_dtype: not searched") for s in plain.skipped), plain.skipped
+    listed = tune(config, budget=120, progress=False, load=SMALL, axes=("kv_cache_dtype",),
+                  kv_cache_dtypes=("auto", "fp8_e4m3"))  # fmt: skip
+    by = {c.label: c for c in listed.candidates}
+    assert set(by) == {"cpu", "cpu kv=fp8"} and all(len(c.runs) >= 2 for c in by.values()), by
+    assert by["cpu kv=fp8"].settings["kv_cache_dtype"] == "fp8"
+    assert TuningRecord.load(listed.path) == listed
+
+
+def test_a_recorded_kv_cache_dtype_is_applied_said_and_a_user_setting_wins(tiny_llama, cache, capsys):
+    """A record (from a listed tune) in which fp8 wins sets the cache dtype of an engine that leaves it
+    auto, and explain says it came from tuning; a user's kv_cache_dtype wins over the record."""
+    config = EngineConfig.load(model=str(tiny_llama), dtype="float32")
+    info = ModelInfo.from_dir(tiny_llama)
+    default = static_default(select_all(config, info), config)
+    runs = {"auto": [2300.0, 2310.0], "fp8": [5000.0, 5010.0]}
+    cands = [Measured(f"cpu kv={k}", {**default, "kv_cache_dtype": k}, r) for k, r in runs.items()]
+    key = tuning_key(config, info, current_platform(), get_plugin_manager(), "throughput")
+    assert default["kv_cache_dtype"] == "auto"
+    save(TuningRecord(key, "throughput", "tok/s", True, default, cands, 0.03, 1.0, [], "2026-12-01"))
+    sel = select_all(config, info)
+    assert sel.kv_cache_dtype == "fp8" and sel.kv_cache_note.startswith("tuned: measured, record "), sel
+    assert main(["explain", "--model", str(tiny_llama), "--dtype", "float32", "--json"]) == 0
+    kv = json.loads(capsys.readouterr().out)["kv_cache_dtype"]
+    assert (kv["requested"], kv["chosen"], kv["dtype"]) == ("auto", "fp8", "float8_e4m3fn"), kv
+    assert kv["why"].startswith("tuned: measured, record "), kv
+    assert main(["explain", "--model", str(tiny_llama), "--dtype", "float32"]) == 0
+    assert "KV cache: float8_e4m3fn (kv_cache_dtype fp8: tuned: measured, record " in capsys.readouterr().out
+    runs["auto"], runs["fp8"] = runs["fp8"], runs["auto"]  # the user's fp8 where auto wins: fp8 stays
+    cands = [Measured(f"cpu kv={k}", {**default, "kv_cache_dtype": k}, r) for k, r in runs.items()]
+    save(TuningRecord(key, "throughput", "tok/s", True, default, cands, 0.03, 1.0, [], "2026-12-02"))
+    assert select_all(config, info).kv_cache_dtype == "auto"
+    mine = EngineConfig.load(model=str(tiny_llama), dtype="float32", kv_cache_dtype="fp8")
+    assert select_all(mine, info).kv_cache_dtype == "fp8"
+
+
+@pytest.mark.parametrize(
+    "flag,needle",
+    [("auto,int8", "candidate 'int8' is not one of auto, fp8, fp8_e4m3"), ("fp8,fp8_e4m3", "name one dtype")],
+)
+def test_cli_tune_bad_kv_cache_dtype_list_is_one_line_exit_2(tiny_llama, cache, capsys, flag, needle):
+    assert main(["tune", str(tiny_llama), "--kv-cache-dtype", flag]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err, err

@@ -41,6 +41,8 @@ def select_all(
     quantization = select_quantization(pm, config, info, platform, dtype)
     requested_kv = config.kv_cache_dtype
     config, kv_note = kv_cache_dtype(config, quantization, info, platform, dtype)  # before attention
+    if "kv_cache_dtype" in measured.settings:  # the user listed it for `turnout tune` to measure
+        kv_note = "; ".join(filter(None, [f"tuned: measured, {measured.source}", kv_note]))
     model = select_model(pm, info.architecture, config)  # before attention: its layers' features
     attention = select_attention(pm, config, info, model.obj, platform, dtype)
     executor = select_executor(pm, config, platform)

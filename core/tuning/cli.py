@@ -1,4 +1,5 @@
-"""turnout tune [MODEL] [--workload throughput|latency|prefix|FILE.jsonl] [--budget SECONDS] [--json]."""
+"""turnout tune [MODEL] [--workload throughput|latency|prefix|FILE.jsonl] [--budget SECONDS] [--json]
+[--kv-cache-dtype DTYPE[,DTYPE...]]: one KV cache dtype runs as in generate; a list is measured."""
 
 from __future__ import annotations
 
@@ -25,7 +26,13 @@ def add_tune_parser(subparsers: Any) -> None:
     t.add_argument("--workload", help="throughput, latency, prefix or FILE.jsonl (default: tune_workload)")
     t.add_argument("--budget", type=float, metavar="SECONDS", help="time to spend (default: tune_budget)")
     t.add_argument("--json", action="store_true", help="print the record and the decision as JSON")
-    add_engine_args(t, skip=("tune", "tuned"))
+    t.add_argument(
+        "--kv-cache-dtype",
+        type=lambda s: tuple(s.split(",")),
+        metavar="DTYPE[,DTYPE...]",
+        help="the KV cache dtype (auto, fp8, fp8_e4m3); a comma list (auto,fp8) measures each as a candidate",
+    )
+    add_engine_args(t, skip=("tune", "tuned", "kv_cache_dtype"))
     t.set_defaults(fn=cmd_tune)
 
 
@@ -44,6 +51,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
         from turnout.bench.random_models import random_model
 
         args.model = str(random_model(args.random_model))
+    dtypes, args.kv_cache_dtype = args.kv_cache_dtype or (), None
+    if len(dtypes) == 1:  # one dtype runs as the engine flag does
+        args.kv_cache_dtype, dtypes = dtypes[0], ()
     config = engine_config_from_args(args)
     budget = config.tune_budget if args.budget is None else args.budget
     if budget <= 0:
@@ -52,7 +62,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if level == logging.INFO:  # every candidate engine's start-up lines would bury the progress bar
         logger.setLevel(logging.WARNING)
     try:
-        record = tune(config, args.workload or config.tune_workload, budget)
+        record = tune(config, args.workload or config.tune_workload, budget, kv_cache_dtypes=dtypes)
     finally:
         logger.setLevel(level)
     decision = decide(record, user_settings(config))

@@ -15,6 +15,7 @@ from turnout.errors import TurnoutError
 from turnout.tuning.key import key_diff
 
 TUNABLE: tuple[str, ...] = (
+    "kv_cache_dtype",  # searched only among the dtypes the user lists (turnout tune --kv-cache-dtype a,b)
     "attention_backend",
     "cudagraph_mode",
     "max_num_batched_tokens",
@@ -80,6 +81,9 @@ class TuningRecord:
         try:
             d = json.loads(path.read_text())
             d["candidates"] = [Measured(**c) for c in d["candidates"]]
+            kv = "fp8" if d["key"].get("model", {}).get("kv_cache_dtype") else "auto"
+            for settings in (d["default"], *(c.settings for c in d["candidates"])):
+                settings.setdefault("kv_cache_dtype", kv)  # a record from before the KV dtype was tunable
             return cls(**{**d, "path": path})
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TurnoutError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from turnout.attention.backend import KV_CACHE_ALIASES
 from turnout.config import EngineConfig
 from turnout.tuning.record import TUNABLE, Measured, TuningRecord
 
@@ -13,6 +14,7 @@ MARGIN = 0.03
 MAX_NOISE = 0.25  # runs that spread wider measured a busy machine, not the candidate: no winner from them
 MIN_RUNS = 2  # a candidate measured once has no noise figure, so it cannot be trusted
 UNSET = {
+    "kv_cache_dtype": "auto",
     "attention_backend": "auto",
     "max_num_batched_tokens": None,
     "block_size": None,
@@ -38,6 +40,8 @@ def user_settings(config: EngineConfig) -> dict[str, Any]:
     out = {}
     for k in TUNABLE:
         v = getattr(config, k)
+        if k == "kv_cache_dtype":
+            v = KV_CACHE_ALIASES.get(v, v)  # fp8_e4m3 is fp8
         default = EngineConfig.model_fields[k].default
         if (v != UNSET[k]) if k in UNSET else (v != default or config.source(k) != "default"):
             out[k] = v

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from turnout.attention.backend import KV_CACHE_ALIASES, KV_CACHE_DTYPES
 from turnout.attention.per_phase import split_name
 from turnout.config import EngineConfig
 from turnout.errors import ConfigError, SelectionError, TurnoutError
@@ -45,6 +46,7 @@ logger = logging.getLogger("turnout")
 BLOCK_SIZES = {"cuda": (16, 128), "cpu": (16, 32)}  # tried besides the backends' preferred sizes
 SETTLE_SEED = -1  # the unscored round once an axis's engines are built (seed 0 warms each one up as built)
 SHORT = {
+    "kv_cache_dtype": "kv",
     "cudagraph_mode": "graph",
     "max_num_batched_tokens": "tokens",
     "block_size": "block",
@@ -57,6 +59,7 @@ def static_default(sel: Selection, config: EngineConfig) -> dict[str, Any]:
     """The TUNABLE settings selection picks for config without records: names chosen, values fitted."""
     fitted = sel.apply(config)
     return {
+        "kv_cache_dtype": sel.kv_cache_dtype,
         "attention_backend": sel.attention.chosen.name,
         "cudagraph_mode": sel.graph.chosen.name,
         "max_num_batched_tokens": fitted.max_num_batched_tokens,
@@ -99,9 +102,12 @@ class Search:
         budget: float,
         progress: bool,
         t0: float | None = None,
+        kv_cache_dtypes: tuple[str, ...] = (),
     ) -> None:
-        """budget: seconds from t0 (perf_counter; default now) for everything tuning does."""
+        """budget: seconds from t0 (perf_counter; default now) for everything tuning does; kv_cache_dtypes:
+        the KV cache dtypes the user allows tuning to measure (none: the cache dtype is not searched)."""
         self.t0 = time.perf_counter() if t0 is None else t0
+        self.kv_cache_dtypes = kv_cache_dtypes
         self.base, self.info, self.load, self.rounds, self.budget = base, info, load, rounds, budget
         self.pm, self.platform = get_plugin_manager(), current_platform()
         self.sel = select_all(base, info, self.pm, self.platform)
@@ -125,7 +131,9 @@ class Search:
     def options(self, axis: str, cur: dict[str, Any], fixed: dict[str, Any]) -> list[dict[str, Any]]:
         """cur first, then every alternative on axis; each differs from cur on axis (and, for attention,
         on block_size where the user left it to the backend)."""
-        if axis == "attention_backend":
+        if axis == "kv_cache_dtype":  # only the dtypes the user listed
+            alts = [{**cur, axis: d} for d in self.kv_cache_dtypes]
+        elif axis == "attention_backend":
             alts = [self._with_backend(cur, n, fixed) for n in self.backend_names(cur["attention_backend"])]
         elif axis == "cudagraph_mode":
             alts = self._graph_options(cur)
@@ -367,26 +375,36 @@ def tune(
     load: Load | None = None,
     axes: tuple[str, ...] = TUNABLE,
     directory: Any = None,
+    kv_cache_dtypes: tuple[str, ...] = (),
 ) -> TuningRecord:
     """Measure config's candidates on workload within budget seconds; write the record and return it.
-    Fields the user set are not searched. load, axes and directory override the workload's sizes, the axes
-    searched and the records' folder (tests)."""
+    Fields the user set are not searched. The KV cache dtype is searched only among kv_cache_dtypes (two or
+    more kv_cache_dtype names, config's kv_cache_dtype left unset): the cache's precision is the user's to
+    trade, never tuning's alone. load, axes and directory override the workload's sizes, the axes searched
+    and the records' folder (tests)."""
     from turnout.engine.llm_engine import resolve_model_dir
 
     if rounds < 2:
         raise ConfigError(f"rounds {rounds}: every candidate runs at least twice, to measure its noise")
+    kv_cache_dtypes = check_kv_cache_dtypes(kv_cache_dtypes, config)
     t0, model_dir = time.perf_counter(), resolve_model_dir(config)
     info = ModelInfo.from_dir(model_dir)
     base = config.model_copy(update={"tuned": "off", "tune": "off"})
     platform = current_platform()
     load = load or _load(workload, config, model_dir, info, platform)
-    search, fixed = Search(base, info, load, rounds, budget, progress, t0), user_settings(config)
+    search = Search(base, info, load, rounds, budget, progress, t0, kv_cache_dtypes)
+    fixed = user_settings(config)
     try:
         with reuse_weights():  # the candidate engines in this process share one copy of the weights
             current = search.default
             for axis in axes:
                 if axis in fixed:
                     search.skipped.append(f"{axis}: set by the user ({fixed[axis]}), not searched")
+                    continue
+                if axis == "kv_cache_dtype" and not kv_cache_dtypes:
+                    search.skipped.append(
+                        f"{axis}: not searched (turnout tune --kv-cache-dtype auto,fp8 measures those listed)"
+                    )
                     continue
                 current = search.axis(axis, search.options(axis, current, fixed))
     finally:
@@ -399,6 +417,31 @@ def tune(
     )  # fmt: skip
     save(record, directory)
     return record
+
+
+def check_kv_cache_dtypes(dtypes: tuple[str, ...], config: EngineConfig) -> tuple[str, ...]:
+    """The KV cache dtypes tuning may measure, each once (aliases as their name: fp8_e4m3 is fp8); a
+    ConfigError where one is not a kv_cache_dtype name, fewer than two remain, or config sets
+    kv_cache_dtype too."""
+    if not dtypes:
+        return ()
+    if unknown := [d for d in dtypes if d not in KV_CACHE_DTYPES]:
+        raise ConfigError(
+            f"kv_cache_dtype candidate {unknown[0]!r} is not one of {', '.join(KV_CACHE_DTYPES)}; "
+            "list two or more, e.g. auto,fp8"
+        )
+    out = tuple(dict.fromkeys(KV_CACHE_ALIASES.get(d, d) for d in dtypes))
+    if len(out) < 2:
+        raise ConfigError(
+            f"kv_cache_dtype candidates {','.join(dtypes)} name one dtype; list two or more to measure them "
+            "(e.g. auto,fp8), or give one as kv_cache_dtype to run it"
+        )
+    if config.kv_cache_dtype != "auto":
+        raise ConfigError(
+            f"kv_cache_dtype = {config.kv_cache_dtype} is set and candidates {','.join(dtypes)} are listed; "
+            "give one or the other"
+        )
+    return out
 
 
 def _load(workload: str, config: EngineConfig, model_dir: str, info: ModelInfo, platform: Any) -> Load:
