@@ -328,7 +328,8 @@ class FusedMoE(nn.Module):
         self.register_buffer("expert_local", local, persistent=False)  # expert id -> index on that rank
         self.kernel: MoEKernel = TORCH_KERNEL
         # a turnout.quantization.MoEMethod, set before the checkpoint loads; None once the weights are in
-        # the compute dtype the kernel computes in
+        # the compute dtype the kernel computes in, or kept where the experts stay quantized and the
+        # method computes them (its apply)
         self.quant_method: Any = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, shard: int) -> bool:
@@ -353,8 +354,15 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = self.route(router_logits, self.top_k, self.renormalize)
         if self.ep_size > 1:
             return self._forward_ep(x, topk_weights, topk_ids)
-        y = self.kernel.expert_outputs(x, self.w13_weight, self.w2_weight, topk_ids)
+        y = self.expert_outputs(x, topk_ids)
         return tp_all_reduce(combine(y, topk_weights))  # partial sums of the intermediate-dim shards
+
+    def expert_outputs(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H], topk_ids [N, k] (this rank's expert indices) -> pair outputs [N * k, H]: the quant
+        method's (MoEMethod.apply) where it keeps the experts quantized, else the bound kernel's."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, topk_ids)
+        return self.kernel.expert_outputs(x, self.w13_weight, self.w2_weight, topk_ids)
 
     def _forward_ep(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -371,7 +379,7 @@ class FusedMoE(nn.Module):
         send_splits, recv_splits = send.tolist(), ep_exchange_counts(send).tolist()
         x_recv = ep_all_to_all(x[lo:hi][order // k], recv_splits, send_splits)
         e_recv = ep_all_to_all(self.expert_local[ids[order]], recv_splits, send_splits)
-        y_recv = self.kernel.expert_outputs(x_recv, self.w13_weight, self.w2_weight, e_recv[:, None])
+        y_recv = self.expert_outputs(x_recv, e_recv[:, None])
         y = x.new_empty(len(ids), x.shape[1])
         y[order] = ep_all_to_all(y_recv, send_splits, recv_splits)
         out = combine(y, topk_weights[lo:hi])

@@ -18,8 +18,10 @@ A method whose `replaces` includes "moe" returns a `MoEMethod` for each `turnout
 (`moe_method`): it gives the layer its quantized expert parameters (`w13_weight`, `w2_weight` and their
 scales, named so that `w13_<suffix>` reads the checkpoint's `experts.<e>.gate_proj.<suffix>` and
 `up_proj.<suffix>`, `w2_<suffix>` its `down_proj.<suffix>`), each loaded per expert and sharded as the
-layer's own `weight_loader` shards its weights; after loading it leaves `w13_weight` and `w2_weight` in the
-compute dtype, as the layer's MoE kernel computes the experts. `notes` says how each layer kind computes,
+layer's own `weight_loader` shards its weights; after loading it either leaves `w13_weight` and
+`w2_weight` in the compute dtype and sets the layer's `quant_method` to None (the layer's MoE kernel then
+computes the experts), or keeps them quantized, leaves `quant_method` set and computes the experts itself in
+`apply`. `notes` says how each layer kind computes,
 for `turnout explain`: a method that changes a layer's precision at load says so there.
 
 A method whose checkpoint holds static FP8 KV cache scales says so in `kv_cache_scales(ctx)`. Each
@@ -101,9 +103,10 @@ class LinearMethod:
 
 
 class MoEMethod:
-    """How one FusedMoE layer's experts load from a quantized checkpoint. The layer's MoE kernel computes
-    in the compute dtype, so after loading `w13_weight` [E, 2I, H] and `w2_weight` [E, H, I] (this rank's
-    experts and shards) hold the compute dtype; the method says so in its `notes`."""
+    """How one FusedMoE layer's experts load from a quantized checkpoint and compute. After loading either
+    `w13_weight` [E, 2I, H] and `w2_weight` [E, H, I] (this rank's experts and shards) hold the compute
+    dtype and layer.quant_method is None, so the layer's MoE kernel computes them; or the method keeps them
+    quantized, layer.quant_method stays this method, and `apply` computes them. `notes` says which."""
 
     def create_weights(self, layer: FusedMoE) -> None:
         """Replace layer.w13_weight and layer.w2_weight by this method's parameters and register their
@@ -113,7 +116,15 @@ class MoEMethod:
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         """Check the loaded parameters (every scale filled, positive; turnout.errors.WeightLoadError naming
-        the checkpoint tensor where one is wrong) and leave w13_weight and w2_weight in the compute dtype."""
+        the checkpoint tensor where one is wrong), then either leave w13_weight and w2_weight in the compute
+        dtype and set layer.quant_method to None, or convert them to the form `apply` takes."""
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H] (compute dtype), topk_ids [N, k] (indices of this rank's experts) -> pair outputs
+        [N * k, H] in the compute dtype, row n * k + j from expert topk_ids[n, j] (w2 silu-and-mul(w13 x), as
+        turnout.layers.moe's kernels); called only where process_weights_after_loading kept
+        layer.quant_method. It must not wait on the device (CUDA graphs capture it)."""
+        raise NotImplementedError
 
 
 class QuantizationMethod:

@@ -10,8 +10,10 @@ dtype. On the CPU every format is dequantized to the compute dtype at load.
 
 Fused MoE experts (Qwen3-MoE's `mlp.experts.<e>.{gate,up,down}_proj`) stored in FP8 load in every format
 above, their scales sharded over tensor-parallel ranks as the experts' weights are (w13 by rows, w2 by
-columns) and held whole with their experts under expert parallelism; they are dequantized to the compute
-dtype at load on every device, as the MoE kernels compute in it, and `turnout explain` says so. Online
+columns) and held whole with their experts under expert parallelism. On CUDA they stay in FP8 and a Triton
+grouped GEMM (turnout_fp8.moe_kernels) dequantizes each weight tile in the kernel, activations in the
+compute dtype; on the CPU, and for block sizes that kernel cannot tile, they are dequantized to the compute
+dtype at load and run in it. `turnout explain` says which. Online
 quantization leaves the experts unquantized.
 
 A compressed-tensors checkpoint with a kv_cache_scheme (static, per-tensor FP8) holds a k_scale and a

@@ -1,6 +1,6 @@
 """The fp8 QuantizationMethod and its LinearMethod: FP8 parameters, their loading across tensor-parallel
 shards, and the conversion after loading (kept in FP8 on CUDA, dequantized on the CPU). Fused MoE experts
-(turnout_fp8.moe) are dequantized at load on every device."""
+(turnout_fp8.moe) stay in FP8 on CUDA (turnout_fp8.moe_kernels) and are dequantized at load on the CPU."""
 
 from __future__ import annotations
 
@@ -72,9 +72,17 @@ class Fp8Method(QuantizationMethod):
             notes.append(
                 f"fused MoE experts: not quantized (online FP8 covers linear layers); run in {dtype}"
             )
-        elif num_experts(ctx.hf_config):
+        elif num_experts(ctx.hf_config) and ctx.platform.is_cuda and _moe_kernel_fits(s, ctx):
             notes.append(
-                f"fused MoE experts: dequantized to {dtype} at load (no FP8 MoE kernel); run in {dtype}, "
+                "fused MoE experts: FP8 weights, a Triton grouped GEMM that dequantizes each weight tile in "
+                f"the kernel; activations in {dtype}"
+            )
+        elif num_experts(ctx.hf_config):
+            why = (
+                "no FP8 MoE kernel on the CPU" if not ctx.platform.is_cuda else "its block size does not tile"
+            )
+            notes.append(
+                f"fused MoE experts: dequantized to {dtype} at load ({why}); run in {dtype}, "
                 f"with {dtype}'s weight memory"
             )
         if s.kv_cache:
@@ -97,7 +105,15 @@ class Fp8Method(QuantizationMethod):
             return None
         from turnout_fp8.moe import Fp8MoEMethod
 
-        return Fp8MoEMethod(s, prefix, projections)
+        return Fp8MoEMethod(s, prefix, projections, ctx.platform.is_cuda)
+
+
+def _moe_kernel_fits(s: Scheme, ctx: QuantizationContext) -> bool:
+    """Whether turnout_fp8.moe_kernels takes the experts' scales at this TP size's intermediate rows."""
+    from turnout_fp8.moe_kernels import kernel_fits
+
+    rows = (ctx.hf_config.get("moe_intermediate_size") or 0) // max(ctx.tp_size, 1)
+    return kernel_fits(s.block, rows)
 
 
 def _quantized(s: Scheme, names: list[str]) -> bool:

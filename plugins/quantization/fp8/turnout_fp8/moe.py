@@ -1,6 +1,8 @@
 """Fused MoE experts stored in FP8: their parameters, their loading across tensor- and expert-parallel
-shards, and their dequantization after loading. The MoE kernels compute in the compute dtype, so the
-experts run there on every device (Fp8Method.notes says so)."""
+shards, and what follows loading: on CUDA they stay FP8 and turnout_fp8.moe_kernels computes them
+(dequantizing each weight tile in the kernel) where it takes their scales; otherwise, and on the CPU, they
+are dequantized to the compute dtype and the layer's MoE kernel computes them (Fp8Method.notes says
+which)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from torch import nn
 from turnout.layers import FusedMoE
 from turnout.quantization import ConfigError, MoEMethod, WeightLoadError
 from turnout_fp8.method import dequantize
+from turnout_fp8.moe_kernels import fp8_expert_outputs, kernel_fits
 from turnout_fp8.scheme import Scheme
 
 FP8 = torch.float8_e4m3fn
@@ -33,8 +36,8 @@ class Fp8MoEMethod(MoEMethod):
     w2_input_scale [E, 1], checked and dropped, as the experts compute in the compute dtype. Scales start as
     NaN, so one the checkpoint never filled is found after loading."""
 
-    def __init__(self, scheme: Scheme, prefix: str, projections: list[str]) -> None:
-        self.scheme, self.prefix, self.projections = scheme, prefix, projections
+    def __init__(self, scheme: Scheme, prefix: str, projections: list[str], cuda: bool = False) -> None:
+        self.scheme, self.prefix, self.projections, self.cuda = scheme, prefix, projections, cuda
 
     def _name(self, expert: int, shard: int, suffix: str) -> str:
         return f"{self.prefix}.{expert}.{self.projections[shard]}.{suffix}"
@@ -142,8 +145,11 @@ class Fp8MoEMethod(MoEMethod):
 
     # ---- after loading ----
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        """Every scale filled and positive; then w13_weight and w2_weight become q * scale in the compute
-        dtype, expert by expert, the scales are dropped and the layer computes as an unquantized one."""
+        """Every scale filled and positive. On CUDA, where moe_kernels takes the scales (kernel_fits), the
+        weights stay FP8 and the scales move into the kernel's layout (w13: [E, 2I] per row or
+        [E, 2I / bn, ceil(H / bk)] per block; w2: [E, H] or [E, ceil(H / bn), ceil(I / bk)]); otherwise
+        w13_weight and w2_weight become q * scale in the compute dtype, expert by expert, and the layer
+        computes as an unquantized one. The parameters holding scales are dropped either way."""
         s = self.scheme
         w13_scale = getattr(layer, f"w13_{s.scale_name}").data
         w2_scale = getattr(layer, f"w2_{s.scale_name}").data
@@ -155,6 +161,15 @@ class Fp8MoEMethod(MoEMethod):
             self._check_filled(layer, layer.w2_input_scale.data, "w2", "input_scale")
             names += ["w13_input_scale", "w2_input_scale"]
         i = layer.w2_weight.shape[2]
+        if self.cuda and kernel_fits(s.block, i):
+            e = w13_scale.shape[0]
+            self.w13_scale = (
+                w13_scale.reshape(e, -1, w13_scale.shape[-1]) if s.block else w13_scale
+            ).contiguous()
+            self.w2_scale = w2_scale.contiguous()
+            for name in names:
+                delattr(layer, name)
+            return
         w13 = torch.empty(layer.w13_weight.shape, dtype=self.dtype, device=w13_scale.device)
         w2 = torch.empty(layer.w2_weight.shape, dtype=self.dtype, device=w2_scale.device)
         for j in range(w13.shape[0]):
@@ -168,6 +183,12 @@ class Fp8MoEMethod(MoEMethod):
         layer.w13_weight = nn.Parameter(w13, requires_grad=False)
         layer.w2_weight = nn.Parameter(w2, requires_grad=False)
         layer.quant_method = None
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts of topk_ids on x through moe_kernels' FP8 grouped GEMM (CUDA)."""
+        return fp8_expert_outputs(
+            x, layer.w13_weight, self.w13_scale, layer.w2_weight, self.w2_scale, topk_ids, self.scheme.block
+        )
 
     def _check_filled(self, layer: FusedMoE, t: torch.Tensor, kind: str, suffix: str) -> None:
         bad = ~(t > 0)  # NaN (never loaded), zero or negative
