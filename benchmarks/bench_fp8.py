@@ -102,11 +102,11 @@ def measure(scheme, block, name, copies, ref_w, m: int, sweep: bool) -> dict:
     row = {"scheme": scheme, "layer": name, "n": n, "k": k, "m": m}
     row["bf16_us"] = graph_us(torch.nn.functional.linear, [(x, wb) for x, (_, _, wb) in zip(xs, copies)])
     ref = xs[0].double() @ ref_w.t()
-    q0, s0, _ = copies[0]
+    q, s, _ = copies[0]
     for r, fn in routes(block, m, sweep).items():
         try:
             if "(" not in r:
-                row[f"{r}_err"] = float((fn(xs[0], q0, s0).double() - ref).norm() / ref.norm())
+                row[f"{r}_err"] = float((fn(xs[0], q, s).double() - ref).norm() / ref.norm())
             row[f"{r}_us"] = graph_us(fn, [(x, q, s) for x, (q, s, _) in zip(xs, copies)])
         except Exception as e:  # a tile over the shared memory, or cuBLASLt without block scaling
             row[f"{r}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
