@@ -1,7 +1,8 @@
-"""On a CUDA machine with FP8: a Qwen3-MoE checkpoint whose experts are stored in FP8 keeps them in FP8
-and computes them with turnout_fp8.moe_kernels, eager and in CUDA graphs, against HF transformers on the
-checkpoint dequantized. Only the experts are quantized (the attention and router stay float32, named in
-the ignore list) and the engine runs float32, so the MoE kernel's rounding is the one difference."""
+"""On a CUDA machine with FP8: a Qwen3-MoE checkpoint whose experts are stored in FP8 keeps them in FP8 and
+computes them with the core's Triton grouped GEMM (turnout.layers.expert_outputs_triton), eager and in CUDA
+graphs, against HF transformers on the checkpoint dequantized. Only the experts are quantized (the
+attention and router stay float32, named in the ignore list) and the engine runs float32, so the MoE
+kernel's rounding is the one difference."""
 
 from __future__ import annotations
 

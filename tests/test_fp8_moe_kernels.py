@@ -1,14 +1,14 @@
-"""turnout-fp8's FP8 fused-MoE grouped GEMM (moe_kernels.py) against a float64 reference of the experts
-dequantized by the format's formula (w = q * scale per row, or per bn x bk block). Off CUDA it runs under
-TRITON_INTERPRET=1."""
+"""The Triton grouped GEMM on e4m3 experts with their scales (turnout.layers.expert_outputs_triton, as
+turnout-fp8's MoE method runs it) against a float64 reference of the experts dequantized by the format's
+formula (w = q * scale per row, or per bn x bk block). Off CUDA it runs under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from turnout_fp8 import moe_kernels
 from turnout_fp8.method import dequantize
+from turnout_fp8.moe import kernel_fits
 
 from turnout.layers import moe
 
@@ -18,7 +18,7 @@ FP8 = torch.float8_e4m3fn
 
 @pytest.fixture(autouse=True)
 def _interpreter(triton_kernels) -> None:
-    triton_kernels(moe_kernels._kernel)
+    triton_kernels(moe._kernel)
 
 
 def _quantize(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,11 +67,9 @@ def test_fp8_expert_outputs_match_float64(block, dtype: torch.dtype, t: int) -> 
     (block32: K tiles of 32 in blocks of 32; block16x64: 64-column blocks taken in tiles of up to 64),
     combined with the router weights: ||out - ref|| / ||ref|| within the compute dtype's rounding."""
     x, q13, s13, q2, s2, weights, ids = _problem(t, 8, 2, 128, 64, block)
-    assert moe_kernels.kernel_fits(block, 64)
+    assert kernel_fits(block, 64)
     dev = lambda a: a.to(DEV)
-    out = moe_kernels.fp8_expert_outputs(
-        dev(x.to(dtype)), dev(q13), dev(s13), dev(q2), dev(s2), dev(ids), block
-    )
+    out = moe.expert_outputs_triton(dev(x.to(dtype)), dev(q13), dev(q2), dev(ids), (dev(s13), dev(s2), block))
     assert out.dtype == dtype and out.shape == (t * 2, 128)
     got = moe.combine(out.float(), dev(weights)).double().cpu()
     ref = _reference(x.to(dtype), q13, s13, q2, s2, block, weights, ids)
@@ -87,7 +85,7 @@ def test_the_scales_are_applied_per_block_not_per_expert() -> None:
     x, q13, s13, q2, s2, weights, ids = _problem(37, 8, 2, 128, 64, block, seed=1)
     s13b = s13.clone()
     s13b[2, 1, 3] *= 4
-    outs = [moe_kernels.fp8_expert_outputs(x, q13, s, q2, s2, ids, block).double() for s in (s13, s13b)]
+    outs = [moe.expert_outputs_triton(x, q13, q2, ids, (s, s2, block)).double() for s in (s13, s13b)]
     ref = [_reference(x, q13, s, q2, s2, block, weights, ids) for s in (s13, s13b)]
     got = [moe.combine(o.float(), weights).double() for o in outs]
     assert not torch.allclose(got[0], got[1])

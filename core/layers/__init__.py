@@ -2,8 +2,9 @@
 rotary embedding (rope_parameters_for reads a layer type's rope from config.json), gated activations
 (SiluAndMul, GeluAndMul), the Attention layer that calls the chosen backend, and FusedMoE, the experts of a
 sparse MoE block (with expert parallelism). Each picks its own kernel for the device and batch; FusedMoE gets
-the one chosen at start-up; moe_align sorts (token, expert) pairs by expert for a plugin's own grouped
-GEMM. pdl_launch() gives a plugin's Triton kernels programmatic dependent launch
+the one chosen at start-up; expert_outputs_triton computes experts through the Triton grouped GEMM, with
+e4m3 weights and their scales where given; moe_align sorts (token, expert) pairs by expert for a plugin's
+own grouped GEMM. pdl_launch() gives a plugin's Triton kernels programmatic dependent launch
 (layers/pdl.py). docs/writing-a-plugin.md, "Building blocks", says what each layer computes and how it
 loads."""
 
@@ -16,7 +17,7 @@ from turnout.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from turnout.layers.moe import FusedMoE, moe_align, num_experts
+from turnout.layers.moe import FusedMoE, expert_outputs_triton, moe_align, num_experts
 from turnout.layers.norm import GemmaRMSNorm, RMSNorm
 from turnout.layers.pdl import launch as pdl_launch
 from turnout.layers.rotary import RotaryEmbedding, rope_parameters_for
@@ -35,6 +36,7 @@ __all__ = [
     "RowParallelLinear",
     "SiluAndMul",
     "VocabParallelEmbedding",
+    "expert_outputs_triton",
     "moe_align",
     "num_experts",
     "pdl_launch",

@@ -134,12 +134,18 @@ def _kernel():
 
     @triton.jit
     def moe_gemm_kernel(
-        a, w, c, sorted_ids, expert_ids, num_post_padded, N, K, num_pairs, s_am, s_we, s_wn, s_cm,
-        A_DIV: tl.constexpr, PRECISION: tl.constexpr,
+        a, w, s, c, sorted_ids, expert_ids, num_post_padded, N, K, num_pairs, s_am, s_we, s_wn, s_cm,
+        s_se, s_sn, s_sk,
+        A_DIV: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SCALES: tl.constexpr,
+        BN: tl.constexpr, BK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """Grid (blocks of sorted pairs, cdiv(N, BLOCK_N)): c[pair] = a[pair // A_DIV] @ w[e]^T for the
-        BLOCK_M pairs of one expert e; padding entries (== num_pairs) load zeros and store nothing."""
+        """Grid (blocks of sorted pairs, cdiv(N, BLOCK_N)): c[pair] = a[pair // A_DIV] @ (w[e] * scale)^T
+        for the BLOCK_M pairs of one expert e; padding entries (== num_pairs) load zeros and store nothing.
+        w is a's dtype, or e4m3 (exact in a's dtype) with SCALES "row" (s [E, N]: each output column
+        scaled once, at the end) or "block" (s [E, N / BN, K / BK]: BLOCK_K divides BK, so each K tile's
+        product is scaled per output column's block). UPCAST (the interpreter, whose dot multiplies 16-bit
+        float bit patterns in triton 3.9): both operands in float32."""
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(num_post_padded):
             return
@@ -160,22 +166,31 @@ def _kernel():
                 mask=(cols[None, :] < N) & (ks[:, None] < K),
                 other=0.0,
             )  # [BLOCK_K, BLOCK_N]: w[e] read transposed
-            if PRECISION == "upcast":  # the interpreter's dot multiplies bfloat16 bit patterns (triton 3.9)
-                acc = tl.dot(x.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
+            if UPCAST:
+                x, wt = x.to(tl.float32), wt.to(tl.float32)
+            else:
+                wt = wt.to(x.dtype)
+            if SCALES == "block":
+                sc = tl.load(s + e * s_se + (cols // BN) * s_sn + (k0 // BK) * s_sk, mask=cols < N, other=0.0)
+                acc += tl.dot(x, wt, input_precision=PRECISION) * sc[None, :]
             else:
                 acc = tl.dot(x, wt, acc, input_precision=PRECISION)
+        if SCALES == "row":
+            acc = acc * tl.load(s + e * s_se + cols * s_sn, mask=cols < N, other=0.0)[None, :]
         out = c + pairs[:, None] * s_cm + cols[None, :]
         tl.store(out, acc.to(c.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))  # fmt: skip
 
     return moe_gemm_kernel, os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _tiles(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
+def _tiles(num_pairs: int, num_experts: int, bk: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) by the pairs an expert gets on average: every block reads its expert's
     whole weight, so a run padded far past its pairs wastes reads (decode: 256 tokens x top-8 over 128
-    experts is 16 pairs each); large runs take vLLM's default fused_moe tiles."""
+    experts is 16 pairs each); large runs take vLLM's default fused_moe tiles. BLOCK_K at most bk, a scale
+    block's columns."""
     per_expert = num_pairs / num_experts
-    return (16, 64, 64) if per_expert <= 16 else (32, 64, 64) if per_expert <= 48 else (64, 64, 32)
+    bm, bn, bk_tile = (16, 64, 64) if per_expert <= 16 else (32, 64, 64) if per_expert <= 48 else (64, 64, 32)
+    return bm, bn, min(bk_tile, bk or bk_tile)
 
 
 def _grouped_gemm(
@@ -185,35 +200,50 @@ def _grouped_gemm(
     num_pairs: int,
     a_div: int,
     tiles: tuple,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """[num_pairs, N] = a[pair // a_div] @ w[expert of pair]^T."""
+    """[num_pairs, N] = a[pair // a_div] @ (w[expert of pair] * scale)^T (moe_gemm_kernel's scales)."""
     sorted_ids, expert_ids, num_post_padded = align
     bm, bn, bk = tiles
     n, k = w.shape[1], w.shape[2]
     c = a.new_empty(num_pairs, n)
     grid = (sorted_ids.numel() // bm, -(-n // bn))
     kernel, interpret = _kernel()
-    precision = "ieee" if a.dtype == torch.float32 else "tf32"  # float32 stays float32 (no TF32)
-    if interpret and a.dtype == torch.bfloat16:
-        precision = "upcast"
+    upcast = interpret and a.dtype != torch.float32
+    precision = "ieee" if a.dtype == torch.float32 or upcast else "tf32"  # float32 stays float32 (no TF32)
+    scales = "none" if scale is None else "block" if block else "row"
+    s = scale if scale is not None else a
+    sbn, sbk = block or (1, 1)
     kernel[grid](
-        a, w, c, sorted_ids, expert_ids, num_post_padded, n, k, num_pairs,
+        a, w, s, c, sorted_ids, expert_ids, num_post_padded, n, k, num_pairs,
         a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        A_DIV=a_div, PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        s.stride(0), s.stride(1) if s.dim() > 1 else 0, s.stride(2) if s.dim() > 2 else 0,
+        A_DIV=a_div, PRECISION=precision, UPCAST=upcast, SCALES=scales, BN=sbn, BK=sbk,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
     )  # fmt: skip
     return c
 
 
 def expert_outputs_triton(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None] | None = None,
 ) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k] -> pair outputs [T * k, H]: row t * k + j is
+    w2[e] silu-and-mul(w13[e] x[t]) for e = topk_ids[t, j], through the Triton grouped GEMM. scales: for
+    e4m3 experts, (w13 scale, w2 scale, block): [E, N] per row, or [E, ceil(N / bn), ceil(K / bk)] per
+    bn x bk block (bk a power of two >= 16, and w13's gate and up each starting on a block row)."""
     p, k = topk_ids.numel(), topk_ids.shape[1]
     if p == 0:
         return x.new_empty(0, w2.shape[1])
-    tiles = _tiles(p, w13.shape[0])
+    s13, s2, block = scales or (None, None, None)
+    tiles = _tiles(p, w13.shape[0], block[1] if block else None)
     align = moe_align(topk_ids, w13.shape[0], tiles[0])
-    h = _grouped_gemm(x.contiguous(), w13, align, p, k, tiles)  # [P, 2I]
-    return _grouped_gemm(_act(h), w2, align, p, 1, tiles)  # [P, H]
+    h = _grouped_gemm(x.contiguous(), w13, align, p, k, tiles, s13, block)  # [P, 2I]
+    return _grouped_gemm(_act(h), w2, align, p, 1, tiles, s2, block)  # [P, H]
 
 
 # ---- kernel selection: candidates with reasons, as attention backends ----

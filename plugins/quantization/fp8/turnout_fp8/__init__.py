@@ -3,17 +3,17 @@ per-tensor scales without `weight_block_size`), compressed-tensors FP8 (per-tens
 scales, static or dynamic activation scales) and online quantization of an unquantized checkpoint
 (`quantization = "fp8"`: per-channel weight scales, dynamic per-token activation scales).
 
-On CUDA (sm89+) the weights stay in FP8: prefill and large batches run an FP8 GEMM (cuBLASLt through
-torch._scaled_mm for per-channel scales, a Triton kernel for block scales), decode batches of at most
-kernels.GEMV_MAX_M rows a Triton GEMV that reads the FP8 weights and keeps the activations in the compute
-dtype. On the CPU every format is dequantized to the compute dtype at load.
+On CUDA (sm89+) the weights stay in FP8: one-row decode steps run a Triton GEMV that reads the FP8
+weights and keeps the activations in the compute dtype; larger batches quantize the activations and run a
+Triton FP8 GEMM or cuBLASLt's (torch._scaled_mm), by rows and scale layout (kernels.ROUTES). On the CPU
+every format is dequantized to the compute dtype at load.
 
 Fused MoE experts (Qwen3-MoE's `mlp.experts.<e>.{gate,up,down}_proj`) stored in FP8 load in every format
 above, their scales sharded over tensor-parallel ranks as the experts' weights are (w13 by rows, w2 by
-columns) and held whole with their experts under expert parallelism. On CUDA they stay in FP8 and a Triton
-grouped GEMM (turnout_fp8.moe_kernels) dequantizes each weight tile in the kernel, activations in the
-compute dtype; on the CPU, and for block sizes that kernel cannot tile, they are dequantized to the compute
-dtype at load and run in it. `turnout explain` says which. Online
+columns) and held whole with their experts under expert parallelism. On CUDA they stay in FP8 and the
+core's Triton grouped GEMM (turnout.layers.expert_outputs_triton) dequantizes each weight tile in the
+kernel, activations in the compute dtype; on the CPU, and for block sizes that kernel cannot tile, they
+are dequantized to the compute dtype at load and run in it. `turnout explain` says which. Online
 quantization leaves the experts unquantized.
 
 A compressed-tensors checkpoint with a kv_cache_scheme (static, per-tensor FP8) holds a k_scale and a

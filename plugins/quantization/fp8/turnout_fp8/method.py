@@ -1,6 +1,7 @@
 """The fp8 QuantizationMethod and its LinearMethod: FP8 parameters, their loading across tensor-parallel
 shards, and the conversion after loading (kept in FP8 on CUDA, dequantized on the CPU). Fused MoE experts
-(turnout_fp8.moe) stay in FP8 on CUDA (turnout_fp8.moe_kernels) and are dequantized at load on the CPU."""
+(turnout_fp8.moe) stay in FP8 on CUDA (the core's Triton grouped GEMM) and are dequantized at load on the
+CPU."""
 
 from __future__ import annotations
 
@@ -109,8 +110,8 @@ class Fp8Method(QuantizationMethod):
 
 
 def _moe_kernel_fits(s: Scheme, ctx: QuantizationContext) -> bool:
-    """Whether turnout_fp8.moe_kernels takes the experts' scales at this TP size's intermediate rows."""
-    from turnout_fp8.moe_kernels import kernel_fits
+    """Whether the grouped GEMM takes the experts' scales at this TP size's intermediate rows."""
+    from turnout_fp8.moe import kernel_fits
 
     rows = (ctx.hf_config.get("moe_intermediate_size") or 0) // max(ctx.tp_size, 1)
     return kernel_fits(s.block, rows)

@@ -11,13 +11,22 @@ import math
 import torch
 from torch import nn
 
-from turnout.layers import FusedMoE
+from turnout.layers import FusedMoE, expert_outputs_triton
 from turnout.quantization import ConfigError, MoEMethod, WeightLoadError
 from turnout_fp8.method import dequantize
-from turnout_fp8.moe_kernels import fp8_expert_outputs, kernel_fits
 from turnout_fp8.scheme import Scheme
 
 FP8 = torch.float8_e4m3fn
+
+
+def kernel_fits(block: tuple[int, int] | None, rows_per_part: int) -> bool:
+    """Whether the grouped GEMM takes these expert scales: per-row scales always; blocks where bk is a power
+    of two of at least 16 (a K tile must lie in one block column) and each of w13's two parts (gate, up:
+    rows_per_part rows) starts on a block row."""
+    if block is None:
+        return True
+    bn, bk = block
+    return bk >= 16 and bk & (bk - 1) == 0 and rows_per_part % bn == 0
 
 
 def _param(data: torch.Tensor, loader) -> nn.Parameter:
@@ -145,8 +154,8 @@ class Fp8MoEMethod(MoEMethod):
 
     # ---- after loading ----
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        """Every scale filled and positive. On CUDA, where moe_kernels takes the scales (kernel_fits), the
-        weights stay FP8 and the scales move into the kernel's layout (w13: [E, 2I] per row or
+        """Every scale filled and positive. On CUDA, where the grouped GEMM takes the scales (kernel_fits),
+        the weights stay FP8 and the scales move into the kernel's layout (w13: [E, 2I] per row or
         [E, 2I / bn, ceil(H / bk)] per block; w2: [E, H] or [E, ceil(H / bn), ceil(I / bk)]); otherwise
         w13_weight and w2_weight become q * scale in the compute dtype, expert by expert, and the layer
         computes as an unquantized one. The parameters holding scales are dropped either way."""
@@ -185,10 +194,9 @@ class Fp8MoEMethod(MoEMethod):
         layer.quant_method = None
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The experts of topk_ids on x through moe_kernels' FP8 grouped GEMM (CUDA)."""
-        return fp8_expert_outputs(
-            x, layer.w13_weight, self.w13_scale, layer.w2_weight, self.w2_scale, topk_ids, self.scheme.block
-        )
+        """The experts of topk_ids on x through the Triton grouped GEMM on the FP8 weights (CUDA)."""
+        scales = (self.w13_scale, self.w2_scale, self.scheme.block)
+        return expert_outputs_triton(x, layer.w13_weight, layer.w2_weight, topk_ids, scales)
 
     def _check_filled(self, layer: FusedMoE, t: torch.Tensor, kind: str, suffix: str) -> None:
         bad = ~(t > 0)  # NaN (never loaded), zero or negative
