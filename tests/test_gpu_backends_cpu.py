@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from turnout.attention import AttentionContext, AttentionMetadata, CudagraphSupport, store_kv
+from turnout.attention import LAYER_FEATURES, AttentionContext, AttentionMetadata, CudagraphSupport, store_kv
 from turnout.platform import Platform
 from turnout.plugins import PluginManager
 
@@ -146,6 +146,16 @@ def test_flash_attn_path_constraints():
     b200 = Platform("cuda", "B200", 1, (10, 0), 180 << 30, (torch.float16, torch.bfloat16))
     assert fa_backend.path_reasons("fa4", ctx(b200, head=192)) == [
         "FA4 paged KV needs head size a multiple of 16 up to 128 (or exactly 256), got 192"
+    ]
+
+
+def test_flash_attn_serves_layer_features_on_fa4_only():
+    """FA4 takes each layer's scale, window and soft-cap; FA2 takes none, so a Gemma-like model is refused."""
+    gemma = AttentionContext(H200, torch.bfloat16, 256, 16, 8, 128, frozenset(LAYER_FEATURES))
+    assert fa_backend.FlashAttnBackend(H200, fa_backend.Probe("fa4")).check(gemma) == []
+    assert fa_backend.FlashAttnBackend(H200, fa_backend.Probe("fa2")).check(gemma) == [
+        "block_size 128 is not a multiple of 256",
+        "per-layer logits_soft_cap, scale, sliding_window unsupported (supports none)",
     ]
 
 

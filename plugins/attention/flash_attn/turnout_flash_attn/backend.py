@@ -36,8 +36,10 @@ import torch.nn.functional as F
 
 from turnout import Platform, Priority
 from turnout.attention import (
+    LAYER_FEATURES,
     AttentionBackend,
     AttentionContext,
+    AttentionLayerSpec,
     AttentionMetadata,
     AttentionSpec,
     CudagraphSupport,
@@ -167,8 +169,8 @@ class FlashAttnBackend(AttentionBackend):
     dtypes = (torch.float16, torch.bfloat16)
     head_sizes = None  # depends on the library: path_reasons()
     min_capability = (8, 0)
-    # none: attends at spec.scale, without a window or soft-cap (both libraries take them; not wired yet)
-    attention_features = frozenset()
+    # FA4 attends with each layer's scale, window and soft-cap; FA2 with spec.scale alone (set in __init__)
+    attention_features = frozenset(LAYER_FEATURES)
 
     def __init__(self, platform: Platform | None = None, found: Probe | None = None) -> None:
         """found: the library to drive; by default probed here, once, on a CUDA platform."""
@@ -183,6 +185,8 @@ class FlashAttnBackend(AttentionBackend):
         if found.path == "fa4":
             self.min_capability = (9, 0)
             self.mixed_priority = Priority.FIRST
+        else:
+            self.attention_features = frozenset()
         level = SUPPORT.get(found.path, CudagraphSupport.NEVER)
         self.cudagraph_support = CudagraphSupport.from_env(CUDAGRAPH, level)
 
@@ -211,24 +215,33 @@ class FlashAttnBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         meta: AttentionMetadata,
+        layer: AttentionLayerSpec | None = None,
     ) -> torch.Tensor:
         md: FlashAttnMetadata = meta.backend_data
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         store_kv(kv_cache, k, v, meta.slot_mapping, md.store_rows, capturing)
         kc, vc = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
         if self.probe.path == "fa4":
-            return self._fa4(q, kc, vc, meta)
+            return self._fa4(q, kc, vc, meta, layer or self.spec.layer(0))
         if md.decode:
             return self._fa2_decode(q, kc, vc, meta)
         return self._fa2_varlen(q, kc, vc, meta, md, capturing)
 
     def _fa4(
-        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        meta: AttentionMetadata,
+        layer: AttentionLayerSpec,
     ) -> torch.Tensor:
-        """Any batch in one call; lengths and pages are read on the device."""
+        """Any batch in one call; lengths and pages are read on the device. FA4's window (left, right) keeps
+        keys in [p - left, p + right]: a sliding window W is (W - 1, 0)."""
+        window = (layer.sliding_window - 1, 0) if layer.sliding_window else (None, None)
         out = self.probe.varlen(
             q, kc, vc, cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,
-            page_table=meta.block_table, softmax_scale=self.spec.scale, causal=True,
+            page_table=meta.block_table, softmax_scale=layer.scale, causal=True,
+            window_size=window, softcap=layer.logits_soft_cap or 0.0,
         )  # fmt: skip
         return out[0] if isinstance(out, tuple) else out  # (out, lse)
 
