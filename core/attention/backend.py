@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from turnout.attention.kv_spec import KV_CACHE_SPEC_KINDS, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from turnout.envs import EnvVar
 from turnout.errors import ConfigError
 from turnout.platform import Platform
@@ -135,6 +136,12 @@ class AttentionContext:
     features: frozenset[str] = frozenset()
     kv_cache_dtype: str = "auto"
 
+    @property
+    def kv_cache_specs(self) -> frozenset[str]:
+        """The KV-cache spec kinds (KV_CACHE_SPEC_KINDS) the layers need: "sliding_window" where some layer
+        has a window, "full" always (a model's declaration does not say whether every layer has one)."""
+        return frozenset({"full"} | ({"sliding_window"} & self.features))
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -164,6 +171,13 @@ class AttentionSpec:
     def features(self) -> frozenset[str]:
         """The LAYER_FEATURES these layers use (layer_features)."""
         return layer_features(self.layers)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """Each layer's KVCacheSpec, by layer_idx: SlidingWindowSpec where it has a window, else
+        FullAttentionSpec."""
+        shape = (self.block_size, self.num_kv_heads, self.head_size, self.cache_dtype)
+        windows = [self.layer(i).sliding_window for i in range(self.num_layers)]
+        return [SlidingWindowSpec(*shape, w) if w else FullAttentionSpec(*shape) for w in windows]
 
 
 @dataclass
@@ -231,6 +245,10 @@ class AttentionBackend:
     attention_features: ClassVar[frozenset[str]] = frozenset()
     # the KV_CACHE_DTYPES names whose cache forward reads and writes ("fp8" covers its alias "fp8_e4m3")
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    # the KV_CACHE_SPEC_KINDS forward serves. "sliding_window": a layer with a window reads only the blocks
+    # in it, each group's block_table holding NULL_BLOCK for the blocks freed before it; build_metadata is
+    # called once a step for each KV-cache group, and its results must not share state
+    kv_cache_specs: ClassVar[tuple[str, ...]] = ("full",)
 
     _spec: AttentionSpec | None = None
     _takes_layer: ClassVar[bool] = True  # forward takes `layer`; False for a forward written before it
@@ -253,6 +271,11 @@ class AttentionBackend:
             raise TypeError(
                 f"attention backend {cls.__name__}: unknown kv_cache_dtypes {sorted(unknown)}; "
                 f"declare some of {', '.join(names)}"
+            )
+        if unknown := set(cls.kv_cache_specs) - set(KV_CACHE_SPEC_KINDS):
+            raise TypeError(
+                f"attention backend {cls.__name__}: unknown kv_cache_specs {sorted(unknown)}; "
+                f"declare some of {', '.join(KV_CACHE_SPEC_KINDS)}"
             )
         if cls.attention_features and not cls._takes_layer:
             if "attention_features" in vars(cls):
@@ -300,6 +323,9 @@ class AttentionBackend:
         if KV_CACHE_ALIASES.get(ctx.kv_cache_dtype, ctx.kv_cache_dtype) not in self.kv_cache_dtypes:
             have = ", ".join(self.kv_cache_dtypes) or "none"
             reasons.append(f"kv_cache_dtype {ctx.kv_cache_dtype} unsupported (supports {have})")
+        if missing := sorted(ctx.kv_cache_specs - set(self.kv_cache_specs)):
+            have = ", ".join(self.kv_cache_specs) or "none"
+            reasons.append(f"KV-cache spec {', '.join(missing)} unsupported (serves {have})")
         if not reasons and (err := self.import_error()):
             reasons.append(err)
         return reasons
