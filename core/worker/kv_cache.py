@@ -10,7 +10,10 @@ import mmap
 import torch
 
 from turnout.attention.backend import AttentionBackend, AttentionSpec
-from turnout.attention.kv_spec import KVCacheConfig
+from turnout.attention.kv_spec import KVCacheConfig, kv_cache_config
+from turnout.config import EngineConfig
+from turnout.layers.attention import bind_attention_layers
+from turnout.selection import Selection
 
 
 def _layer_shape(backend: AttentionBackend, spec: AttentionSpec, num_blocks: int) -> tuple:
@@ -65,3 +68,20 @@ def _lazy_zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch
     nbytes = math.prod(shape) * dtype.itemsize
     buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+def model_kv_cache_config(config: EngineConfig, selection: Selection) -> KVCacheConfig:
+    """The KV-cache groups of the selected model over every layer (one stage), read from the model built
+    on the meta device: no weights, no memory. For `turnout explain`; raises what the model's constructor
+    raises."""
+    config = selection.apply(config)
+    cls = selection.architecture.load()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(selection.dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(selection.model_info.hf_config)
+    finally:
+        torch.set_default_dtype(prev)
+    spec = bind_attention_layers(model, selection.dtype, config.block_size, selection.kv_cache_dtype)
+    return kv_cache_config([spec.kv_cache_specs()])
