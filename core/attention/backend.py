@@ -10,7 +10,8 @@ Shapes (T = tokens in the step, B = requests in the step, H / Hkv / D from the A
   slot_mapping: [T] int64              slot = block_id * block_size + offset; -1 writes nowhere
   query_start_loc: [B + 1] int32       cu_seqlens of the queries
   seq_lens: [B] int32                  tokens in the KV cache after this step (context + query)
-  block_table: [B, max_blocks] int32   block ids of each request, padded with 0
+  block_table: [B, max_blocks] int32   block ids of each request in the layer's KV-cache group, padded with 0
+                                       (NULL_BLOCK where a window freed them: kv_spec)
 Query token i of request b sits at position seq_lens[b] - query_len[b] + i and attends causally to every
 cached token up to and including that position; a layer may narrow that to a sliding window and cap its
 scores (AttentionLayerSpec), where its backend declares the feature (attention_features).
