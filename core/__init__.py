@@ -21,7 +21,7 @@ __all__ = [
     "TurnoutError",
     "hookimpl",
 ]
-__version__ = "0.2.3"
+__version__ = "0.2.4"
 PLUGIN_API = 2  # the edition of the hook specs and the backend, model and executor contracts
 
 # Imported on first use: LLM pulls in torch models and the engine; keep `import turnout` light for plugins

@@ -180,6 +180,7 @@ def _explain_doc(sel: Selection, config: EngineConfig) -> dict[str, Any]:
         "kinds": kinds,
         "graph_mode": _graph_mode(sel),
         "settings": _settings(config, sel),
+        "kv_cache_groups": _kv_cache_groups(sel, config),
         "attention_phases": {p: c.name for p, c in sel.attention.phases.items()} or None,
         "attention_note": sel.attention.note or None,
         "measured": _measured_doc(sel),
@@ -187,6 +188,22 @@ def _explain_doc(sel: Selection, config: EngineConfig) -> dict[str, Any]:
         **({"quantization": {"method": sel.quantization.chosen.name, "layers": sel.quantization_notes}}
            if sel.quantization else {}),
     }  # fmt: skip
+
+
+def _kv_cache_groups(sel: Selection, config: EngineConfig) -> list[dict[str, Any]] | str:
+    """Each KV-cache group: its spec kind, window and number of layers; or why they are unknown."""
+    from turnout.worker.kv_cache import model_kv_cache_config
+
+    try:
+        groups = model_kv_cache_config(config, sel).groups
+    except Exception as e:  # a model that cannot be built on the meta device: say so, explain goes on
+        arch = sel.model_info.architecture
+        return f"unknown: building {arch} on the meta device raised {type(e).__name__}: {e}"
+    window = lambda s: getattr(s, "sliding_window", None)  # noqa: E731
+    return [
+        {"kind": g.spec.kind, "sliding_window": window(g.spec), "num_layers": len(g.layer_ids)}
+        for g in groups
+    ]
 
 
 def _measured_doc(sel: Selection) -> dict[str, Any] | None:
@@ -234,6 +251,7 @@ def _print_explain(sel: Selection, config: EngineConfig) -> None:
     print(f"platform: {sel.platform.describe()}")
     print(f"model:    {sel.model_info.path} ({sel.model_info.architecture}, {_dtype_name(sel.dtype)})")
     print(f"KV cache: {sel.kv_cache_description()}")
+    print(f"KV-cache groups: {_groups_line(_kv_cache_groups(sel, config))}")
     header = ["candidate", "plugin", "priority", "valid", "chosen", "why not chosen"]
     for c in sel.choices:
         print(f"\n{KIND_LABELS[c.kind]} (requested: {c.requested})")
@@ -260,6 +278,14 @@ def _print_explain(sel: Selection, config: EngineConfig) -> None:
     print("\nengine settings")
     rows = [[k, str(v["value"]), v["source"]] for k, v in _settings(config, sel).items()]
     print_table(["setting", "value", "source"], rows, "  ")
+
+
+def _groups_line(groups: list[dict[str, Any]] | str) -> str:
+    """The KV-cache groups in one line: "full x 1 layers; sliding_window 1024 x 5 layers"."""
+    if isinstance(groups, str):
+        return groups
+    words = lambda g: g["kind"] + (f" {g['sliding_window']}" if g["sliding_window"] else "")  # noqa: E731
+    return "; ".join(f"{words(g)} ({g['num_layers']} layers)" for g in groups)
 
 
 def _choice_rows(c: Choice) -> list[list[str]]:

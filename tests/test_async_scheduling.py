@@ -313,7 +313,7 @@ def test_scheduler_runs_in_flight_tokens_as_placeholders_and_drops_late_ones():
         ("2", [placeholder(2)], 2, True),  # the rows of n0's sampled tokens
     ]
     s.update(n0, {"0": 11, "1": 12, "2": 42}, reqs)  # c stops on its n0 token while in n1 already
-    assert b.finish_reason == "length" and c.finish_reason == "stop" and c.block_ids == []
+    assert b.finish_reason == "length" and c.finish_reason == "stop" and c.block_ids == ([],)
     assert s.update(n1, {"0": 13, "2": 99}, reqs) == [a]  # c's n1 token is dropped
     assert a.output_token_ids == [11, 13] and c.output_token_ids == [42] and a.num_output_placeholders == 0
     n2 = s.schedule()
@@ -438,7 +438,8 @@ def test_block_tables_written_incrementally_match_the_lists():
                 lists[req_id] = [rng.randrange(1000) for _ in range(rng.randint(1, 5))]  # preempted
             elif kind < 0.8:
                 lists[req_id] = list(ids)  # unpickled: the same ids in a new list
-        reqs = [ScheduledRequest(k, [0], 0, ids, True, SamplingParams(), [], []) for k, ids in lists.items()]
+        sp = SamplingParams()
+        reqs = [ScheduledRequest(k, [0], 0, (ids,), True, sp, [], []) for k, ids in lists.items()]
         if not reqs:
             continue
         got = tables(reqs)

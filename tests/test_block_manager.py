@@ -17,18 +17,23 @@ def req(i: int, tokens: list[int]) -> Request:
 
 def admit(bm: BlockManager, r: Request) -> int:
     cached = bm.find_cached(r)
-    assert bm.allocate(r, r.num_tokens - len(cached) * bm.block_size, cached)
+    num_cached = len(cached[0]) if cached else 0
+    assert bm.allocate(r, r.num_tokens - num_cached * bm.block_size, cached)
     r.num_computed_tokens = r.num_tokens
     bm.cache_full_blocks(r)
-    return len(cached)
+    return num_cached
 
 
 def test_prefix_hit_shares_blocks_and_refcounts():
     bm = BlockManager(num_blocks=10, block_size=4)
     a, b = req(0, list(range(10))), req(1, list(range(8)) + [99, 98, 97])
-    assert admit(bm, a) == 0 and len(a.block_ids) == 3
-    assert admit(bm, b) == 2 and b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]
-    assert [bm.blocks[i].ref_count for i in a.block_ids[:2]] == [2, 2]
+    assert admit(bm, a) == 0 and len(a.block_ids[0]) == 3
+    assert (
+        admit(bm, b) == 2
+        and b.block_ids[0][:2] == a.block_ids[0][:2]
+        and b.block_ids[0][2] != a.block_ids[0][2]
+    )
+    assert [bm.blocks[i].ref_count for i in a.block_ids[0][:2]] == [2, 2]
     assert bm.num_free_blocks == 10 - 4
 
 
@@ -43,7 +48,7 @@ def test_full_prompt_hit_leaves_one_token_to_compute():
     bm = BlockManager(num_blocks=10, block_size=4)
     admit(bm, req(0, list(range(8))))
     again = req(1, list(range(8)))
-    assert len(bm.find_cached(again)) == 1  # not 2: the last token must run to produce logits
+    assert len(bm.find_cached(again)[0]) == 1  # not 2: the last token must run to produce logits
 
 
 def test_freed_blocks_stay_cached_until_evicted_lru():
@@ -70,13 +75,13 @@ def test_eviction_order_is_least_recently_freed_first():
     bm.free_request(b)
     admit(bm, req(2, [5, 6, 7]))  # takes 2 blocks: a's
     assert len(bm.find_cached(req(3, [1, 2, 9]))) == 0
-    assert len(bm.find_cached(req(4, [3, 4, 9]))) == 1
+    assert len(bm.find_cached(req(4, [3, 4, 9]))[0]) == 1
 
 
 def test_allocate_fails_cleanly_when_full():
     bm = BlockManager(num_blocks=2, block_size=2)
     r = req(0, [1, 2, 3, 4, 5])
-    assert not bm.allocate(r, 5) and r.block_ids == [] and bm.num_free_blocks == 2
+    assert not bm.allocate(r, 5) and r.block_ids[0] == [] and bm.num_free_blocks == 2
 
 
 def test_scheduler_budget_chunks_and_mixes_decode_with_prefill():
@@ -136,11 +141,11 @@ def test_a_chunk_ending_mid_block_registers_only_full_blocks():
     s.add(long_req)
     out = s.schedule()  # 10 of 20 tokens: blocks 0 and 1 full, block 2 holds rows 8-9 of 12
     s.update(out, {}, {"0": long_req})
-    assert sorted(bm.cached.values()) == sorted(long_req.block_ids[:2])
-    assert len(bm.find_cached(req(1, list(range(20))))) == 2
+    assert sorted(bm.cached[0].values()) == sorted(long_req.block_ids[0][:2])
+    assert len(bm.find_cached(req(1, list(range(20))))[0]) == 2
     out = s.schedule()  # the next 10: blocks 2 to 4 full
     s.update(out, {}, {"0": long_req})
-    assert sorted(bm.cached.values()) == sorted(long_req.block_ids[:5])
+    assert sorted(bm.cached[0].values()) == sorted(long_req.block_ids[0][:5])
 
 
 def test_a_request_waits_a_step_for_a_prefix_this_step_computes():
@@ -160,4 +165,4 @@ def test_a_request_waits_a_step_for_a_prefix_this_step_computes():
     assert [(r.req_id, r.start_pos, len(r.token_ids)) for r in out.requests] == [
         ("0", 64, 1), ("2", 116, 1), ("1", 48, 16)
     ]  # fmt: skip
-    assert b.num_cached_tokens == 48 and b.block_ids[:3] == a.block_ids[:3]
+    assert b.num_cached_tokens == 48 and b.block_ids[0][:3] == a.block_ids[0][:3]

@@ -152,10 +152,12 @@ def test_flash_attn_path_constraints():
 def test_flash_attn_serves_layer_features_on_fa4_only():
     """FA4 takes each layer's scale, window and soft-cap; FA2 takes none, so a Gemma-like model is refused."""
     gemma = AttentionContext(H200, torch.bfloat16, 256, 16, 8, 128, frozenset(LAYER_FEATURES))
-    assert fa_backend.FlashAttnBackend(H200, fa_backend.Probe("fa4")).check(gemma) == []
+    fa4 = fa_backend.FlashAttnBackend(H200, fa_backend.Probe("fa4"))
+    assert fa4.check(gemma) == [] and fa4.kv_cache_specs == ("full", "sliding_window")
     assert fa_backend.FlashAttnBackend(H200, fa_backend.Probe("fa2")).check(gemma) == [
         "block_size 128 is not a multiple of 256",
         "per-layer logits_soft_cap, scale, sliding_window unsupported (supports none)",
+        "KV-cache spec sliding_window unsupported (serves full)",
     ]
 
 

@@ -453,7 +453,7 @@ def test_abort_request_frees_blocks_at_once(tiny_llama: Path) -> None:
     a, b = engine.add_request(list(range(5, 25)), sp), engine.add_request(list(range(30, 40)), sp)
     engine.step()
     engine.step()
-    assert len(a.block_ids) == 3 and len(b.block_ids) == 2
+    assert len(a.block_ids[0]) == 3 and len(b.block_ids[0]) == 2
     engine.abort_request(a.req_id)
     assert bm.num_free_blocks == total - 2 and a.req_id not in engine.requests and a.finish_reason == "abort"
     engine.abort_request(a.req_id)  # unknown by now: a no-op

@@ -10,7 +10,8 @@ Shapes (T = tokens in the step, B = requests in the step, H / Hkv / D from the A
   slot_mapping: [T] int64              slot = block_id * block_size + offset; -1 writes nowhere
   query_start_loc: [B + 1] int32       cu_seqlens of the queries
   seq_lens: [B] int32                  tokens in the KV cache after this step (context + query)
-  block_table: [B, max_blocks] int32   block ids of each request, padded with 0
+  block_table: [B, max_blocks] int32   block ids of each request in the layer's KV-cache group, padded with 0
+                                       (NULL_BLOCK where a window freed them: kv_spec)
 Query token i of request b sits at position seq_lens[b] - query_len[b] + i and attends causally to every
 cached token up to and including that position; a layer may narrow that to a sliding window and cap its
 scores (AttentionLayerSpec), where its backend declares the feature (attention_features).
@@ -31,6 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from turnout.attention.kv_spec import KV_CACHE_SPEC_KINDS, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from turnout.envs import EnvVar
 from turnout.errors import ConfigError
 from turnout.platform import Platform
@@ -135,6 +137,12 @@ class AttentionContext:
     features: frozenset[str] = frozenset()
     kv_cache_dtype: str = "auto"
 
+    @property
+    def kv_cache_specs(self) -> frozenset[str]:
+        """The KV-cache spec kinds (KV_CACHE_SPEC_KINDS) the layers need: "sliding_window" where some layer
+        has a window, "full" always (a model's declaration does not say whether every layer has one)."""
+        return frozenset({"full"} | ({"sliding_window"} & self.features))
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -164,6 +172,13 @@ class AttentionSpec:
     def features(self) -> frozenset[str]:
         """The LAYER_FEATURES these layers use (layer_features)."""
         return layer_features(self.layers)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """Each layer's KVCacheSpec, by layer_idx: SlidingWindowSpec where it has a window, else
+        FullAttentionSpec."""
+        shape = (self.block_size, self.num_kv_heads, self.head_size, self.cache_dtype)
+        windows = [self.layer(i).sliding_window for i in range(self.num_layers)]
+        return [SlidingWindowSpec(*shape, w) if w else FullAttentionSpec(*shape) for w in windows]
 
 
 @dataclass
@@ -231,6 +246,10 @@ class AttentionBackend:
     attention_features: ClassVar[frozenset[str]] = frozenset()
     # the KV_CACHE_DTYPES names whose cache forward reads and writes ("fp8" covers its alias "fp8_e4m3")
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    # the KV_CACHE_SPEC_KINDS forward serves. "sliding_window": a layer with a window reads only the blocks
+    # in it, each group's block_table holding NULL_BLOCK for the blocks freed before it; build_metadata is
+    # called once a step for each KV-cache group, and its results must not share state
+    kv_cache_specs: ClassVar[tuple[str, ...]] = ("full",)
 
     _spec: AttentionSpec | None = None
     _takes_layer: ClassVar[bool] = True  # forward takes `layer`; False for a forward written before it
@@ -253,6 +272,11 @@ class AttentionBackend:
             raise TypeError(
                 f"attention backend {cls.__name__}: unknown kv_cache_dtypes {sorted(unknown)}; "
                 f"declare some of {', '.join(names)}"
+            )
+        if unknown := set(cls.kv_cache_specs) - set(KV_CACHE_SPEC_KINDS):
+            raise TypeError(
+                f"attention backend {cls.__name__}: unknown kv_cache_specs {sorted(unknown)}; "
+                f"declare some of {', '.join(KV_CACHE_SPEC_KINDS)}"
             )
         if cls.attention_features and not cls._takes_layer:
             if "attention_features" in vars(cls):
@@ -300,6 +324,9 @@ class AttentionBackend:
         if KV_CACHE_ALIASES.get(ctx.kv_cache_dtype, ctx.kv_cache_dtype) not in self.kv_cache_dtypes:
             have = ", ".join(self.kv_cache_dtypes) or "none"
             reasons.append(f"kv_cache_dtype {ctx.kv_cache_dtype} unsupported (supports {have})")
+        if missing := sorted(ctx.kv_cache_specs - set(self.kv_cache_specs)):
+            have = ", ".join(self.kv_cache_specs) or "none"
+            reasons.append(f"KV-cache spec {', '.join(missing)} unsupported (serves {have})")
         if not reasons and (err := self.import_error()):
             reasons.append(err)
         return reasons

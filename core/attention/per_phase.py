@@ -64,6 +64,7 @@ class PerPhaseBackend(AttentionBackend):
         self.cudagraph_support = phase_support(decode.cudagraph_support, mixed.cudagraph_support)
         self.attention_features = frozenset(decode.attention_features) & frozenset(mixed.attention_features)
         self.kv_cache_dtypes = tuple(d for d in decode.kv_cache_dtypes if d in mixed.kv_cache_dtypes)
+        self.kv_cache_specs = tuple(s for s in decode.kv_cache_specs if s in mixed.kv_cache_specs)
 
     def _preferred_block_size(self) -> int:
         """mixed's preference where decode takes it (prefill kernels care most about page size), else

@@ -8,15 +8,25 @@ can take it back until it is evicted by reuse.
 A block is registered as soon as the step that computes it is scheduled: steps run on the device in the
 order they are launched, so every later step reads it whole, even one scheduled before that step ends
 (async scheduling). The step that computes it does not: its hash is in that step's `computing` set.
+
+KV-cache groups (turnout.attention.kv_spec): a request holds one list of block ids per group, all taken from
+this one pool, each list as long as the others. A group whose spec frees blocks (a sliding window) returns
+the blocks wholly before the window of the request's next query to the pool, and NULL_BLOCK takes their
+place in its list; they keep their hash, so a later request can take them back. A prefix hit must then hold
+every block of the full-attention groups and, of each windowed group, the blocks in the window of the hit's
+last token.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Sequence
+from collections.abc import Container
 from dataclasses import dataclass, field
 
+from turnout.attention.kv_spec import NULL_BLOCK, KVCacheSpec, cdiv
 from turnout.engine.request import Request
+
+CachedBlocks = tuple[list[int], ...]  # a prefix hit: block ids per group, NULL_BLOCK where a window skips
 
 
 @dataclass
@@ -24,6 +34,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None
+    group: int = 0  # the KV-cache group that holds it
 
 
 @dataclass
@@ -38,24 +49,36 @@ class PrefixCacheStats:
 
 @dataclass
 class BlockManager:
+    """The pool of num_blocks KV blocks and the block ids of every request, per KV-cache group
+    (kv_cache_specs: each group's spec; empty: one full-attention group)."""
+
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
+    kv_cache_specs: tuple[KVCacheSpec, ...] = ()
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     def __post_init__(self) -> None:
+        self.num_groups = max(1, len(self.kv_cache_specs))
+        self.windowed = [g for g, s in enumerate(self.kv_cache_specs) if s.frees_blocks]
+        self.full = [g for g in range(self.num_groups) if g not in self.windowed]
+        self.null = NULL_BLOCK if self.windowed else None  # kept out of the pool where a window frees blocks
+        first = NULL_BLOCK + 1 if self.windowed else 0
         self.blocks = [Block(i) for i in range(self.num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(first, self.num_blocks))
+        self.cached: list[dict[int, int]] = [
+            {} for _ in range(self.num_groups)
+        ]  # per group: hash -> block id
         self.hashes: dict[str, list[int]] = {}  # req id -> hashes of its full blocks, in order
         self.registered: dict[str, int] = {}  # req id -> how many of its first blocks cache_full_blocks saw
+        self.skipped: dict[str, list[int]] = {}  # req id -> leading blocks nulled, per group
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def _block_hashes(self, req: Request, upto: int) -> list[int]:
         """Chained hashes of the request's full blocks among its first `upto` tokens (memoised)."""
@@ -66,18 +89,30 @@ class BlockManager:
             hashes.append(hash((parent, tuple(req.token_slice(i * bs, bs)))))
         return hashes
 
-    def find_cached(self, req: Request, computing: Container[int] = ()) -> list[int]:
-        """Block ids of the longest prefix cached by earlier steps (not in `computing`, the blocks the step
-        being scheduled computes), leaving at least one token to compute."""
+    def find_cached(self, req: Request, computing: Container[int] = ()) -> CachedBlocks:
+        """Block ids, per group, of the longest prefix cached by earlier steps (not in `computing`, the blocks
+        the step being scheduled computes), leaving at least one token to compute; () for none. A windowed
+        group holds NULL_BLOCK for the blocks before the window of the prefix's last token."""
         if not self.enable_prefix_caching:
-            return []
-        found = []
-        for h in self._block_hashes(req, req.num_tokens - 1):
-            block_id = self.cached.get(h)
-            if block_id is None or h in computing:
-                break
-            found.append(block_id)
-        return found
+            return ()
+        hashes = self._block_hashes(req, req.num_tokens - 1)
+        n = len(hashes)
+        for g in self.full:
+            n = next((i for i, h in enumerate(hashes[:n]) if h not in self.cached[g] or h in computing), n)
+        while n and not all(self._window_hit(g, hashes, n, computing) for g in self.windowed):
+            n -= 1
+        if not n:
+            return ()
+        return tuple(self._hit(g, hashes, n) for g in range(self.num_groups))
+
+    def _window_hit(self, g: int, hashes: list[int], n: int, computing: Container[int]) -> bool:
+        """Windowed group g holds every block in the window of token n * block_size (the first to compute)."""
+        skip = self.kv_cache_specs[g].num_skipped_blocks(n * self.block_size)
+        return all(h in self.cached[g] and h not in computing for h in hashes[skip:n])
+
+    def _hit(self, g: int, hashes: list[int], n: int) -> list[int]:
+        skip = self.kv_cache_specs[g].num_skipped_blocks(n * self.block_size) if g in self.windowed else 0
+        return [NULL_BLOCK] * skip + [self.cached[g][h] for h in hashes[skip:n]]
 
     def num_computing(self, req: Request, start: int, computing: Container[int]) -> int:
         """How many of req's full blocks, from block `start` on, the step being scheduled computes for
@@ -89,28 +124,49 @@ class BlockManager:
             n += 1
         return n
 
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
-        have = len(req.block_ids) + len(cached)
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: CachedBlocks = ()) -> bool:
+        have = len(req.block_ids[0]) + (len(cached[0]) if cached else 0)
         need = self.blocks_needed(self._end(req, num_new_tokens, cached)) - have
-        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # taken from the free queue
-        return need <= self.num_free_blocks - revived
+        revived = sum(
+            1 for ids in cached for b in set(ids) if b != self.null and self.blocks[b].ref_count == 0
+        )
+        return need * self.num_groups <= self.num_free_blocks - revived
 
-    def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
-        """Give req the cached blocks and enough new ones for num_new_tokens more; False if they don't fit."""
-        if not cached and req.num_computed_tokens + num_new_tokens <= len(req.block_ids) * self.block_size:
+    def allocate(self, req: Request, num_new_tokens: int, cached: CachedBlocks = ()) -> bool:
+        """Give req the cached blocks and enough new ones for num_new_tokens more, in every group, after
+        freeing what its windows left behind; False if they don't fit."""
+        if len(req.block_ids) != self.num_groups:
+            req.block_ids = tuple([] for _ in range(self.num_groups))
+        if self.windowed:
+            self._free_skipped(req)
+        if not cached and req.num_computed_tokens + num_new_tokens <= len(req.block_ids[0]) * self.block_size:
             return True  # most decode steps: the last block has room
         if not self.can_allocate(req, num_new_tokens, cached):
             return False
-        for b in cached:
-            self._ref(b)
-        req.block_ids.extend(cached)
-        need = self.blocks_needed(self._end(req, num_new_tokens, cached)) - len(req.block_ids)
-        req.block_ids.extend(self._take() for _ in range(need))
+        need = self.blocks_needed(self._end(req, num_new_tokens, cached)) - len(req.block_ids[0])
+        for g, ids in enumerate(req.block_ids):
+            if cached:
+                for b in cached[g]:
+                    if b != self.null:
+                        self._ref(b)
+                ids.extend(cached[g])
+            ids.extend(self._take(g) for _ in range(need - (len(cached[g]) if cached else 0)))
         return True
 
-    def _end(self, req: Request, num_new_tokens: int, cached: Sequence[int]) -> int:
+    def _end(self, req: Request, num_new_tokens: int, cached: CachedBlocks) -> int:
         """Tokens the request will hold: computed (or about to be, from the cache) plus the new ones."""
-        return req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        return req.num_computed_tokens + (len(cached[0]) if cached else 0) * self.block_size + num_new_tokens
+
+    def _free_skipped(self, req: Request) -> None:
+        """Return the blocks of req's windowed groups that no query from its next token on reads."""
+        done = self.skipped.setdefault(req.req_id, [0] * self.num_groups)
+        for g in self.windowed:
+            ids = req.block_ids[g]
+            end = min(self.kv_cache_specs[g].num_skipped_blocks(req.num_computed_tokens), len(ids))
+            for i in range(done[g], end):
+                self._unref(ids[i])
+                ids[i] = NULL_BLOCK
+            done[g] = max(done[g], end)
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -118,12 +174,20 @@ class BlockManager:
             del self.free[block_id]
         block.ref_count += 1
 
-    def _take(self) -> int:
+    def _unref(self, block_id: int) -> None:
+        if block_id == self.null:
+            return
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+
+    def _take(self, group: int = 0) -> int:
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None and self.cached.get(block.hash) == block_id:
-            del self.cached[block.hash]  # evict the least recently freed cached block
-        block.hash, block.ref_count = None, 1
+        if block.hash is not None and self.cached[block.group].get(block.hash) == block_id:
+            del self.cached[block.group][block.hash]  # evict the least recently freed cached block
+        block.hash, block.ref_count, block.group = None, 1, group
         return block_id
 
     def cache_full_blocks(self, req: Request) -> list[int]:
@@ -136,22 +200,22 @@ class BlockManager:
         # find_cached may have hashed the whole prompt: a chunk that ends inside a block leaves it unhashed
         hashes = self._block_hashes(req, known)[:full]
         new = []
-        for block_id, h in zip(req.block_ids[start:], hashes[start:]):
-            block = self.blocks[block_id]
-            if block.hash is None:
-                block.hash = h
-                if self.cached.setdefault(h, block_id) == block_id:  # else an earlier block holds it
-                    new.append(h)
-        self.registered[req.req_id] = min(full, len(req.block_ids))
+        for g, ids in enumerate(req.block_ids):
+            for block_id, h in zip(ids[start:], hashes[start:]):
+                block = self.blocks[block_id]
+                if block.hash is None and block_id != self.null:
+                    block.hash = h
+                    if self.cached[g].setdefault(h, block_id) == block_id:  # else an earlier block holds it
+                        new.append(h)
+        self.registered[req.req_id] = min(full, len(req.block_ids[0]))
         return new
 
     def free_request(self, req: Request) -> None:
         # tail blocks first, so a prefix's first blocks are the last to be evicted
-        for block_id in reversed(req.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[block_id] = None
-        req.block_ids = []
+        for ids in req.block_ids:
+            for block_id in reversed(ids):
+                self._unref(block_id)
+        req.block_ids = tuple([] for _ in range(self.num_groups))
         self.hashes.pop(req.req_id, None)
         self.registered.pop(req.req_id, None)
+        self.skipped.pop(req.req_id, None)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import AutoTokenizer
 
+from turnout.attention.kv_spec import kv_cache_config
 from turnout.config import EngineConfig
 from turnout.engine.block_manager import BlockManager
 from turnout.engine.detokenizer import Detokenizer
@@ -148,6 +149,9 @@ class LLMEngine:
 
     def _init_kv_cache(self) -> None:
         cfg = self.config
+        specs = self.executor.collective_rpc("kv_cache_specs")  # rank = pp_rank * tp + tp_rank
+        self.kv_cache_config = kv_cache_config(specs[:: cfg.tensor_parallel_size])
+        self.executor.collective_rpc("set_kv_cache_config", (self.kv_cache_config,))
         num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
         if num_blocks < 1:
             raise TurnoutError(
@@ -158,11 +162,13 @@ class LLMEngine:
         model_max = self.info.max_position_embeddings
         if cfg.max_model_len and cfg.max_model_len > model_max:
             raise ConfigError(f"max_model_len {cfg.max_model_len} exceeds the model's {model_max}; lower it")
-        capacity = num_blocks * cfg.block_size
+        capacity = self.kv_cache_config.max_tokens(num_blocks, cfg.max_num_batched_tokens)
         self.max_model_len = min(cfg.max_model_len or model_max, capacity)
+        groups = "; ".join(self.kv_cache_config.describe())
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens in %s; max_model_len %d",
+            "KV cache: %d blocks of %d tokens = %d tokens a request in %s; max_model_len %d; %s",
             num_blocks, cfg.block_size, capacity, self.selection.kv_cache_description(), self.max_model_len,
+            groups,
         )  # fmt: skip
         self.num_blocks = num_blocks
         self.scheduler = self._new_scheduler()
@@ -170,7 +176,9 @@ class LLMEngine:
     def _new_scheduler(self) -> Scheduler:
         """An empty scheduler over all num_blocks KV blocks (no prefix-cache entries, no statistics)."""
         cfg = self.config
-        bm = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        bm = BlockManager(
+            self.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.kv_cache_config.specs
+        )
         return Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len)
 
     def _warm_up(self) -> None:

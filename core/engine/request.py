@@ -27,7 +27,7 @@ class Request:
     num_output_placeholders: int = 0  # tokens sampled by launched steps, not yet appended to output_token_ids
     sample_row: int = 0  # its row among the sampling rows of the last step that sampled for it
     num_cached_tokens: int = 0  # of those, prefix-cache hits at (re)admission
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: tuple[list[int], ...] = field(default_factory=lambda: ([],))  # one list per KV-cache group
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for EOS

@@ -36,7 +36,9 @@ class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # the tokens to run now
     start_pos: int  # position of token_ids[0] == tokens already in the KV cache
-    block_ids: list[int]  # the request's own list: the scheduler only appends to it or replaces it
+    # the request's own lists, one per KV-cache group: the scheduler appends to them, replaces them, or (a
+    # windowed group) overwrites leading ids with NULL_BLOCK
+    block_ids: tuple[list[int], ...]
     sample: bool  # this step reaches the end of the known tokens, so a new token is sampled
     params: SamplingParams
     prompt_token_ids: list[int]  # filled only when params.needs_history
@@ -106,9 +108,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting.popleft()
             # prompt logprobs need every prompt position computed, so such requests skip the prefix cache
-            cached = self.bm.find_cached(req, computing) if req.params.prompt_logprobs is None else []
-            num_cached = len(cached) * self.bm.block_size
-            if req.params.prompt_logprobs is None and self._shares_computing(req, len(cached), computing):
+            cached = self.bm.find_cached(req, computing) if req.params.prompt_logprobs is None else ()
+            num_cached = len(cached[0]) * self.bm.block_size if cached else 0
+            if req.params.prompt_logprobs is None and self._shares_computing(req, num_cached, computing):
                 deferred.append(req)
                 continue
             n = min(req.num_tokens - num_cached, budget)
@@ -127,11 +129,12 @@ class Scheduler:
         self.finished_ids = []
         return out
 
-    def _shares_computing(self, req: Request, num_cached_blocks: int, computing: set[int]) -> bool:
+    def _shares_computing(self, req: Request, num_cached: int, computing: set[int]) -> bool:
         """At least half of what req would compute now, this step computes for another request: req waits
         a step, and then finds it cached."""
-        shared = self.bm.num_computing(req, num_cached_blocks, computing) * self.bm.block_size
-        return shared > 0 and 2 * shared >= req.num_tokens - num_cached_blocks * self.bm.block_size
+        bs = self.bm.block_size
+        shared = self.bm.num_computing(req, num_cached // bs, computing) * bs
+        return shared > 0 and 2 * shared >= req.num_tokens - num_cached
 
     def _scheduled(self, req: Request, n: int, computing: set[int]) -> ScheduledRequest:
         """The next n tokens of req, which now count as computed (their full blocks join the prefix cache,

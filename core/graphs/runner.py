@@ -1,8 +1,9 @@
 """CUDA-graph capture and replay for one model on one device.
 
 FULL: the whole forward, attention included, is one graph per (size, uniform-decode) key. Every input
-lives in a static buffer (input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_table);
-replay copies the step's values in, then the backend's build_metadata refreshes its own buffers in place.
+lives in a static buffer (input_ids, positions, query_start_loc, seq_lens, and a slot_mapping and
+block_table per KV-cache group); replay copies the step's values in, then the backend's build_metadata
+refreshes its own buffers in place, once per group.
 
 PIECEWISE: the forward is cut at every attention call. While capturing, the Attention layer hands its
 q, k, v to `hole`, which copies them into shared input buffers (the copy is the graph's last node), ends
@@ -52,7 +53,7 @@ class _Piecewise:
 class _Full:
     graph: torch.cuda.CUDAGraph
     output: torch.Tensor
-    meta: AttentionMetadata
+    metas: tuple[AttentionMetadata, ...]  # by KV-cache group
 
 
 class GraphRunner:
@@ -65,17 +66,23 @@ class GraphRunner:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         max_model_len: int,
+        layer_groups: list[int] | None = None,
     ) -> None:
         self.model, self.backend, self.kv_caches, self.dispatcher = model, backend, kv_caches, dispatcher
         self.max_model_len = max_model_len
+        self.layer_groups = layer_groups or [0] * len(kv_caches)  # each layer's KV-cache group
+        groups = max(self.layer_groups) + 1
         n, dev = dispatcher.capture_sizes[-1], kv_caches[0].device
         self.max_reqs = max(n, max_num_seqs)
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.slot_mappings = [torch.full((n,), -1, dtype=torch.long, device=dev) for _ in range(groups)]
         self.query_start_loc = torch.zeros(self.max_reqs + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(self.max_reqs, dtype=torch.int32, device=dev)
-        self.block_table = torch.zeros(self.max_reqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.block_tables = [
+            torch.zeros(self.max_reqs, max_blocks_per_seq, dtype=torch.int32, device=dev)
+            for _ in range(groups)
+        ]
         self.pad_ones = torch.arange(1, self.max_reqs + 1, dtype=torch.int32, device=dev)  # 1, 2, 3, ...
         self.full: dict[tuple[int, bool], _Full] = {}
         self.piecewise: dict[int, _Piecewise] = {}
@@ -117,9 +124,10 @@ class GraphRunner:
             time.perf_counter() - t0, used / 2**30,
         )  # fmt: skip
 
-    def _static_meta(self, n: int, uniform: bool) -> AttentionMetadata:
-        """Metadata over the static buffers; for capture every request runs one token (decode) or the
-        first request runs them all (mixed). Host ints are the largest they can be at replay."""
+    def _static_metas(self, n: int, uniform: bool) -> tuple[AttentionMetadata, ...]:
+        """Metadata over the static buffers, one per KV-cache group; for capture every request runs one
+        token (decode) or the first request runs them all (mixed). Host ints are the largest they can be at
+        replay."""
         b = n if uniform else min(n, self.max_reqs)
         qsl = self.query_start_loc[: b + 1]
         qsl.copy_(
@@ -127,35 +135,41 @@ class GraphRunner:
         )
         qsl[0] = 0
         self.seq_lens[:b].fill_(n if not uniform else 1)
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:n],
-            query_start_loc=qsl,
-            seq_lens=self.seq_lens[:b],
-            block_table=self.block_table[:b],
-            max_query_len=1 if uniform else n,
-            max_seq_len=self.max_model_len,
-            num_actual_tokens=n,
-            num_decode_tokens=n if uniform else 0,
+        return tuple(
+            AttentionMetadata(
+                slot_mapping=slots[:n],
+                query_start_loc=qsl,
+                seq_lens=self.seq_lens[:b],
+                block_table=table[:b],
+                max_query_len=1 if uniform else n,
+                max_seq_len=self.max_model_len,
+                num_actual_tokens=n,
+                num_decode_tokens=n if uniform else 0,
+            )
+            for slots, table in zip(self.slot_mappings, self.block_tables)
         )
+
+    def _context(self, metas: tuple[AttentionMetadata, ...], hole=None) -> ForwardContext:
+        """The forward context over metas, each group's backend_data built first."""
+        for meta in metas:
+            meta.backend_data = self.backend.build_metadata(meta)
+        return ForwardContext(self.backend, metas[0], self.kv_caches, hole, metas if len(metas) > 1 else ())
 
     def _run_model(self, n: int) -> torch.Tensor:
         return self.model(self.input_ids[:n], self.positions[:n])
 
     def _capture_full(self, n: int, uniform: bool) -> None:
-        meta = self._static_meta(n, uniform)
-        meta.backend_data = self.backend.build_metadata(meta)
-        ctx = ForwardContext(self.backend, meta, self.kv_caches)
-        with forward_context(ctx):
+        metas = self._static_metas(n, uniform)
+        with forward_context(self._context(metas)):
             self._run_model(n)  # warm-up: JIT, autotuning, lazy workspaces
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 output = self._run_model(n)
-        self.full[(n, uniform)] = _Full(graph, output, meta)
+        self.full[(n, uniform)] = _Full(graph, output, metas)
 
     def _capture_piecewise(self, n: int) -> None:
-        meta = self._static_meta(n, uniform=False)
-        meta.backend_data = self.backend.build_metadata(meta)
+        metas = self._static_metas(n, uniform=False)
         pw = _Piecewise()
 
         def hole(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -164,18 +178,16 @@ class GraphRunner:
             pw.holes.append(_Hole(layer_idx, q, k, v))
             out = self._attn_out(n, q.shape[1] * q.shape[2], q)
             layer = self.backend.spec.layer(layer_idx)
+            meta = metas[self.layer_groups[layer_idx]]
             out.copy_(self.backend.attend(q, k, v, self.kv_caches[layer_idx], meta, layer).reshape(n, -1))
             pw.graphs.append(torch.cuda.CUDAGraph())
             pw.graphs[-1].capture_begin(pool=self.pool)
             return out
 
-        with forward_context(ForwardContext(self.backend, meta, self.kv_caches)):
+        with forward_context(self._context(metas)):
             self._run_model(n)  # warm-up, eager
         torch.cuda.synchronize()
-        with (
-            torch.cuda.stream(self.stream),
-            forward_context(ForwardContext(self.backend, meta, self.kv_caches, hole)),
-        ):
+        with torch.cuda.stream(self.stream), forward_context(self._context(metas, hole)):
             pw.graphs.append(torch.cuda.CUDAGraph())
             pw.graphs[-1].capture_begin(pool=self.pool)
             pw.output = self._run_model(n)
@@ -199,42 +211,58 @@ class GraphRunner:
 
     # ---- replay ----
     def run(
-        self, d: Dispatch, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        d: Dispatch,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metas: tuple[AttentionMetadata, ...],
     ) -> torch.Tensor:
-        """The forward of one step through the graphs; returns hidden states [T, hidden] (unpadded)."""
-        t, n = meta.num_actual_tokens, d.num_tokens
+        """The forward of one step through the graphs (metas: each KV-cache group's); returns hidden states
+        [T, hidden] (unpadded)."""
+        t, n = metas[0].num_actual_tokens, d.num_tokens
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
-        self.slot_mapping[:t].copy_(meta.slot_mapping)
-        self.slot_mapping[t:n].fill_(-1)
+        for slots, meta in zip(self.slot_mappings, metas):
+            slots[:t].copy_(meta.slot_mapping)
+            slots[t:n].fill_(-1)
         if d.mode is RuntimeMode.FULL:
             full = self.full[(n, d.uniform_decode)]
-            self._fill_full_meta(full.meta, meta, d.uniform_decode)
-            full.meta.backend_data = self.backend.build_metadata(full.meta)
+            for g, (static, meta) in enumerate(zip(full.metas, metas)):
+                self._fill_full_meta(static, meta, d.uniform_decode, shared=g == 0)
+                static.backend_data = self.backend.build_metadata(static)
             full.graph.replay()
             return full.output[:t]
         pw = self.piecewise[n]
-        step_meta = AttentionMetadata(**{**meta.__dict__, "slot_mapping": self.slot_mapping[:t]})
+        step_metas = [
+            AttentionMetadata(**{**meta.__dict__, "slot_mapping": slots[:t]})
+            for slots, meta in zip(self.slot_mappings, metas)
+        ]
         for graph, h in zip(pw.graphs, pw.holes + [None]):
             graph.replay()
             if h is not None:
                 layer, cache = self.backend.spec.layer(h.layer_idx), self.kv_caches[h.layer_idx]
-                o = self.backend.attend(h.q[:t], h.k[:t], h.v[:t], cache, step_meta, layer)
+                meta = step_metas[self.layer_groups[h.layer_idx]]
+                o = self.backend.attend(h.q[:t], h.k[:t], h.v[:t], cache, meta, layer)
                 self.attn_out[:t].copy_(o.reshape(t, -1))
         return pw.output[:t]
 
-    def _fill_full_meta(self, static: AttentionMetadata, meta: AttentionMetadata, uniform: bool) -> None:
+    def _fill_full_meta(
+        self, static: AttentionMetadata, meta: AttentionMetadata, uniform: bool, shared: bool = True
+    ) -> None:
+        """Copy meta into static's buffers: its block_table, and (shared: once for all groups) the
+        query_start_loc and seq_lens every group reads."""
         b, t = meta.num_reqs, meta.num_actual_tokens
         bp = static.seq_lens.shape[0]
         qsl = static.query_start_loc
-        qsl[: b + 1].copy_(meta.query_start_loc)
-        # padded requests: one token each when uniform (they own the padded rows), else empty
-        if uniform:
-            torch.add(self.pad_ones[: bp - b], t, out=qsl[b + 1 :])
-        else:
-            qsl[b + 1 :].fill_(t)
-        static.seq_lens[:b].copy_(meta.seq_lens)
-        static.seq_lens[b:].fill_(1)
+        if shared:
+            qsl[: b + 1].copy_(meta.query_start_loc)
+            # padded requests: one token each when uniform (they own the padded rows), else empty
+            if uniform:
+                torch.add(self.pad_ones[: bp - b], t, out=qsl[b + 1 :])
+            else:
+                qsl[b + 1 :].fill_(t)
+            static.seq_lens[:b].copy_(meta.seq_lens)
+            static.seq_lens[b:].fill_(1)
         width = meta.block_table.shape[1]
         static.block_table[:b, :width].copy_(meta.block_table)
         static.block_table[b:].zero_()

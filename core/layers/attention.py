@@ -20,11 +20,19 @@ from turnout.errors import TurnoutError
 
 @dataclass
 class ForwardContext:
+    """What the Attention layers of one forward read: the backend, the step's metadata of KV-cache group 0
+    (`meta`) and of every group (`metas`, empty where there is one group), and each layer's KV cache."""
+
     backend: AttentionBackend
     meta: AttentionMetadata
     kv_caches: list[torch.Tensor]  # one per Attention layer of this rank, indexed by its layer_idx
     # set while piecewise CUDA graphs are captured: attention becomes a hole between two graphs
     hole: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    metas: tuple[AttentionMetadata, ...] = ()  # by KV-cache group
+
+    def group_meta(self, group: int) -> AttentionMetadata:
+        """The metadata of KV-cache group `group` (its block_table and slot_mapping)."""
+        return self.metas[group] if group else self.meta
 
 
 _ctx: ForwardContext | None = None
@@ -80,13 +88,15 @@ class Attention(nn.Module):
         self.k_scale, self.v_scale = 1.0, 1.0
         self.layer_idx: int | None = None  # set by bind_attention_layers: this layer's KV cache
         self.layer_spec: AttentionLayerSpec | None = None  # likewise: what the backend's forward gets
+        self.kv_cache_group = 0  # set by bind_kv_cache_groups: whose block table this layer reads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
         ctx = get_forward_context()
         if ctx.hole is not None:
             return ctx.hole(self.layer_idx, q, k, v)
-        out = ctx.backend.attend(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta, self.layer_spec)
+        meta = ctx.group_meta(self.kv_cache_group)
+        out = ctx.backend.attend(q, k, v, ctx.kv_caches[self.layer_idx], meta, self.layer_spec)
         return out.reshape(q.shape[0], -1)
 
 
@@ -118,3 +128,10 @@ def bind_attention_layers(
     return AttentionSpec(
         heads, kv_heads, head_size, dtype, block_size, layers[0].scale, len(layers), specs, kv_cache_dtype
     )
+
+
+def bind_kv_cache_groups(model: nn.Module, groups: list[int]) -> None:
+    """Give the Attention layer with layer_idx i KV-cache group groups[i] (after bind_attention_layers)."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.kv_cache_group = groups[m.layer_idx]

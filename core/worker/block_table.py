@@ -1,12 +1,14 @@
 """The block table of a step and the cache slot of every token, built on the host in numpy; BlockTables
-keeps a persistent row per request that a worker runs."""
+keeps a persistent row per request that a worker runs, one BlockTables per KV-cache group."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from turnout.attention.kv_spec import NULL_BLOCK
 
 if TYPE_CHECKING:
     from turnout.engine.scheduler import ScheduledRequest
@@ -35,22 +37,29 @@ def slot_mapping(table: np.ndarray, rows: np.ndarray, positions: np.ndarray, blo
 class BlockTables:
     """The block ids of each request a worker runs, one persistent row each, written incrementally: a step
     copies only the ids a request gained since its last step. ScheduledRequest.block_ids is the scheduler's
-    own list, which it only appends to (a preemption replaces it), so the list last seen and the count
-    written tell what is new; a list that came through a pipe is new each step and rewrites its row."""
+    own list for group `group` (ScheduledRequest.block_ids[group]), which it only appends to (a preemption
+    replaces it), so the list last seen and the count written tell what is new; a list that came through a
+    pipe is new each step and rewrites its row. Where the group's spec frees blocks, the scheduler also
+    overwrites the leading ids it freed with NULL_BLOCK: skip(start_pos), the spec's num_skipped_blocks,
+    says how many, and the row's leading entries are nulled to match."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: int = 0, skip: Callable[[int], int] | None = None) -> None:
+        self.group, self.skip = group, skip
         self.table = np.zeros((64, 16), dtype=np.int32)
         self.rows: dict[str, tuple[int, list[int], int]] = {}  # req id -> (row, list seen, ids written)
         self.free = list(range(63, -1, -1))
 
     def __call__(self, reqs: list[ScheduledRequest]) -> np.ndarray:  # [len(reqs), most blocks] int32
-        rows, width = [], 0
+        rows, width, g = [], 0, self.group
         for r in reqs:
-            ids, n = r.block_ids, len(r.block_ids)
+            ids = r.block_ids[g]
+            n = len(ids)
             row, seen, done = self.rows.get(r.req_id) or (self._take(), None, 0)
             if seen is not ids or done != n:
                 self._write(row, ids, done if seen is ids else 0)
                 self.rows[r.req_id] = (row, ids, n)
+            if self.skip is not None:
+                self.table[row, : self.skip(r.start_pos)] = NULL_BLOCK
             rows.append(row)
             width = max(width, n)
         return self.table[rows, :width]

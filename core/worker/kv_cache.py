@@ -1,4 +1,6 @@
-"""KV-cache sizing of one rank: what a block costs in the backend's layout, and the per-layer tensors."""
+"""KV-cache sizing of one rank: what a block costs in the backend's layout, and the KV tensors. Layers of
+different KV-cache groups share tensors slot-wise (turnout.attention.kv_spec): num_tensors is the slots this
+rank's layers use, every layer's where there is one group."""
 
 from __future__ import annotations
 
@@ -8,30 +10,55 @@ import mmap
 import torch
 
 from turnout.attention.backend import AttentionBackend, AttentionSpec
+from turnout.attention.kv_spec import KVCacheConfig, kv_cache_config
+from turnout.config import EngineConfig
+from turnout.layers.attention import bind_attention_layers
+from turnout.selection import Selection
 
 
 def _layer_shape(backend: AttentionBackend, spec: AttentionSpec, num_blocks: int) -> tuple:
     return backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
 
 
-def kv_bytes_per_block(backend: AttentionBackend, spec: AttentionSpec) -> int:
-    """Bytes one block takes over every attention layer of this rank, in the cache's dtype."""
-    return spec.num_layers * math.prod(_layer_shape(backend, spec, 1)) * spec.cache_dtype.itemsize
+def kv_bytes_per_block(backend: AttentionBackend, spec: AttentionSpec, num_tensors: int | None = None) -> int:
+    """Bytes one block takes over the KV tensors of this rank (num_tensors; None: one per attention
+    layer), in the cache's dtype."""
+    n = spec.num_layers if num_tensors is None else num_tensors
+    return n * math.prod(_layer_shape(backend, spec, 1)) * spec.cache_dtype.itemsize
 
 
-def blocks_in(budget_bytes: float, backend: AttentionBackend, spec: AttentionSpec) -> int:
+def blocks_in(
+    budget_bytes: float, backend: AttentionBackend, spec: AttentionSpec, num_tensors: int | None = None
+) -> int:
     """How many whole blocks fit in budget_bytes (0 when none do)."""
-    return max(0, int(budget_bytes // kv_bytes_per_block(backend, spec)))
+    return max(0, int(budget_bytes // kv_bytes_per_block(backend, spec, num_tensors)))
+
+
+def kv_bytes_for_tokens(
+    backend: AttentionBackend,
+    spec: AttentionSpec,
+    config: KVCacheConfig,
+    num_tokens: int,
+    chunk: int | None = None,
+) -> int:
+    """KV bytes one request of num_tokens tokens holds at most on this rank (a single stage), computed in
+    chunks of `chunk` tokens (None: decode): its blocks in every group, each over the group_size tensors."""
+    return config.blocks_for_tokens(num_tokens, chunk) * kv_bytes_per_block(backend, spec, config.group_size)
 
 
 def allocate_kv_caches(
-    backend: AttentionBackend, spec: AttentionSpec, num_blocks: int, device: torch.device
+    backend: AttentionBackend,
+    spec: AttentionSpec,
+    num_blocks: int,
+    device: torch.device,
+    num_tensors: int | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed tensor of spec.cache_dtype per attention layer: kv_caches[i] belongs to the layer with
-    layer_idx i."""
+    """num_tensors zeroed tensors of spec.cache_dtype (None: one per attention layer, kv_caches[i] for the
+    layer with layer_idx i)."""
     shape = _layer_shape(backend, spec, num_blocks)
     zeros = _lazy_zeros if device.type == "cpu" else torch.zeros
-    return [zeros(shape, dtype=spec.cache_dtype, device=device) for _ in range(spec.num_layers)]
+    n = spec.num_layers if num_tensors is None else num_tensors
+    return [zeros(shape, dtype=spec.cache_dtype, device=device) for _ in range(n)]
 
 
 def _lazy_zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -41,3 +68,20 @@ def _lazy_zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch
     nbytes = math.prod(shape) * dtype.itemsize
     buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+def model_kv_cache_config(config: EngineConfig, selection: Selection) -> KVCacheConfig:
+    """The KV-cache groups of the selected model over every layer (one stage), read from the model built
+    on the meta device: no weights, no memory. For `turnout explain`; raises what the model's constructor
+    raises."""
+    config = selection.apply(config)
+    cls = selection.architecture.load()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(selection.dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(selection.model_info.hf_config)
+    finally:
+        torch.set_default_dtype(prev)
+    spec = bind_attention_layers(model, selection.dtype, config.block_size, selection.kv_cache_dtype)
+    return kv_cache_config([spec.kv_cache_specs()])

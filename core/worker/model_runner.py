@@ -1,10 +1,11 @@
 """Turns a SchedulerOutput into tensors, runs the model, samples.
 
 At start-up it builds the model (a turnout.models.CausalLM), numbers its Attention layers and gives the
-chosen backend their AttentionSpec before anything is sized or run. Per step it builds input_ids,
-positions, slot_mapping, query_start_loc (cu_seqlens), seq_lens and the block table, publishes them to the
-Attention layers through forward_context, and keeps the logits of the rows that sample until
-sample_tokens.
+chosen backend their AttentionSpec before anything is sized or run; the engine then sets the KV-cache
+groups (set_kv_cache_config), which say whose block table each layer reads and which KV tensor it uses.
+Per step it builds input_ids, positions, query_start_loc (cu_seqlens), seq_lens and, per KV-cache group,
+the block table and slot_mapping, publishes them to the Attention layers through forward_context, and keeps
+the logits of the rows that sample until sample_tokens.
 
 Pipeline parallelism (pp_size > 1): every stage gets the same SchedulerOutput and splits its requests the
 same way into up to pp_size micro-batches of contiguous requests with about equal token counts
@@ -17,6 +18,7 @@ computes logits (all micro-batches' rows, in request order) and samples; the oth
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from torch import nn
 
 from turnout import quantization
 from turnout.attention.backend import AttentionBackend, AttentionMetadata
+from turnout.attention.kv_spec import KVCacheConfig, KVCacheSpec, kv_cache_config
 from turnout.config import EngineConfig
 from turnout.distributed import get_parallel_state, pp_recv, pp_send
 from turnout.engine.request import TokenLogprobs
@@ -36,7 +39,12 @@ from turnout.graphs.dispatcher import GraphDispatcher, default_capture_sizes
 from turnout.graphs.modes import RuntimeMode
 from turnout.graphs.runner import GraphRunner
 from turnout.layers import moe
-from turnout.layers.attention import ForwardContext, bind_attention_layers, forward_context
+from turnout.layers.attention import (
+    ForwardContext,
+    bind_attention_layers,
+    bind_kv_cache_groups,
+    forward_context,
+)
 from turnout.layers.linear import pack_linears_for_cpu
 from turnout.loader.weights import load_checkpoint
 from turnout.models.interface import CausalLM
@@ -101,9 +109,15 @@ class AsyncModelRunnerOutput:
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # KV-cache group 0's
     logits_indices: torch.Tensor  # [S] token index of each sampling row's last token
     sample_reqs: list[ScheduledRequest]
+    metas: tuple[AttentionMetadata, ...] = ()  # every group's, meta first; empty where there is one group
+
+    @property
+    def group_metas(self) -> tuple[AttentionMetadata, ...]:
+        """Every KV-cache group's metadata, in group order."""
+        return self.metas or (self.meta,)
 
 
 class ModelRunner:
@@ -119,7 +133,8 @@ class ModelRunner:
         self.backend.setup(self.attn_spec)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # by layer_idx; layers of different groups share tensors
+        self.kv_cache_tensors: list[torch.Tensor] = []  # each KV tensor once
         self.graphs: GraphRunner | None = None
         self._pending: tuple[torch.Tensor, list[ScheduledRequest]] | None = None
         self._prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
@@ -127,7 +142,7 @@ class ModelRunner:
         self._staging32 = HostStaging(device, torch.int32)
         self._last_sampled: torch.Tensor | None = None  # by sample_tokens_async, for placeholder inputs
         self._staging_fill = HostStaging(device, torch.int64)
-        self.block_tables = block_table.BlockTables()
+        self.set_kv_cache_config(kv_cache_config([self.kv_cache_specs()]), stage=0)  # this rank's alone
 
     def _check_layer_features(self) -> None:
         """The layers as built use only features the backend serves: selection went by what the model's
@@ -191,8 +206,31 @@ class ModelRunner:
         return model.eval()
 
     # ---- KV cache ----
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """This rank's attention layers' KV-cache specs, by layer_idx."""
+        return self.attn_spec.kv_cache_specs()
+
+    def set_kv_cache_config(self, config: KVCacheConfig, stage: int | None = None) -> None:
+        """The model's KV-cache groups (over every pipeline stage; stage None: this rank's): each layer's
+        group and KV tensor, and one block table per group. Before the KV cache is sized."""
+        placement = config.placement(get_parallel_state().pp_rank if stage is None else stage)
+        slots = sorted({j for _, j in placement})
+        self.kv_config = config
+        self.layer_groups = [g for g, _ in placement]
+        self.layer_tensors = [slots.index(j) for _, j in placement]
+        bind_kv_cache_groups(self.model, self.layer_groups)
+        self.block_tables = [
+            block_table.BlockTables(g, s.num_skipped_blocks if s.frees_blocks else None)
+            for g, s in enumerate(config.specs)
+        ]
+
+    @property
+    def num_kv_tensors(self) -> int:
+        """The KV tensors this rank allocates: one per slot its layers use."""
+        return len(set(self.layer_tensors))
+
     def kv_bytes_per_block(self) -> int:
-        return kv_cache.kv_bytes_per_block(self.backend, self.attn_spec)
+        return kv_cache.kv_bytes_per_block(self.backend, self.attn_spec, self.num_kv_tensors)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit: cpu_kv_cache_bytes on CPU; on CUDA, what is left of
@@ -200,7 +238,7 @@ class ModelRunner:
         if self.config.num_gpu_blocks_override:
             return self.config.num_gpu_blocks_override
         if self.device.type != "cuda":
-            return max(1, kv_cache.blocks_in(self.config.cpu_kv_cache_bytes, self.backend, self.attn_spec))
+            return max(1, int(self.config.cpu_kv_cache_bytes // self.kv_bytes_per_block()))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._dummy_run(self.config.max_num_batched_tokens)
@@ -210,7 +248,7 @@ class ModelRunner:
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes, NCCL
         budget = total * self.config.gpu_memory_utilization - peak - used_elsewhere
         logger.info("memory: total %.1f GiB, peak step %.2f GiB", total / 2**30, peak / 2**30)
-        return kv_cache.blocks_in(budget, self.backend, self.attn_spec)
+        return max(0, int(budget // self.kv_bytes_per_block()))
 
     def _dummy_run(self, num_tokens: int) -> None:
         """A prefill of num_tokens over a throwaway KV cache: measures peak activation memory."""
@@ -219,17 +257,22 @@ class ModelRunner:
         nb = block_table.blocks_for(per_seq, self.block_size)
         self.allocate_kv_cache(nb * num_seqs)
         blocks = [list(range(i * nb, (i + 1) * nb)) for i in range(num_seqs)]
+        groups = len(self.block_tables)
         reqs = [
-            ScheduledRequest(f"dummy{i}", [0] * per_seq, 0, b, True, _GREEDY, [], [])
+            ScheduledRequest(f"dummy{i}", [0] * per_seq, 0, (b,) * groups, True, _GREEDY, [], [])
             for i, b in enumerate(blocks)
         ]
         self.execute_model(SchedulerOutput(reqs))
         self.sample_tokens()
-        self.block_tables.release([r.req_id for r in reqs])
-        self.kv_caches = []
+        for tables in self.block_tables:
+            tables.release([r.req_id for r in reqs])
+        self.kv_caches, self.kv_cache_tensors = [], []
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = kv_cache.allocate_kv_caches(self.backend, self.attn_spec, num_blocks, self.device)
+        self.kv_cache_tensors = kv_cache.allocate_kv_caches(
+            self.backend, self.attn_spec, num_blocks, self.device, self.num_kv_tensors
+        )
+        self.kv_caches = [self.kv_cache_tensors[t] for t in self.layer_tensors]
 
     def capture_graphs(self, num_blocks: int) -> None:
         policy = self.selection.effective_graph
@@ -241,7 +284,7 @@ class ModelRunner:
         max_len = min(cfg.max_model_len or self.info.max_position_embeddings, num_blocks * self.block_size)
         self.graphs = GraphRunner(
             self.model, self.backend, self.kv_caches, GraphDispatcher(policy, sizes),
-            cfg.max_num_seqs, block_table.blocks_for(max_len, self.block_size), max_len,
+            cfg.max_num_seqs, block_table.blocks_for(max_len, self.block_size), max_len, self.layer_groups,
         )  # fmt: skip
         self.graphs.capture()
 
@@ -254,33 +297,44 @@ class ModelRunner:
         np.cumsum(qlens, out=cu[1:])
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=int(cu[-1]))
         positions = np.repeat(starts - cu[:-1], qlens) + np.arange(cu[-1])  # request i, token j: start_i + j
-        table = self.block_tables(reqs)
+        tables = [t(reqs) for t in self.block_tables]  # one per KV-cache group
         rows = np.repeat(np.arange(len(reqs)), qlens)
-        slot_mapping = block_table.slot_mapping(table, rows, positions, self.block_size)
+        slot_mappings = [block_table.slot_mapping(t, rows, positions, self.block_size) for t in tables]
         seq_lens = starts + qlens
         sample_reqs = [r for r in reqs if r.sample]
         logits_idx = (cu[1:] - 1)[np.array([r.sample for r in reqs], dtype=bool)]
-        ids, pos, slots, lidx = self._staging64([input_ids, positions, slot_mapping, logits_idx])
+        ids, pos, slots, lidx, *more_slots = self._staging64(
+            [input_ids, positions, slot_mappings[0], logits_idx, *slot_mappings[1:]]
+        )
         if self._last_sampled is not None:  # the previous step sampled without waiting: async scheduling
             self._fill_placeholders(input_ids, ids)
-        cu_d, lens_d, bt = self._staging32([cu.astype(np.int32), seq_lens.astype(np.int32), table])
+        cu_d, lens_d, bt, *more_bt = self._staging32(
+            [cu.astype(np.int32), seq_lens.astype(np.int32), *tables]
+        )
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=cu_d,
             seq_lens=lens_d,
-            block_table=bt.view(table.shape),
+            block_table=bt.view(tables[0].shape),
             max_query_len=int(qlens.max()),
             max_seq_len=int(seq_lens.max()),
             num_actual_tokens=int(cu[-1]),
             num_decode_tokens=int(np.argmin(qlens == 1)) if (qlens != 1).any() else len(reqs),
         )
-        return StepInputs(ids, pos, meta, lidx, sample_reqs)
+        if len(tables) == 1:
+            return StepInputs(ids, pos, meta, lidx, sample_reqs)
+        metas = [
+            dataclasses.replace(meta, slot_mapping=s, block_table=b.view(t.shape))
+            for s, b, t in zip(more_slots, more_bt, tables[1:])
+        ]
+        return StepInputs(ids, pos, meta, lidx, sample_reqs, (meta, *metas))
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:
             self.generators.pop(req_id, None)
-        self.block_tables.release(out.finished_req_ids)
+        for tables in self.block_tables:
+            tables.release(out.finished_req_ids)
         self._pending, self._prompt_logprobs = None, {}
         if not out.requests:
             self._last_sampled = None  # the next step is scheduled with every token known: no placeholder
@@ -293,8 +347,9 @@ class ModelRunner:
         d = self.graphs.dispatcher.dispatch([len(r.token_ids) for r in out.requests]) if self.graphs else None
         if d is not None and d.mode is not RuntimeMode.NONE:
             if d.mode is RuntimeMode.PIECEWISE:  # attention runs eagerly in the holes
-                inp.meta.backend_data = self.backend.build_metadata(inp.meta)
-            hidden = self.graphs.run(d, inp.input_ids, inp.positions, inp.meta)
+                for meta in inp.group_metas:
+                    meta.backend_data = self.backend.build_metadata(meta)
+            hidden = self.graphs.run(d, inp.input_ids, inp.positions, inp.group_metas)
         else:
             hidden = self._forward(inp)
         self._prompt_logprobs = self.prompt_logprobs(out.requests, hidden)
@@ -303,8 +358,9 @@ class ModelRunner:
 
     def _forward(self, inp: StepInputs, intermediate: torch.Tensor | None = None) -> torch.Tensor:
         """Eager forward: [T, hidden], or [2, T, hidden] on a non-last pipeline stage."""
-        inp.meta.backend_data = self.backend.build_metadata(inp.meta)
-        with forward_context(ForwardContext(self.backend, inp.meta, self.kv_caches)):
+        for meta in inp.group_metas:
+            meta.backend_data = self.backend.build_metadata(meta)
+        with forward_context(ForwardContext(self.backend, inp.meta, self.kv_caches, metas=inp.metas)):
             return self.model(inp.input_ids, inp.positions, intermediate)
 
     def _execute_pipeline(self, out: SchedulerOutput) -> None:

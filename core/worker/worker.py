@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from turnout.attention.kv_spec import KVCacheConfig, KVCacheSpec
 from turnout.config import EngineConfig
 from turnout.engine.scheduler import SchedulerOutput
 from turnout.layers.moe import FusedMoE
@@ -28,6 +29,15 @@ class Worker:
             self.device = torch.device("cpu")
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(selection.apply(config), selection, self.device)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """This rank's attention layers' KV-cache specs, by layer index on this rank."""
+        return self.runner.kv_cache_specs()
+
+    def set_kv_cache_config(self, config: KVCacheConfig) -> None:
+        """The model's KV-cache groups, over every pipeline stage (the engine's, from every stage's specs):
+        before the KV cache is sized."""
+        self.runner.set_kv_cache_config(config)
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit on this rank: num_gpu_blocks_override, cpu_kv_cache_bytes on the CPU, or what
@@ -66,7 +76,7 @@ class Worker:
         report: dict[str, Any] = {
             "weight_bytes": nbytes(model.parameters()),
             "expert_weight_bytes": nbytes(experts),
-            "kv_cache_bytes": nbytes(self.runner.kv_caches),
+            "kv_cache_bytes": nbytes(self.runner.kv_cache_tensors),
             "shapes": {n: list(p.shape) for n, p in model.named_parameters()},
         }
         if self.device.type == "cuda":

@@ -24,6 +24,7 @@ class NaiveBackend(AttentionBackend):
     device_types = ("cpu", "cuda")
     dtypes = (torch.float32, torch.bfloat16, torch.float16)  # the CPU runs float32 unless it has bf16
     attention_features = frozenset(LAYER_FEATURES)  # per-layer scale, sliding_window, logits_soft_cap
+    kv_cache_specs = ("full", "sliding_window")  # blocks freed out of a window read as masked keys
 
     def build_metadata(self, meta: AttentionMetadata) -> torch.Tensor | None:
         return valid_rows(meta.slot_mapping)  # [n] rows with a slot, or None when every row has one

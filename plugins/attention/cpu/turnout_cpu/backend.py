@@ -89,6 +89,7 @@ class CPUAttentionBackend(AttentionBackend):
     cudagraph_support = CudagraphSupport.NEVER
     attention_features = frozenset(LAYER_FEATURES)
     kv_cache_dtypes = ("auto", "fp8")
+    kv_cache_specs = ("full", "sliding_window")  # a window reads only its blocks: nulled ones never
 
     def build_metadata(self, meta: AttentionMetadata) -> CPUMetadata:
         qsl = meta.query_start_loc.tolist()

@@ -169,7 +169,8 @@ class FlashAttnBackend(AttentionBackend):
     dtypes = (torch.float16, torch.bfloat16)
     head_sizes = None  # depends on the library: path_reasons()
     min_capability = (8, 0)
-    # FA4 attends with each layer's scale, window and soft-cap; FA2 with spec.scale alone (set in __init__)
+    # FA4 attends with each layer's scale, window and soft-cap, one block table per KV-cache group; FA2 with
+    # spec.scale alone over full-attention groups (set in __init__)
     attention_features = frozenset(LAYER_FEATURES)
 
     def __init__(self, platform: Platform | None = None, found: Probe | None = None) -> None:
@@ -185,6 +186,7 @@ class FlashAttnBackend(AttentionBackend):
         if found.path == "fa4":
             self.min_capability = (9, 0)
             self.mixed_priority = Priority.FIRST
+            self.kv_cache_specs = ("full", "sliding_window")  # the window skips the freed (null) blocks
         else:
             self.attention_features = frozenset()
         level = SUPPORT.get(found.path, CudagraphSupport.NEVER)

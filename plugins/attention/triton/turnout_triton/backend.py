@@ -49,6 +49,7 @@ class TritonAttentionBackend(AttentionBackend):
     # a sliding window and a soft-cap compile their own kernel variants (constexpr), one per value
     attention_features = frozenset(LAYER_FEATURES)
     kv_cache_dtypes = ("auto", "fp8")  # FP8: e4m3 stores, tiles read as stored * scale (kernels.py)
+    kv_cache_specs = ("full", "sliding_window")  # a window reads only its blocks: nulled ones never
 
     def __init__(self) -> None:
         if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every kernel on the host
