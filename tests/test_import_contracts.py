@@ -233,9 +233,14 @@ def _function_level_only(importer: str, imported: str) -> bool:
         if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
         for n in ast.walk(f)
     }
-    names = lambda n: [n.module] if isinstance(n, ast.ImportFrom) else [a.name for a in n.names]  # noqa: E731
-    found = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and imported in names(n)]
+    found = [n for n in ast.walk(tree) if imported in _imported_modules(n)]
     return bool(found) and all(id(n) in inner for n in found)
+
+
+def _imported_modules(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.ImportFrom):
+        return [node.module or ""]
+    return [a.name for a in node.names] if isinstance(node, ast.Import) else []
 
 
 def test_the_cycle_finder_finds_a_type_only_cycle():
