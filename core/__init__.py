@@ -4,9 +4,12 @@ are plugins, chosen at start-up with a reason for every choice."""
 from turnout import plugins  # adds the plugins' switches to envs.registry(), wherever envs is used
 from turnout.envs import EnvVar
 from turnout.errors import TurnoutError
-from turnout.hookspecs import Priority, hookimpl
+from turnout.hookspecs import hookimpl
+from turnout.priority import Priority
 from turnout.sampling_params import SamplingParams
 from turnout.structured_outputs import StructuredOutputsParams
+from turnout.version import PLUGIN_API
+from turnout.version import __version__ as __version__
 
 __all__ = [
     "LLM",
@@ -21,8 +24,6 @@ __all__ = [
     "TurnoutError",
     "hookimpl",
 ]
-__version__ = "0.2.4"
-PLUGIN_API = 2  # the edition of the hook specs and the backend, model and executor contracts
 
 # Imported on first use: LLM pulls in torch models and the engine; keep `import turnout` light for plugins
 # and the CLI.

@@ -21,3 +21,8 @@ class WeightLoadError(TurnoutError):
 
 class RequestError(TurnoutError, ValueError):
     """A bad request; it fails alone and leaves the engine untouched."""
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message on one line, runs of whitespace and newlines as single spaces."""
+    return " ".join(str(err).split())

@@ -26,6 +26,7 @@ import pluggy
 from packaging.requirements import InvalidRequirement, Requirement
 
 from turnout import envs, hookspecs
+from turnout.version import PLUGIN_API, __version__
 
 logger = logging.getLogger("turnout")
 ENTRY_POINT_GROUP = "turnout"
@@ -110,7 +111,7 @@ class PluginManager:
         if misfit is None:
             return
         info = self.infos[name]
-        api = f"written for another plugin API than {_plugin_api()}"
+        api = f"written for another plugin API than {PLUGIN_API}"
         why = f"{api}: {misfit}; what changed, and how to port it: {PORTING}"
         logger.warning("plugin %s (%s) is not loaded: %s", name, info.distribution, why)
         self.pm.unregister(name=name)
@@ -179,8 +180,6 @@ class PluginManager:
 def api_mismatch(dist: md.Distribution | None) -> str | None:
     """Why a plugin's distribution was written for another plugin API: its requirement on turnout, where
     this turnout's version does not meet it; None where it does, or where it names none."""
-    from turnout import __version__
-
     for line in (dist.requires or []) if dist is not None else []:
         try:
             req = Requirement(line)
@@ -188,16 +187,10 @@ def api_mismatch(dist: md.Distribution | None) -> str | None:
             continue
         if req.name == "turnout" and (not req.marker or req.marker.evaluate()) and req.specifier:
             if not req.specifier.contains(__version__, prereleases=True):
-                this = f"turnout {__version__} (plugin API {_plugin_api()})"
+                this = f"turnout {__version__} (plugin API {PLUGIN_API})"
                 port = f"what changed, and how to port it: {PORTING}"
                 return f"needs turnout{req.specifier}, and this is {this}; {port}"
     return None
-
-
-def _plugin_api() -> int:
-    from turnout import PLUGIN_API
-
-    return PLUGIN_API
 
 
 def set_shape_check(check: ShapeCheck) -> None:

@@ -15,7 +15,7 @@ from turnout import LLM, SamplingParams
 from turnout.config import EngineConfig
 from turnout.engine import serial
 from turnout.engine.async_llm import AsyncLLM
-from turnout.engine.core import CoreBatch, EngineDeadError, EngineOutput, EngineRequest, SchedulerStats
+from turnout.engine.messages import CoreBatch, EngineDeadError, EngineOutput, EngineRequest, SchedulerStats
 from turnout.errors import ConfigError, RequestError, TurnoutError
 
 from procs import alive

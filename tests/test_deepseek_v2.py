@@ -26,11 +26,11 @@ from turnout.models.info import ModelInfo
 
 from tiny_models import (
     TOKENIZER_VOCAB,
-    _tokenizer,
     assert_matches_reference,
     assert_parallel_matches_reference,
     checkpoints,
     hf_greedy,
+    write_tokenizer,
 )
 
 MAX_NEW = 6
@@ -71,7 +71,7 @@ def _write(path: Path, case: str) -> Path:
             # matrices N(0, 0.2); norms (initialised to ones) N(1, 0.1), biases (zeros) N(0, 0.1)
             p.normal_(0, 0.2) if p.dim() > 1 else p.normal_(1.0 if p.abs().sum() else 0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
-    _tokenizer(path)
+    write_tokenizer(path)
     return path
 
 

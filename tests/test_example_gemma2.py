@@ -17,7 +17,7 @@ import torch
 from turnout import LLM, SamplingParams, TurnoutError, hookimpl
 from turnout.models import ModelArchitecture
 
-from tiny_models import _tokenizer
+from tiny_models import write_tokenizer
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 WINDOW = 8
@@ -42,7 +42,7 @@ def _tiny_gemma2(path: Path) -> Path:
         for p in model.parameters():
             p.normal_(0, 0.2 if p.dim() > 1 else 0.1)
     model.save_pretrained(path, safe_serialization=True)
-    _tokenizer(path)
+    write_tokenizer(path)
     return path
 
 

@@ -197,3 +197,75 @@ def test_no_core_module_uses_another_modules_private_names():
         for hit in _private_uses(p.read_text(), _module_name(p))
     ]
     assert hits == []
+
+
+# ---- no cycle among the core's modules, type-only and function-level imports included ----
+
+# The calls upwards at call time that the layers contract lists in its ignore_imports: the importer names the
+# module only inside functions. The cycle each closes is the design's (with tune = "auto", LLM runs the
+# tuner, which builds LLMs of its own); every other import counts.
+CALL_TIME_UPWARDS = {("turnout.llm", "turnout.tuning.tuner")}
+
+
+def _core_graph():
+    import grimp
+
+    return grimp.build_graph("turnout", exclude_type_checking_imports=False, cache_dir=None)
+
+
+def _cycles(graph) -> list[str]:
+    """Each import that closes a cycle, as that cycle: "a -> b -> ... -> a"."""
+    return [
+        " -> ".join([a, *chain])
+        for a in sorted(graph.modules)
+        for b in sorted(graph.find_modules_directly_imported_by(a))
+        if (chain := graph.find_shortest_chain(importer=b, imported=a))
+    ]
+
+
+def _function_level_only(importer: str, imported: str) -> bool:
+    """Whether every import of `imported` in `importer`'s source sits inside a function."""
+    path = ROOT / "core" / Path(*importer.split(".")[1:])
+    tree = ast.parse((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text())
+    inner = {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+        for n in ast.walk(f)
+    }
+    found = [n for n in ast.walk(tree) if imported in _imported_modules(n)]
+    return bool(found) and all(id(n) in inner for n in found)
+
+
+def _imported_modules(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.ImportFrom):
+        return [node.module or ""]
+    return [a.name for a in node.names] if isinstance(node, ast.Import) else []
+
+
+def test_the_cycle_finder_finds_a_type_only_cycle():
+    import grimp
+
+    graph = grimp.ImportGraph()
+    graph.add_import(importer="turnout.a", imported="turnout.b")
+    graph.add_import(importer="turnout.b", imported="turnout.a")
+    assert _cycles(graph) == ["turnout.a -> turnout.b -> turnout.a", "turnout.b -> turnout.a -> turnout.b"]
+    assert _function_level_only("turnout.llm", "turnout.tuning.tuner")
+    assert not _function_level_only("turnout.llm", "turnout.config")
+
+
+def test_the_call_time_upwards_are_function_level_and_listed():
+    listed = set(CONTRACTS["layers"]["ignore_imports"])
+    for importer, imported in CALL_TIME_UPWARDS:
+        assert f"{importer} -> {imported}" in listed
+        assert _function_level_only(importer, imported), f"{importer} imports {imported} at module level"
+
+
+def test_no_cycle_among_core_modules():
+    """No module of the core reaches itself through its imports, those under TYPE_CHECKING and those inside
+    functions included; a package's __init__ is a module of its own. The listed calls upwards aside."""
+    graph = _core_graph()
+    for importer, imported in CALL_TIME_UPWARDS:
+        graph.remove_import(importer=importer, imported=imported)
+    cycles = _cycles(graph)
+    assert cycles == [], "import cycles:\n" + "\n".join(cycles)

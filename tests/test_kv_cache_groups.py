@@ -21,7 +21,7 @@ from turnout.engine.request import Request
 from turnout.errors import SelectionError
 from turnout.worker import kv_cache
 
-from tiny_models import TOKENIZER_VOCAB, _tokenizer, checkpoints, hf_greedy
+from tiny_models import TOKENIZER_VOCAB, checkpoints, hf_greedy, write_tokenizer
 
 WINDOW, BLOCK, MAX_NEW = 8, 4, 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -54,7 +54,7 @@ def _write(path: Path, case: str) -> Path:
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.normal_(0, 0.1) if case.startswith("gemma") else None
     model.save_pretrained(path, safe_serialization=True)
-    _tokenizer(path)
+    write_tokenizer(path)
     return path
 
 

@@ -17,7 +17,7 @@ from turnout import LLM, SamplingParams, TurnoutError, hookimpl
 from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionSpec
 from turnout.models import CausalLM, ModelArchitecture
 
-from tiny_models import _tokenizer, hf_greedy, make_tiny_model
+from tiny_models import hf_greedy, make_tiny_model, write_tokenizer
 
 EXAMPLE_MODEL = Path(__file__).parents[1] / "examples/turnout-example-model"
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -42,7 +42,7 @@ def _tiny_neox(path: Path, parallel_residual: bool, rotary_pct: float) -> Path:
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.normal_(1 if p.shape == (64,) else 0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
-    _tokenizer(path)
+    write_tokenizer(path)
     return path
 
 

@@ -27,11 +27,11 @@ from turnout.models import ModelArchitecture
 
 from tiny_models import (
     TOKENIZER_VOCAB,
-    _tokenizer,
     assert_matches_reference,
     assert_parallel_matches_reference,
     checkpoints,
     hf_greedy,
+    write_tokenizer,
 )
 
 WINDOW = 8
@@ -96,7 +96,7 @@ def _write(path: Path, case: str) -> Path:
     if case.endswith("older-keys"):
         cfg = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps(_older_keys(cfg), indent=2))
-    _tokenizer(path)
+    write_tokenizer(path)
     return path
 
 

@@ -11,7 +11,7 @@ import torch
 
 from turnout import LLM, SamplingParams
 
-from tiny_models import TOKENIZER_VOCAB, _tokenizer
+from tiny_models import TOKENIZER_VOCAB, write_tokenizer
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +41,7 @@ def checkpoint(request, tmp_path_factory):
     model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**COMMON, **own))
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path, safe_serialization=True)
-    _tokenizer(path)
+    write_tokenizer(path)
     return path
 
 

@@ -16,7 +16,7 @@ from test_model_plugins import triton_interpreter  # noqa: F401 - a fixture
 
 from turnout import LLM, SamplingParams, TurnoutError
 
-from tiny_models import TOKENIZER_VOCAB, _tokenizer, hf_greedy_cached
+from tiny_models import TOKENIZER_VOCAB, hf_greedy_cached, write_tokenizer
 
 ORIGINAL, WINDOW, MAX_NEW = 32, 16, 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -53,7 +53,7 @@ def phi3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]
                 p.normal_(0, 0.2)
     path = tmp_path_factory.mktemp("tiny_phi3")
     model.save_pretrained(path, safe_serialization=True)
-    _tokenizer(path)
+    write_tokenizer(path)
     return path, hf_greedy_cached(path, PROMPTS, MAX_NEW, attn_implementation="eager")
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from turnout import PLUGIN_API, plugin_shapes, plugins
+from turnout import PLUGIN_API, hookspecs, plugin_shapes, plugins
 from turnout.plugin_shapes import CONTRACTS, read_class
 
 from fake_dist import make_dist, naive_backend_source
@@ -299,6 +299,17 @@ def installed(tmp_path_factory):
 @pytest.fixture(scope="module")
 def listing(installed):
     return {i.name: i for i in installed.listing()}
+
+
+def test_every_kind_is_checked_and_covered_here():
+    """Every hook that returns components (all but turnout_env_vars, which declares switches) has a contract
+    to check them by, and every kind has, above, a plugin of another shape, one of API 2's and a command
+    that names the former."""
+    specs = {n for n, f in vars(hookspecs).items() if n.startswith("turnout_") and inspect.isfunction(f)}
+    components = specs - {"turnout_env_vars"}
+    assert set(CONTRACTS) == components
+    assert {hook for hook, *_ in OTHER.values()} == components
+    assert set(API2) == set(MISFIT) == set(BY_NAME) == set(OTHER)
 
 
 @pytest.mark.parametrize("kind", OTHER)

@@ -9,8 +9,8 @@ import torch
 TOKENIZER_VOCAB = 512
 
 
-def _tokenizer(path: Path) -> None:
-    """A small word-level tokenizer, so text prompts work without network access."""
+def write_tokenizer(path: Path) -> None:
+    """Write a small word-level tokenizer to path, so text prompts work without network access."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,7 +55,7 @@ def make_tiny_model(
             if p.dim() > 1:
                 p.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
-    _tokenizer(path)
+    write_tokenizer(path)
     return path
 
 

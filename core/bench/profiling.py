@@ -57,7 +57,7 @@ def _parts(llm: Any) -> dict[str, Callable[[], type]]:
             )
         return worker.runner
 
-    from turnout.worker.model_runner import AsyncModelRunnerOutput
+    from turnout.worker.outputs import AsyncModelRunnerOutput
 
     return {
         "engine": lambda: type(engine),

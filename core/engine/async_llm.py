@@ -18,7 +18,9 @@ from typing import Any, Protocol
 
 from turnout import envs
 from turnout.config import EngineConfig
-from turnout.engine.core import (
+from turnout.engine.core_client import CoreProcClient, CoreThreadClient
+from turnout.engine.llm_engine import load_tokenizer, require_tokenizer
+from turnout.engine.messages import (
     CoreBatch,
     EngineDeadError,
     EngineOutput,
@@ -26,8 +28,6 @@ from turnout.engine.core import (
     EngineShutdownError,
     SchedulerStats,
 )
-from turnout.engine.core_client import CoreProcClient, CoreThreadClient
-from turnout.engine.llm_engine import load_tokenizer, require_tokenizer
 from turnout.errors import TurnoutError
 
 logger = logging.getLogger("turnout")

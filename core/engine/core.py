@@ -1,10 +1,11 @@
-"""The engine core: the LLMEngine step loop behind `turnout serve`, its messages, and its process.
+"""The engine core: the LLMEngine step loop behind `turnout serve`, and its process.
 
 The core shares no engine state with the front (turnout.engine.async_llm). It takes commands (add a group
 of requests, abort, drain, stop) from one queue that it drains between steps, and hands back, once per
-step, one CoreBatch of plain data: acks, one EngineOutput per new token, scheduler stats. So the core never
-waits on the front. In a thread the queue is a SimpleQueue and the batch a callback; in a process of its
-own (run_engine_core) both travel as msgpack over ZeroMQ sockets (turnout.engine.serial).
+step, one CoreBatch of plain data (turnout.engine.messages): acks, one EngineOutput per new token,
+scheduler stats. So the core never waits on the front. In a thread the queue is a SimpleQueue and the
+batch a callback; in a process of its own (run_engine_core) both travel as msgpack over ZeroMQ sockets
+(turnout.engine.serial).
 """
 
 from __future__ import annotations
@@ -15,93 +16,25 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from turnout.config import EngineConfig
 from turnout.engine.llm_engine import LLMEngine
+from turnout.engine.messages import (
+    CoreBatch,
+    EngineBusyError,
+    EngineDeadError,
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    EngineShutdownError,
+    SchedulerStats,
+)
 from turnout.errors import TurnoutError
 from turnout.executor.rank import exit_with_parent
-from turnout.sampling_params import SamplingParams
 
 logger = logging.getLogger("turnout")
 IDLE_CHECK_S = 1.0  # an idle core checks its workers' health this often
-
-
-class EngineDeadError(TurnoutError):
-    """The engine core stopped on an error; every request fails until the server restarts."""
-
-
-class EngineBusyError(TurnoutError):
-    """The waiting queue is full, or the server is shutting down; the request was not run (or not run to
-    its end)."""
-
-
-class EngineShutdownError(EngineBusyError):
-    """The server is shutting down: it takes no new request, and ends those still running at the drain's
-    deadline."""
-
-
-@dataclass
-class EngineRequest:
-    req_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass(slots=True)
-class EngineOutput:
-    """One request's news from one step: one new token."""
-
-    req_id: str
-    token_id: int
-    logprobs: tuple[float, list[tuple[int, float]]] | None  # chosen token's and the top N, when asked
-    text: str | None = None  # the engine's text delta where it detokenizes (stop strings), else None
-    finish_reason: str | None = None  # "stop" or "length" on a request's last output
-    final_text: str | None = None  # the request's whole text, on its last output
-    num_cached_tokens: int = 0  # prefix-cache hits, on the last output
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # share of KV blocks held by requests
-    prefix_cache_queries: int = 0  # prompt tokens looked up, since start
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0  # since start
-
-
-@dataclass
-class CoreBatch:
-    time: float
-    acks: list[tuple[int, TurnoutError | None]]
-    outputs: list[EngineOutput]
-    stats: SchedulerStats | None
-    fail: TurnoutError | None = None  # every request the front holds ends with this error
-
-
-@dataclass
-class EngineInfo:
-    """What the front needs of a started engine: its context limit, the selection's names, and why it has
-    no tokenizer ("" where it has one)."""
-
-    max_model_len: int
-    model: str  # the HF-style folder loaded (its tokenizer is the front's)
-    architecture: str
-    backend: str
-    executor: str
-    graph_mode: str
-    tokenizer_problem: str
-
-    @classmethod
-    def of(cls, engine: Any) -> EngineInfo:
-        sel = engine.selection
-        return cls(
-            engine.max_model_len, str(sel.model_info.path), sel.model_info.architecture,
-            sel.attention.chosen.name, sel.executor.chosen.name, sel.effective_graph.name,
-            engine.tokenizer_problem,
-        )  # fmt: skip
 
 
 def make_engine(config: EngineConfig) -> Any:

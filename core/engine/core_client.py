@@ -19,16 +19,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from turnout.config import EngineConfig
-from turnout.engine.core import (
-    CoreBatch,
-    EngineCore,
-    EngineDeadError,
-    EngineInfo,
-    EngineRequest,
-    make_engine,
-    run_engine_core,
-)
+from turnout.engine.core import EngineCore, make_engine, run_engine_core
 from turnout.engine.main_guard import check_main_guard
+from turnout.engine.messages import CoreBatch, EngineDeadError, EngineInfo, EngineRequest
 from turnout.errors import TurnoutError
 
 logger = logging.getLogger("turnout")

@@ -36,7 +36,7 @@ from turnout.structured_outputs.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
     from turnout.structured_outputs import GrammarOutput
-    from turnout.worker.model_runner import ModelRunnerOutput
+    from turnout.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger("turnout")
 

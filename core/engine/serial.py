@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-from turnout.engine.core import CoreBatch, EngineInfo, EngineOutput, EngineRequest, SchedulerStats
+from turnout.engine.messages import CoreBatch, EngineInfo, EngineOutput, EngineRequest, SchedulerStats
 from turnout.errors import TurnoutError
 from turnout.sampling_params import SamplingParams
 

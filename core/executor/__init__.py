@@ -32,8 +32,8 @@ __all__ = [
 
 # The types an executor's methods take and return, imported on first use (they pull in the engine).
 _LAZY = {
-    "AsyncModelRunnerOutput": "turnout.worker.model_runner",
-    "ModelRunnerOutput": "turnout.worker.model_runner",
+    "AsyncModelRunnerOutput": "turnout.worker.outputs",
+    "ModelRunnerOutput": "turnout.worker.outputs",
     "SchedulerOutput": "turnout.engine.scheduler",
     "Selection": "turnout.selection",
     "Worker": "turnout.worker.worker",

@@ -7,13 +7,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from turnout.hookspecs import Priority
 from turnout.platform import Platform
+from turnout.priority import Priority
 
 if TYPE_CHECKING:
     from turnout.engine.scheduler import SchedulerOutput
     from turnout.structured_outputs import GrammarOutput
-    from turnout.worker.model_runner import AsyncModelRunnerOutput, ModelRunnerOutput
+    from turnout.worker.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from turnout.engine.scheduler import SchedulerOutput
     from turnout.selection import Selection
     from turnout.structured_outputs import GrammarOutput
-    from turnout.worker.model_runner import ModelRunnerOutput
+    from turnout.worker.outputs import ModelRunnerOutput
 
 logger = logging.getLogger("turnout")
 

@@ -42,9 +42,9 @@ from turnout.distributed import (
     tp_all_gather,
     tp_all_reduce,
 )
-from turnout.hookspecs import Priority
 from turnout.layers.activation import SiluAndMul
 from turnout.platform import Platform
+from turnout.priority import Priority
 
 ExpertOutputs = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (router_logits [T, E], top_k, renormalize) -> (weights [T, k] float32, expert ids [T, k] int64)

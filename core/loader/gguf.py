@@ -13,8 +13,7 @@ import gguf
 import numpy as np
 import torch
 
-from turnout.errors import WeightLoadError
-from turnout.loader.weights import one_line
+from turnout.errors import WeightLoadError, one_line
 
 CONVERT_MARKER = "turnout-convert.json"
 CONVERT_VERSION = 4  # 4: the folder holds no weights; they are read from the GGUF its marker names

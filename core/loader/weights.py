@@ -9,14 +9,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from turnout.errors import WeightLoadError
+from turnout.errors import WeightLoadError, one_line
 
 _kept: dict[Hashable, dict[str, torch.Tensor]] | None = None  # by checkpoint key, while reuse_weights is on
-
-
-def one_line(err: BaseException) -> str:
-    """The error's message on one line, runs of whitespace and newlines as single spaces."""
-    return " ".join(str(err).split())
 
 
 def _index_shards(index: Path) -> list[Path]:

@@ -44,11 +44,11 @@ import torch
 from torch import nn
 
 from turnout.errors import ConfigError, WeightLoadError
-from turnout.hookspecs import Priority
 from turnout.layers.attention import Attention
 from turnout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from turnout.layers.moe import FusedMoE, num_experts
 from turnout.platform import Platform
+from turnout.priority import Priority
 
 LinearLayer = ColumnParallelLinear | RowParallelLinear
 LAYER_KINDS = ("linear", "moe", "lm_head")  # what a method may declare it replaces

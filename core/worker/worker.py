@@ -13,7 +13,8 @@ from turnout.engine.scheduler import SchedulerOutput
 from turnout.layers.moe import FusedMoE
 from turnout.selection import Selection
 from turnout.structured_outputs import GrammarOutput
-from turnout.worker.model_runner import AsyncModelRunnerOutput, ModelRunner, ModelRunnerOutput
+from turnout.worker.model_runner import ModelRunner
+from turnout.worker.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 
 class Worker:

@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from turnout.engine.async_llm import AsyncLLM
-from turnout.engine.core import (
+from turnout.engine.detokenizer import Detokenizer
+from turnout.engine.messages import (
     EngineBusyError,
     EngineDeadError,
     EngineOutput,
     EngineRequest,
     EngineShutdownError,
 )
-from turnout.engine.detokenizer import Detokenizer
 from turnout.entrypoints.openai.protocol import OpenAIError
 from turnout.errors import RequestError, TurnoutError
 from turnout.prompts import context_problem
