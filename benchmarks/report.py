@@ -457,7 +457,7 @@ def gemv_section() -> list[str]:
 
 
 def tune_section() -> list[str]:
-    """The newest prefill tile sweep (tune_triton.py) and the newest decode tile sweep of each head ratio."""
+    """The newest prefill tile sweep and the newest decode tile sweep of each head ratio."""
     out = []
     docs = files("tune-triton")
     for path, doc in [d for d in docs if d[1].get("workload") != "decode-tiles"][:1]:

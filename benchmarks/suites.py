@@ -105,17 +105,6 @@ SUITES = {
             "--json {out}/{stamp}-triton-flashinfer-fa4.json"
         ],
     ),
-    "gemv": Suite(
-        "The Triton GEMV against cuBLAS at the Qwen3-0.6B and Qwen3-8B projection shapes, 1-8 rows, with a "
-        "tile sweep; then its tiles chosen in a captured batch-1 step, where weight reads overlap the kernel "
-        "before",
-        [
-            "python benchmarks/bench_gemv.py --json {out}/{stamp}-triton-vs-cublas.json",
-            "python benchmarks/bench_gemv.py --chain --json {out}/{stamp}-chain.json",
-            "python benchmarks/bench_gemv.py --shape qwen3-8b --prologue --json {out}/{stamp}-qwen3-8b.json",
-            "python benchmarks/bench_gemv.py --shape qwen3-8b --chain --json {out}/{stamp}-8b-chain.json",
-        ],
-    ),
     "fp8": Suite(
         "turnout-fp8's matmul routes (the FP8 GEMV with a sweep of its tiles, the Triton FP8 GEMM, "
         "_scaled_mm with per-token or 1 x 128 activation scales) against bf16 cuBLAS at the Qwen3-8B "
@@ -154,14 +143,6 @@ SUITES = {
         [
             "python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,prefill "
             "--cublas --out {out}"
-        ],
-    ),
-    "tune-triton": Suite(
-        "Sweeps of the Triton attention kernels' tiles, each best checked against torch SDPA: prefill at 4k, "
-        "16k and 4x4k tokens; decode at 64 and 256 requests of 512-2048 keys",
-        [
-            "python benchmarks/tune_triton.py --json {out}/{stamp}-prefill-tiles.json",
-            "python benchmarks/tune_triton.py --decode --json {out}/{stamp}-decode-tiles.json",
         ],
     ),
     "conformance": Suite(
@@ -230,6 +211,15 @@ RETIRED = {
         "Expert parallelism on 2 GPUs: a Qwen3-30B-A3B-shaped random model (12 of 48 layers, 128 experts, "
         "top-8), EP=1 (tp1), EP=2 with TP and with DP attention, and TP=2 with split experts: outputs "
         "against EP=1, the mixed workload's throughput and memory per rank; then float32 EP=2 against EP=1"
+    ),
+    "gemv": (
+        "The Triton GEMV against cuBLAS at the Qwen3-0.6B and Qwen3-8B projection shapes, 1-8 rows, with a "
+        "tile sweep; then its tiles chosen in a captured batch-1 step, where weight reads overlap the kernel "
+        "before"
+    ),
+    "tune-triton": (
+        "Sweeps of the Triton attention kernels' tiles, each best checked against torch SDPA: prefill at 4k, "
+        "16k and 4x4k tokens; decode at 64 and 256 requests of 512-2048 keys"
     ),
 }
 # What each results folder holds, run or retired

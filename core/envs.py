@@ -95,7 +95,7 @@ GEMV_TILES = EnvVar(
     tile_map,
     {},
     "the Triton GEMV's (BLOCK_N, num_warps) per weight shape, e.g. 4096x1024=4,4;1024x3072=8,8 "
-    "(benchmarks/bench_gemv.py --chain finds them); unset shapes keep gemv.tiles()'s choice",
+    "(the gemv records' captured-step sweeps found them); unset shapes keep gemv.tiles()'s choice",
 )
 PDL = EnvVar(
     "TURNOUT_PDL",

@@ -4,7 +4,7 @@ At batch 1 a decode step is a stream of weight reads, launched as ~320 small ker
 Qwen3-0.6B matmuls at about 20-30% of bandwidth there; this kernel streams w once (each program owns
 BLOCK_N output features and walks K in BLOCK_K chunks, all M rows against each w tile, in float32, rounded
 once at the end as cuBLAS does) and takes a batch-1 step's matmuls in 0.7x cuBLAS's time on an H200 at
-M = 1 and 2 (`benchmarks/bench_gemv.py`); cuBLAS wins from M = 4, so linear layers route only
+M = 1 and 2 (`benchmarks/results/gemv/`); cuBLAS wins from M = 4, so linear layers route only
 M <= MAX_M here. Its prologue can also do the op before the matmul, which saves that op's kernel and
 launch gap:
 
@@ -18,8 +18,8 @@ With both, a batch-1 FULL step of the shared decoder runs 236 kernels instead of
 about a quarter lower than with cuBLAS on an H200.
 
 The kernel is in layers/triton_kernels.py. TURNOUT_TRITON_GEMV=0 sends every matmul to F.linear. Tested
-against float64 under TRITON_INTERPRET=1 (tests/test_fused.py); `benchmarks/bench_gemv.py` times it
-against cuBLAS and sweeps its tiles.
+against float64 under TRITON_INTERPRET=1 (tests/test_fused.py); its sweeps against cuBLAS are the records in
+`benchmarks/results/gemv/`, each naming the command and commit that made it.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def tile_overrides() -> dict[tuple[int, int], tuple[int, int]]:
 def tiles(m: int, n: int, k: int, norm: bool = False, silu_mul: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps), unless TURNOUT_GEMV_TILES names the shape. Up to NORM_MAX_K the whole
     row is one tile, so a program reads all its weights before gdc_wait (layers/pdl.py); longer rows go in
-    tiles of 1024 / M_P2. From the H200 sweeps at M = 1 (bench_gemv.py, isolated and --chain):
+    tiles of 1024 / M_P2. From the H200 sweeps at M = 1 (benchmarks/results/gemv/, isolated and in a step):
     - two output features a program, so even N = 1024 gives every SM programs; 8 warps past BLOCK_K 2048,
       where the broadcast product holds M_P2 * BLOCK_N * BLOCK_K floats;
     - with silu_mul at M = 1, four on 4 warps: every program computes SiLU(gate) * up over the whole row
@@ -85,7 +85,7 @@ def tiles(m: int, n: int, k: int, norm: bool = False, silu_mul: bool = False) ->
     - the LM head's 8 on 4 warps;
     - a whole row of 4096 (the 8B shapes: qkv, o, gate_up, the LM head): two on 4 warps, 64 weights a
       thread; the tiles above, which hold 128-256 there, spill (gate_up 131 against 65 us, the LM head
-      703 against 338 us on an H200, bench_gemv.py --shape qwen3-8b)."""
+      703 against 338 us on an H200, benchmarks/results/gemv/, qwen3-8b)."""
     m_p2 = fused.kernels().next_power_of_2(m)
     block_k = fused.kernels().next_power_of_2(k) if norm or k <= NORM_MAX_K else max(64, 1024 // m_p2)
     if block_k >= NORM_MAX_K and not silu_mul:

@@ -15,7 +15,7 @@ is launched with turnout.layers.pdl_launch() and, under PDL, waits for the kerne
 Prefill: a program owns BLOCK_Q query tokens x their QPK heads against one KV head. Key tiles strictly
 below its first row's causal diagonal run in a loop without any mask (one FMA and one exp2 per score);
 the tiles that cross the diagonal run masked after it. Programs start with the longest query tiles. Its
-tiles can be overridden at run time (TURNOUT_TRITON_PREFILL) for benchmarks/tune_triton.py.
+tiles can be overridden at run time (TURNOUT_TRITON_PREFILL) for a tile sweep.
 
 Per-layer features are constexpr flags, so a layer without them runs the kernels above unchanged: WINDOW
 (a sliding window of that many keys, 0 for none) and SOFT_CAP (the logit soft-cap in log2 units, 0 for
@@ -637,12 +637,12 @@ def decode_programs(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
 
 # Tile choices, tuned on an H200 (bf16, head 128; see benchmarks/bench_attention.py): decode 32-key tiles
 # on 2 warps with 4 stages were the fastest of 8 tile sets at batch 64 and 256, context 512-2048 (16 query
-# / 8 KV heads), ~3.7 TB/s at 256 x 512; with 4 or more query heads a KV head (32 / 8, tune_triton.py
-# --decode --heads 32,8), the same tiles on 4 warps were 23% faster than on 2. Capped at 128 registers a
+# / 8 KV heads), ~3.7 TB/s at 256 x 512; with 4 or more query heads a KV head (32 / 8, benchmarks/results/
+# tune-triton/), the same tiles on 4 warps were 23% faster than on 2. Capped at 128 registers a
 # thread (ncu: 150 uncapped, three programs an SM), four programs fit an SM, and at 32 / 8 heads batch 256
 # at 1024 and 2048 keys took 6-7% less time (84.5 -> 90.2% and 87.6 -> 94.0% of 4.3 TB/s); 16 / 8 heads
 # gained nothing (benchmarks/results/attention/*-decode-maxnreg-*). Prefill 128 x 128 tiles on 8 warps
-# reached 360 TFLOP/s at 16k before the mask-free hot loop; benchmarks/tune_triton.py sweeps them.
+# reached 360 TFLOP/s at 16k before the mask-free hot loop (benchmarks/results/tune-triton/).
 def _decode_config(head_p2: int, qpk_p2: int, fp32: bool, sm90: bool | None = None) -> dict:
     """The decode tiles for this device (sm90: Hopper or newer; None: the current GPU's)."""
     if _DECODE_OVERRIDE:
@@ -658,7 +658,7 @@ def _decode_config(head_p2: int, qpk_p2: int, fp32: bool, sm90: bool | None = No
     return dict(rows=rows, block_n=32, warps=4, stages=2, maxnreg=0)
 
 
-# Prefill tiles can be overridden without editing this file, for a tuner (benchmarks/tune_triton.py):
+# Prefill tiles can be overridden without editing this file, for a tile sweep:
 # TURNOUT_TRITON_PREFILL="block_m,block_n,warps,stages[,trans_k]" in the environment, read at each call,
 # applies to every shape and dtype; block_m is raised to the query heads per KV head if below.
 PREFILL_KEYS = ("block_m", "block_n", "warps", "stages", "trans_k")
@@ -670,7 +670,7 @@ def _prefill_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
     if INTERPRET:
         return dict(block_m=max(64, qpk_p2), block_n=32, warps=1, stages=1)  # few, large programs
     if head_p2 <= 128 and not fp32:
-        # 3 stages need ~224 KB of shared memory: Hopper has 228 KB (tune_triton.py on an H200: 463 TFLOP/s
+        # 3 stages need ~224 KB of shared memory: Hopper has 228 KB (a tile sweep on an H200: 463 TFLOP/s
         # at 16k against 415 with 2 stages); Ampere has 164 KB
         return dict(block_m=max(128, qpk_p2), block_n=128, warps=8, stages=3 if _sm90_or_newer() else 2)
     return dict(block_m=max(64, qpk_p2), block_n=32, warps=4, stages=2)
