@@ -16,7 +16,6 @@ import argparse
 import importlib.metadata as md
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,10 +30,10 @@ from turnout.attention import (
 from turnout.bench import CEILINGS, current_platform
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cuda_time_ms, version, write_json  # noqa: E402
+from common import captured, cuda_time_ms, version, write_json  # noqa: E402
 
 PEAK_BW, PEAK_FLOPS = CEILINGS["H200"].bytes_per_s, CEILINGS["H200"].flops_per_s  # copy, bf16 dense matmul
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+WARMUP = 5  # untimed runs before each timing
 
 
 def discover(names: list[str] | None) -> list[AttentionBackend]:
@@ -81,21 +80,8 @@ def make_step(
     return q, k, v, kv_cache, meta
 
 
-def graph_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
-    """cuda_time_ms of fn captured once in a CUDA graph and replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return cuda_time_ms(g.replay, iters, warmup)
-
-
 def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argparse.Namespace) -> dict | None:
-    dtype, heads = DTYPES[args.dtype], (args.num_heads, args.num_kv_heads, args.head_size)
+    dtype, heads = torch.bfloat16, (args.num_heads, args.num_kv_heads, args.head_size)
     m = be.block_size_multiple
     bs = args.block_size if args.block_size % m == 0 else m * -(-args.block_size // m)
     reasons = be.check(AttentionContext(current_platform(), dtype, args.head_size, *heads[:2], bs))
@@ -114,10 +100,10 @@ def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argpar
     def fwd() -> torch.Tensor:
         return be.forward(q, k, v, kv_cache, meta)
 
-    ms = cuda_time_ms(fwd, args.iters, args.warmup)
+    ms = cuda_time_ms(fwd, args.iters, WARMUP)
     S = CudagraphSupport  # one prefill request is a uniform batch
     graphable = be.cudagraph_support >= (S.UNIFORM_DECODE if kind == "decode" else S.UNIFORM_BATCH)
-    g_ms = graph_ms(fwd, args.iters, args.warmup) if graphable and not args.eager else None
+    g_ms = cuda_time_ms(captured(fwd).replay, args.iters, WARMUP) if graphable else None
     row = dict(backend=be.name, kind=kind, batch=batch, context=ctx, block_size=bs)
     row.update(eager_ms=ms, graph_ms=g_ms, meta_ms=meta_ms)
     ms, esz = g_ms or ms, dtype.itemsize
@@ -134,14 +120,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backends", help="comma-separated backend names (default: every valid one)")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--num-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16, help="raised to each backend's block-size multiple")
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--eager", action="store_true", help="skip the CUDA-graph timings")
     p.add_argument("--kinds", choices=("all", "decode", "prefill"), default="all")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256], help="decode batch sizes")
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096], help="decode context lengths")

@@ -5,19 +5,23 @@ a CUDA graph (no launch gaps), back to back over copies of the weights that toge
 --sweep also times a small grid of GEMV tiles and prints the fastest summed over the four shapes;
 kernels.ROUTES and gemv_tiles are set from it.
 
-    python benchmarks/bench_fp8.py [--sweep] [--out FILE.json]
+    python benchmarks/bench_fp8.py [--sweep] [--max-m M] [--out FILE.json]   # suite: fp8
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
 from turnout_fp8 import kernels
 from turnout_fp8.method import dequantize
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import captured, write_json  # noqa: E402
 
 SHAPES = {
     "qkv_proj": (6144, 4096),
@@ -48,16 +52,7 @@ def weights(n: int, k: int, block):
 def graph_us(fn, args: list[tuple], reps: int = 5) -> float:
     """Median microseconds of one fn(*a) call, timed as replays of a CUDA graph that calls it for every a in
     args in turn (each a's tensors distinct, so the weights stream from memory as in a model's step)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for a in args[:2]:
-            fn(*a)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for a in args:
-            fn(*a)
+    g = captured(lambda: [fn(*a) for a in args])
     g.replay()
     times = []
     for _ in range(reps):
@@ -181,17 +176,7 @@ def main() -> None:
     rates = matmul_rates()
     print(f"8192^3 matmul: bf16 {rates['bf16_tflops']:.0f} TFLOP/s, fp8 {rates['fp8_tflops']:.0f} TFLOP/s")
     print(f"{time.time() - t0:.0f} s")
-    if args.out:
-        doc = {
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "command": "python benchmarks/bench_fp8.py" + (" --sweep" if args.sweep else ""),
-            "rows": rows,
-            "matmul_rates": rates,
-        }
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+    write_json(args.out, rows, args, matmul_rates=rates)
 
 
 if __name__ == "__main__":

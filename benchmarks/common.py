@@ -60,6 +60,21 @@ def cuda_time_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def captured(fn: Callable[[], object]) -> Any:
+    """fn captured in a CUDA graph, after a run on a side stream (its allocations made, kernels compiled)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def version(name: str) -> str | None:
     """The installed version of distribution name, None where it is not installed."""
     try:

@@ -3,20 +3,17 @@ the engine's own Python shows (scheduler, input preparation, sampler, update).
 
   python benchmarks/profile_host.py --batch 256 --steps 64 [--temperature 0.6] [--async-scheduling] [--json F]
 
-Prints ms per decode step, each the best of --repeats passes: every stage of turnout.bench.STAGES, timed
+Prints ms per decode step, each the best of REPEATS passes: every stage of turnout.bench.STAGES, timed
 through turnout.bench.stages, and the garbage collector. "outside forward" is the step less the model
 forward and the logits (on a GPU that share runs on the device). Times are this thread's CPU time, with
 torch on one thread, so other processes on a shared machine barely move them; a stage's time includes the
-stages it calls. Timing starts once every request decodes. --cprofile prints cProfile's top functions by
-own time instead, to find what to cut.
+stages it calls. Timing starts once every request decodes.
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
-import pstats
 import sys
 import tempfile
 import time
@@ -29,7 +26,7 @@ from turnout.bench import STAGES, stages, write_tokenizer
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_json  # noqa: E402
 
-VOCAB = 512
+VOCAB, PROMPT_LEN, REPEATS = 512, 32, 3
 spent: dict[str, float] = defaultdict(float)
 
 
@@ -65,12 +62,9 @@ def tiny_llama(path: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--async-scheduling", action="store_true")
-    ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--json", help="also write the times here")
     args = ap.parse_args()
 
@@ -82,25 +76,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         llm = LLM(
             str(tiny_llama(Path(d))), attention_backend="cpu", dtype="float32", max_num_seqs=args.batch,
-            max_model_len=4096, max_num_batched_tokens=args.batch * args.prompt_len,
+            max_model_len=4096, max_num_batched_tokens=args.batch * PROMPT_LEN,
             **({"async_scheduling": True} if args.async_scheduling else {}),
         )  # fmt: skip
         engine = llm.engine
-        sp = SamplingParams(temperature=args.temperature, max_tokens=(args.repeats + 1) * args.steps + 8,
+        sp = SamplingParams(temperature=args.temperature, max_tokens=(REPEATS + 1) * args.steps + 8,
                             ignore_eos=True)  # fmt: skip
         for i in range(args.batch):
-            engine.add_request([(i * 31 + j * 7) % (VOCAB - 3) + 3 for j in range(args.prompt_len)], sp)
+            engine.add_request([(i * 31 + j * 7) % (VOCAB - 3) + 3 for j in range(PROMPT_LEN)], sp)
         for _ in range(4):  # the prefill, then decodes only
             engine.step()
-        if args.cprofile:
-            prof = cProfile.Profile()
-            prof.runcall(lambda: [engine.step() for _ in range(args.steps)])
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-            return
         best: dict[str, float] = {}
         gc.callbacks.append(time_gc)
         with stages(llm, lambda name, call_args: clock(name)):
-            for _ in range(args.repeats):
+            for _ in range(REPEATS):
                 spent.clear()
                 for _ in range(args.steps):
                     engine.step()

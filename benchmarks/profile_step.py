@@ -4,9 +4,9 @@ Batch-1 and batch-256 decode and a long prefill; with --cublas, cuBLAS against t
 
   python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,prefill --cublas
 
-One engine (turnout.LLM, default selection; --engine-per-phase: one each) runs the phases through
-LLMEngine.step. decodeN: N requests of --context random tokens run until all decode, then --warmup steps,
---steps timed (host clock between two synchronisations) and --prof-steps profiled. prefill: one request of
+One engine (turnout.LLM, default selection) runs the phases through LLMEngine.step. decodeN: N requests
+of --context random tokens run until all decode, then WARMUP steps, STEPS timed (host clock between two
+synchronisations) and PROF_STEPS profiled. prefill: one request of
 --prefill-len tokens and max_tokens 1 at a time, --prefill-reps timed and as many profiled. Prompts are
 distinct (no prefix-cache hits). While profiled, the LM head (model.compute_logits) and the sampler run
 between two synchronisations in record_function ranges: kernels that start there are "lm_head" and
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import itertools
-import json
 import math
 import os
 import random
@@ -64,6 +63,8 @@ BUCKETS = [
     ("memcpy/memset", ("memcpy", "memset", "copy", "fill")),
 ]  # fmt: skip
 H200 = CEILINGS["H200"]
+WARMUP, STEPS, PROF_STEPS = 8, 32, 5  # decode steps
+CUBLAS_M = (1, 256)  # rows of the linears --cublas times
 # --gaps: each host stage of turnout.bench.STAGES profiled, as its record_function label; a gap goes to the
 # latest-starting range that covers its midpoint, the innermost stage
 HOST_STAGES = {"add_request": "host:add_request", "schedule": "host:schedule", "update": "host:update",
@@ -178,16 +179,16 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
         t = a.prefill_len
         tokens, kv_reads, pairs = t, 0, t * (t + 1) // 2
     else:
-        batch, n_timed, n_prof = int(phase.removeprefix("decode")), a.steps, a.prof_steps
+        batch, n_timed, n_prof = int(phase.removeprefix("decode")), STEPS, PROF_STEPS
         # requests prefilled first decode while the others prefill: outputs to spare, aborted at the end
-        sp = SamplingParams(temperature=0, max_tokens=a.warmup + n_timed + n_prof + 512, ignore_eos=True)
+        sp = SamplingParams(temperature=0, max_tokens=WARMUP + n_timed + n_prof + 512, ignore_eos=True)
         reqs = [engine.add_request(prompt(a.context), sp) for _ in range(batch)]
         while min(len(r.output_token_ids) for r in reqs) < 2:  # every prefill done: pure decode from here
             engine.step()
         unit = engine.step
-        for _ in range(a.warmup):
+        for _ in range(WARMUP):
             unit()
-        ctx = a.context + a.warmup + n_timed  # keys per request in the profiled steps
+        ctx = a.context + WARMUP + n_timed  # keys per request in the profiled steps
         tokens, kv_reads, pairs = batch, batch * ctx, batch * ctx
     wall = timed(lambda: [unit() for _ in range(n_timed)]) / n_timed * 1e6
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -209,7 +210,7 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
            **(idle_by_stage(prof.events(), n_prof, a.top) if a.gaps else {})}  # fmt: skip
     nbytes = shape.dtype_bytes * shape.weight_params + shape.kv_bytes_per_token * (kv_reads + tokens)
     flops = 2 * shape.weight_params * tokens + shape.attn_flops_per_pair * pairs
-    floor = max(nbytes / a.bandwidth, flops / H200.flops_per_s) * 1e6
+    floor = max(nbytes / H200.bytes_per_s, flops / H200.flops_per_s) * 1e6
     return {**res, "idle_us": wall - res["busy_us"], "floor_us": floor, "seconds": time.perf_counter() - t0}
 
 
@@ -230,7 +231,7 @@ def median_us(fn, x: torch.Tensor, ws: list[torch.Tensor]) -> float:
     return do_bench(lambda: fn(x, next(w)), return_mode="median") * 1e3
 
 
-def cublas_rows(cfg: dict, ms: list[int], bandwidth: float) -> tuple[list[dict], list[dict]]:
+def cublas_rows(cfg: dict, ms: tuple[int, ...] = CUBLAS_M) -> tuple[list[dict], list[dict]]:
     """torch.matmul (cuBLAS) at each linear and M, turnout's gemv at M = 1, over weight copies that hold 4x
     the L2 together; then the sums over one step's layers."""
     from turnout.bench import gemv
@@ -245,7 +246,7 @@ def cublas_rows(cfg: dict, ms: list[int], bandwidth: float) -> tuple[list[dict],
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cub = median_us(lambda a, b: torch.matmul(a, b.T), x, ws)
             gv = median_us(gemv, x, ws) if m == 1 else None
-            fl = nbytes / bandwidth * 1e6
+            fl = nbytes / H200.bytes_per_s * 1e6
             rows.append({"shape": name, "M": m, "N": n, "K": k, "per_step": per, "cublas_us": cub,
                          "gemv_us": gv, "floor_us": fl, "cublas_%floor": 100 * fl / cub,
                          "gemv_%floor": gv and 100 * fl / gv})  # fmt: skip
@@ -255,23 +256,6 @@ def cublas_rows(cfg: dict, ms: list[int], bandwidth: float) -> tuple[list[dict],
         sum(r["per_step"] * r[c] for r in rows if r["M"] == m) if c != "gemv_us" or m == 1 else None
     )
     return rows, [{"M": m, **{c: total(m, c) for c in ("cublas_us", "gemv_us", "floor_us")}} for m in ms]
-
-
-def model_dir(shape: str, max_len: int) -> Path:
-    """The random checkpoint of shape; where its max_position_embeddings is below max_len, a sibling folder
-    of links to its files, with that raised in its own config.json."""
-    path = make_random_model(random_model_dir(shape), shape)
-    cfg = json.loads((path / "config.json").read_text())
-    if cfg.get("max_position_embeddings", 0) >= max_len:
-        return path
-    longer = path.with_name(f"{path.name}-ctx{max_len}")
-    if not (longer / "config.json").exists():
-        longer.mkdir(exist_ok=True)
-        for f in path.iterdir():
-            if f.name != "config.json" and not (longer / f.name).exists():
-                (longer / f.name).symlink_to(f.resolve())
-        (longer / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": max_len}, indent=2))
-    return longer
 
 
 def report(results: list[dict], extra: dict) -> None:
@@ -295,7 +279,7 @@ def report(results: list[dict], extra: dict) -> None:
     if "cublas_error" in extra:
         print(f"\n== linears: FAILED {extra['cublas_error']}")
     if "cublas" in extra:
-        print("\n== linears, us (median): torch.matmul, turnout's gemv; floor: weight bytes / --bandwidth")
+        print("\n== linears, us (median): torch.matmul, turnout's gemv; floor: weight bytes at the H200's")
         print_table([{k: v for k, v in r.items() if k != "per_step"} for r in extra["cublas"]])
         print()
         print_table(extra["cublas_step"])
@@ -308,15 +292,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decode request")
     ap.add_argument("--prefill-len", type=int, default=16384)
     ap.add_argument("--prefill-reps", type=int, default=3, help="prefills timed, and as many profiled")
-    ap.add_argument("--warmup", type=int, default=8, help="decode steps before the timed ones")
-    ap.add_argument("--steps", type=int, default=32, help="decode steps timed")
-    ap.add_argument("--prof-steps", type=int, default=5, help="decode steps profiled")
     ap.add_argument("--top", type=int, default=10, help="kernels listed per phase")
     ap.add_argument("--gaps", action="store_true", help="also: GPU-idle time by the host stage it falls in")
-    ap.add_argument("--engine-per-phase", action="store_true", help="a fresh engine for each phase")
     ap.add_argument("--cublas", action="store_true", help="also time the linears: cuBLAS, turnout's gemv")
-    ap.add_argument("--cublas-m", type=int, nargs="+", default=[1, 256])
-    ap.add_argument("--bandwidth", type=float, default=H200.bytes_per_s, help="bytes/s for the floors")
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/profile", help="JSON dir")
     args = ap.parse_args()
     if args.random_model not in SHAPES:
@@ -330,28 +308,23 @@ def main() -> None:
     if args.cublas and torch.cuda.is_available():  # first, on an empty GPU
         try:
             cfg = SHAPES[args.random_model][1]
-            extra["cublas"], extra["cublas_step"] = cublas_rows(cfg, args.cublas_m, args.bandwidth)
+            extra["cublas"], extra["cublas_step"] = cublas_rows(cfg)
         except Exception:
             traceback.print_exc()
             extra["cublas_error"] = traceback.format_exc().strip().splitlines()[-1]
         write_json(out, results, args, **extra)
-    max_len = max(args.prefill_len, args.context + args.warmup + args.steps + args.prof_steps + 512) + 1024
-    path = model_dir(args.random_model, max_len)
+    max_len = max(args.prefill_len, args.context + WARMUP + STEPS + PROF_STEPS + 512) + 1024
+    path = make_random_model(random_model_dir(args.random_model), args.random_model)
     shape = Shape.from_checkpoint(path, 2)
     batches = [int(p.removeprefix("decode")) for p in phases if p.startswith("decode")]
     kw = {"max_num_seqs": max(batches)} if max(batches, default=0) > 256 else {}
     if args.prefill_len > 16384:  # past the default budget of a large GPU: still one step
         kw["max_num_batched_tokens"] = args.prefill_len
-    llm, rng = None, random.Random(0)
+    from turnout import LLM
+
+    llm, rng = LLM(str(path), max_model_len=max_len, **kw), random.Random(0)
     for phase in phases:
         try:
-            if llm is None or args.engine_per_phase:
-                if llm is not None:
-                    llm.shutdown()  # the worker frees its model, KV cache and graphs
-                    llm = None
-                from turnout import LLM
-
-                llm = LLM(str(path), max_model_len=max_len, **kw)
             res = run_phase(llm, phase, args, rng, shape)
         except Exception:
             traceback.print_exc()
@@ -359,8 +332,7 @@ def main() -> None:
         results.append(res)
         print(phase, {k: v for k, v in res.items() if k not in ("buckets", "top")}, flush=True)
         write_json(out, results, args, **extra)
-    if llm is not None:
-        llm.shutdown()
+    llm.shutdown()
     report(results, extra)
 
 
