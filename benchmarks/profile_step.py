@@ -5,8 +5,8 @@ Batch-1 and batch-256 decode and a long prefill; with --cublas, cuBLAS against t
   python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,prefill --cublas
 
 One engine (turnout.LLM, default selection) runs the phases through LLMEngine.step. decodeN: N requests
-of --context random tokens run until all decode, then WARMUP steps, STEPS timed (host clock between two
-synchronisations) and PROF_STEPS profiled. prefill: one request of
+of --context random tokens run until all decode, then --warmup steps, --steps timed (host clock between two
+synchronisations) and --prof-steps profiled. prefill: one request of
 --prefill-len tokens and max_tokens 1 at a time, --prefill-reps timed and as many profiled. Prompts are
 distinct (no prefix-cache hits). While profiled, the LM head (model.compute_logits) and the sampler run
 between two synchronisations in record_function ranges: kernels that start there are "lm_head" and
@@ -63,7 +63,6 @@ BUCKETS = [
     ("memcpy/memset", ("memcpy", "memset", "copy", "fill")),
 ]  # fmt: skip
 H200 = CEILINGS["H200"]
-WARMUP, STEPS, PROF_STEPS = 8, 32, 5  # decode steps
 CUBLAS_M = (1, 256)  # rows of the linears --cublas times
 # --gaps: each host stage of turnout.bench.STAGES profiled, as its record_function label; a gap goes to the
 # latest-starting range that covers its midpoint, the innermost stage
@@ -179,16 +178,16 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
         t = a.prefill_len
         tokens, kv_reads, pairs = t, 0, t * (t + 1) // 2
     else:
-        batch, n_timed, n_prof = int(phase.removeprefix("decode")), STEPS, PROF_STEPS
+        batch, n_timed, n_prof = int(phase.removeprefix("decode")), a.steps, a.prof_steps
         # requests prefilled first decode while the others prefill: outputs to spare, aborted at the end
-        sp = SamplingParams(temperature=0, max_tokens=WARMUP + n_timed + n_prof + 512, ignore_eos=True)
+        sp = SamplingParams(temperature=0, max_tokens=a.warmup + n_timed + n_prof + 512, ignore_eos=True)
         reqs = [engine.add_request(prompt(a.context), sp) for _ in range(batch)]
         while min(len(r.output_token_ids) for r in reqs) < 2:  # every prefill done: pure decode from here
             engine.step()
         unit = engine.step
-        for _ in range(WARMUP):
+        for _ in range(a.warmup):
             unit()
-        ctx = a.context + WARMUP + n_timed  # keys per request in the profiled steps
+        ctx = a.context + a.warmup + n_timed  # keys per request in the profiled steps
         tokens, kv_reads, pairs = batch, batch * ctx, batch * ctx
     wall = timed(lambda: [unit() for _ in range(n_timed)]) / n_timed * 1e6
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -292,6 +291,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decode request")
     ap.add_argument("--prefill-len", type=int, default=16384)
     ap.add_argument("--prefill-reps", type=int, default=3, help="prefills timed, and as many profiled")
+    ap.add_argument("--warmup", type=int, default=8, help="decode steps before the timed ones")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps timed")
+    ap.add_argument("--prof-steps", type=int, default=5, help="decode steps profiled")
     ap.add_argument("--top", type=int, default=10, help="kernels listed per phase")
     ap.add_argument("--gaps", action="store_true", help="also: GPU-idle time by the host stage it falls in")
     ap.add_argument("--cublas", action="store_true", help="also time the linears: cuBLAS, turnout's gemv")
@@ -313,7 +315,7 @@ def main() -> None:
             traceback.print_exc()
             extra["cublas_error"] = traceback.format_exc().strip().splitlines()[-1]
         write_json(out, results, args, **extra)
-    max_len = max(args.prefill_len, args.context + WARMUP + STEPS + PROF_STEPS + 512) + 1024
+    max_len = max(args.prefill_len, args.context + args.warmup + args.steps + args.prof_steps + 512) + 1024
     path = make_random_model(random_model_dir(args.random_model), args.random_model)
     shape = Shape.from_checkpoint(path, 2)
     batches = [int(p.removeprefix("decode")) for p in phases if p.startswith("decode")]
