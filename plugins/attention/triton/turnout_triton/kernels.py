@@ -576,7 +576,7 @@ def paged_attention(
     prec = _precision(q.dtype)
     p2, hp2 = triton.next_power_of_2, _head_p2(head)
     scale_log2 = scale * LOG2E
-    dec = _decode_config(hp2, p2(qpk), q.dtype == torch.float32)
+    dec = _decode_config(hp2, p2(qpk), q.dtype == torch.float32, latent=bool(kv_lora_rank))
     s = num_splits
     part_o = out if s == 1 else torch.empty((b, h, s, head), dtype=torch.float32, device=q.device)
     part_lse = out if s == 1 else torch.empty((b, h, s), dtype=torch.float32, device=q.device)
@@ -665,7 +665,8 @@ def _launch_prefill(
     qpk, hp2 = h // kvh, _head_p2(head)
     qpk_p2 = triton.next_power_of_2(qpk)
     prec = _precision(q.dtype)
-    cfg = _fit_config(config or _prefill_config(hp2, qpk_p2, q.dtype == torch.float32), qpk_p2)
+    fp32 = q.dtype == torch.float32
+    cfg = _fit_config(config or _prefill_config(hp2, qpk_p2, fp32, bool(kv_lora_rank)), qpk_p2)
     bq = cfg["block_m"] // qpk_p2
     return _prefill_kernel[(t // bq + b, kvh)](
         q, kc, vc, out, query_start_loc, seq_lens, block_table, scale * LOG2E, b, k_scale, v_scale,
@@ -701,13 +702,20 @@ def decode_programs(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
 # at 1024 and 2048 keys took 6-7% less time (84.5 -> 90.2% and 87.6 -> 94.0% of 4.3 TB/s); 16 / 8 heads
 # gained nothing (benchmarks/results/attention/*-decode-maxnreg-*). Prefill 128 x 128 tiles on 8 warps
 # reached 360 TFLOP/s at 16k before the mask-free hot loop; benchmarks/tune_triton.py sweeps them.
-def _decode_config(head_p2: int, qpk_p2: int, fp32: bool, sm90: bool | None = None) -> dict:
+# The latent layout's tiles (latent=True: HEAD 512 + PE 64) are not measured on a GPU: they are those for
+# which ptxas (sm_90a, Triton 3.9) reports no spills at 16 and 8 query heads; 32-key decode tiles on 4 warps
+# spilled 744 bytes a thread, 64 x 32 prefill tiles on 4 warps 6 KB.
+def _decode_config(
+    head_p2: int, qpk_p2: int, fp32: bool, sm90: bool | None = None, latent: bool = False
+) -> dict:
     """The decode tiles for this device (sm90: Hopper or newer; None: the current GPU's)."""
     if _DECODE_OVERRIDE:
         return _parse_decode_config(_DECODE_OVERRIDE, qpk_p2)
     if INTERPRET:
         return dict(rows=qpk_p2, block_n=32, warps=1, stages=1, maxnreg=0)
     rows = max(16, qpk_p2)  # tl.dot needs M >= 16
+    if latent:
+        return dict(rows=rows, block_n=16, warps=8, stages=2, maxnreg=0)
     if head_p2 <= 128 and not fp32:
         if qpk_p2 <= 2:
             return dict(rows=rows, block_n=32, warps=2, stages=4, maxnreg=0)
@@ -722,11 +730,13 @@ def _decode_config(head_p2: int, qpk_p2: int, fp32: bool, sm90: bool | None = No
 PREFILL_KEYS = ("block_m", "block_n", "warps", "stages", "trans_k")
 
 
-def _prefill_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
+def _prefill_config(head_p2: int, qpk_p2: int, fp32: bool, latent: bool = False) -> dict:
     if _PREFILL_OVERRIDE:
         return _parse_config(_PREFILL_OVERRIDE)
     if INTERPRET:
         return dict(block_m=max(64, qpk_p2), block_n=32, warps=1, stages=1)  # few, large programs
+    if latent:
+        return dict(block_m=max(32, qpk_p2), block_n=32, warps=8, stages=1)
     if head_p2 <= 128 and not fp32:
         # 3 stages need ~224 KB of shared memory: Hopper has 228 KB (tune_triton.py on an H200: 463 TFLOP/s
         # at 16k against 415 with 2 stages); Ampere has 164 KB
