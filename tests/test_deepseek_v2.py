@@ -5,8 +5,10 @@ attention backend and MoE kernel in Triton's interpreter. Two tiny random checkp
 (q_lora_rank set and None), YaRN rope with mscale_all_dim (and default rope), both top-k methods
 (group_limited_greedy with n_group / topk_group, greedy), routed_scaling_factor, one and two shared experts,
 a dense first layer (first_k_dense_replace = 1), attention biases, and v_head_dim above and below the q/k
-head size. The router is checked against HF's alone; a config value the plugin does not implement, and a
-checkpoint missing one expert's tensor, are refused in one line."""
+head size. The KV cache holds the latent vector (kv_lora_rank + qk_rope_head_dim a token and layer), which
+flash_attn and flashinfer cannot serve, in the model dtype only. The router is checked against HF's alone; a
+config value the plugin does not implement, and a checkpoint missing one expert's tensor, are refused in one
+line."""
 
 from __future__ import annotations
 
