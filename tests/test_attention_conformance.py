@@ -281,6 +281,54 @@ def test_fp8_kv_cache(
     _run(be, batch, gqa, head, dtype, seed=11, shape=LARGE if ON_CUDA else SMALL, fp8=scales)
 
 
+MLA_CASES = [  # (batch, dtype, query heads over the one latent head, kv_lora_rank, rope dims): every phase,
+    # widths that are powers of two and widths that are not (48 + 8), and DeepSeek-V2-Lite's 512 + 64 x 16
+    ("decode", torch.float32, 4, 64, 16),
+    ("prefill", torch.bfloat16, 2, 48, 8),
+    ("prefix", torch.float16, 4, 64, 16),
+    ("chunked", torch.float32, 8, 48, 8),
+    ("mixed", torch.bfloat16, 16, 512, 64),
+    ("padded", torch.float32, 4, 64, 16),
+    ("unordered", torch.float16, 2, 48, 8),
+]
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize(
+    "batch,dtype,heads,rank,rope", MLA_CASES, ids=[f"{b}-{str(d)[6:]}-{r}+{e}" for b, d, _, r, e in MLA_CASES]
+)
+def test_mla_latent_cache(be: AttentionBackend, batch: str, dtype: torch.dtype, heads: int, rank: int,
+                          rope: int) -> None:  # fmt: skip
+    """Multi-head latent attention ("mla" spec, spec.kv_lora_rank): one KV head of rank + rope dims whose
+    first rank dims are the values. The cache [num_blocks, block_size, 1, rank + rope] gets k alone, bit for
+    bit, poison untouched; the output [T, H, rank] matches the float64 reference over keys and values read
+    from that one cache. Backends that do not serve "mla" skip."""
+    head, bs = rank + rope, _block_size(be)
+    if reasons := be.check(AttentionContext(PLATFORM, dtype, head, heads, 1, bs, kv_lora_rank=rank)):
+        pytest.skip(f"{be.name}: " + "; ".join(reasons))
+    kinds, pad, decode_first = BATCHES[batch]
+    rng = random.Random(f"mla-{batch}-{heads}-{head}-{dtype}")
+    shape = {**(LARGE if ON_CUDA else SMALL), "num_kv_heads": 1}
+    c = make_case(rng, gqa=heads, head_size=head, dtype=dtype, block_size=bs, kinds=kinds, pad_tokens=pad,
+                  decode_first=decode_first, device=DEVICE, **shape)  # fmt: skip
+    cache, expected_cache = c.kv_cache[0].clone(), c.expected_cache[0]  # the keys' pages only
+    expected = ref_paged_attention(c.q, torch.stack([expected_cache] * 2), c.meta, c.scale, 1)[..., :rank]
+    be.setup(AttentionSpec(heads, 1, head, dtype, bs, c.scale, 1, kv_lora_rank=rank))
+    assert be.kv_cache_shape(cache.shape[0], bs, 1, head) == tuple(cache.shape)
+    inputs = [x.clone() for x in (c.q, c.k)]
+    c.meta.backend_data = be.build_metadata(c.meta)
+    out = be.attend(c.q, c.k, c.k[..., :rank], cache, c.meta, be.spec.layer(0))
+    n, m = c.meta.num_actual_tokens, c.meta
+    where = f"{be.name} {batch}: {c.kinds}, seq_lens={m.seq_lens.tolist()} cu={m.query_start_loc.tolist()}"
+    assert out.shape == (c.q.shape[0], heads, rank) and out.dtype == dtype, where
+    assert torch.isfinite(out[:n]).all(), f"non-finite output: {where}"
+    err = ((out[:n].double() - expected).norm() / expected.norm()).item()
+    assert err <= TOL[dtype], f"relative error {err:.2e} > {TOL[dtype]:.0e}: {where}"
+    changed = (cache.view(torch.uint8) != expected_cache.view(torch.uint8)).nonzero()
+    assert changed.numel() == 0, f"cache differs from a write at slot_mapping at bytes {changed[:4].tolist()}"
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (c.q, c.k))), f"q or k modified: {where}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("be", BACKENDS)
 @pytest.mark.parametrize("batch", ["decode", "chunked", "mixed"])

@@ -97,9 +97,9 @@ def test_a_cpu_kv_cache_is_zero_and_costs_no_memory_until_written() -> None:
     be = CPUAttentionBackend()
     be.setup(spec)
     before = _rss_bytes()
-    caches = allocate_kv_caches(be, spec, blocks_in(1 << 30, be, spec), torch.device("cpu"))
+    caches = allocate_kv_caches(be, spec, blocks_in(1 << 30, spec), torch.device("cpu"))
     assert _rss_bytes() - before < 64 << 20  # a memset would have taken the whole GiB
-    assert sum(c.nbytes for c in caches) > (1 << 30) - kv_bytes_per_block(be, spec)
+    assert sum(c.nbytes for c in caches) > (1 << 30) - kv_bytes_per_block(spec)
     caches[3][1, 7] = 1.0
     assert all(c.is_contiguous() and c.dtype == torch.bfloat16 for c in caches)
     assert caches[3][1, 7].all() and caches[3].sum() == caches[3][1, 7].numel() and not caches[4].any()

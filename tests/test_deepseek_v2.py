@@ -5,8 +5,10 @@ attention backend and MoE kernel in Triton's interpreter. Two tiny random checkp
 (q_lora_rank set and None), YaRN rope with mscale_all_dim (and default rope), both top-k methods
 (group_limited_greedy with n_group / topk_group, greedy), routed_scaling_factor, one and two shared experts,
 a dense first layer (first_k_dense_replace = 1), attention biases, and v_head_dim above and below the q/k
-head size. The router is checked against HF's alone; a config value the plugin does not implement, and a
-checkpoint missing one expert's tensor, are refused in one line."""
+head size. The KV cache holds the latent vector (kv_lora_rank + qk_rope_head_dim a token and layer), which
+flash_attn and flashinfer cannot serve, in the model dtype only. The router is checked against HF's alone; a
+config value the plugin does not implement, and a checkpoint missing one expert's tensor, are refused in one
+line."""
 
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from turnout_deepseek_v2.model import deepseek_routing, head_size
+from turnout_deepseek_v2.model import deepseek_routing
 
 from turnout import LLM, SamplingParams, TurnoutError
+from turnout.attention.kv_spec import FullAttentionSpec, MLAAttentionSpec, kv_cache_config
 from turnout.layers import moe
 from turnout.models.info import ModelInfo
+from turnout.platform import Platform
 
 from tiny_models import (
     TOKENIZER_VOCAB,
@@ -55,6 +59,7 @@ CONFIGS = {  # case -> its own keys
                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }  # fmt: skip
 
+H200 = Platform("cuda", "H200", 1, (9, 0), 141 << 30, (torch.float16, torch.bfloat16, torch.float32))
 _rng = random.Random(7)
 PROMPTS = [[_rng.randrange(3, TOKENIZER_VOCAB) for _ in range(_rng.randrange(10, 40))] for _ in range(8)]
 
@@ -95,17 +100,75 @@ def test_greedy_matches_hf(checkpoint, case: str) -> None:
     assert_matches_reference(llm, path, ref, PROMPTS, GREEDY, **KW)
 
 
-def test_cache_holds_per_head_k_and_v_of_one_head_size(checkpoint) -> None:
-    """Every layer's Attention takes q, k and v of max(qk_nope + qk_rope, v_head_dim) on 4 heads, the size
-    selection checks the backend against; the layers share one rotary table."""
+def test_cache_holds_the_latent_vector(checkpoint) -> None:
+    """Every layer's KV tensor holds kv_lora_rank + qk_rope_head_dim values a token (one latent head, no
+    separate K and V), the MLA spec sizes it, and the same memory holds that many more blocks than per-head
+    K and V (padded to max(qk_nope + qk_rope, v_head_dim)) did."""
     path, _ = checkpoint("q-proj-greedy")
     llm = LLM(str(path), **KW)
-    model = llm.engine.executor.worker.runner.model
+    runner = llm.engine.executor.worker.runner
     cfg = json.loads((path / "config.json").read_text())
-    attns = [layer.self_attn for layer in model.model.layers]
-    assert head_size(cfg) == ModelInfo.from_dir(path).head_size == 40
-    assert {(a.attn.num_heads, a.attn.head_size) for a in attns} == {(4, 40)}
+    latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]  # 32 + 8
+    info = ModelInfo.from_dir(path)
+    assert (info.head_size, info.num_kv_heads, info.kv_lora_rank) == (latent, 1, 32)
+    attns = [layer.self_attn for layer in runner.model.model.layers]
+    assert {(a.attn.num_heads, a.attn.num_kv_heads, a.attn.head_size) for a in attns} == {(4, 1, latent)}
     assert len({id(a.rotary) for a in attns}) == 1 and attns[0].rotary.cos.shape[1] == 8 // 2  # rope dims
+    (spec,) = set(runner.kv_cache_specs())
+    assert isinstance(spec, MLAAttentionSpec) and spec.page_size_bytes == KW["block_size"] * latent * 4
+    layers, blocks = len(attns), llm.engine.num_blocks
+    assert [tuple(t.shape) for t in runner.kv_cache_tensors] == [
+        (blocks, KW["block_size"], 1, latent)
+    ] * layers
+    per_token = [t.numel() // (blocks * KW["block_size"]) for t in runner.kv_cache_tensors]
+    assert per_token == [latent] * layers
+    standard = 2 * cfg["num_attention_heads"] * max(32, cfg["v_head_dim"])  # per-head K and V: 2 x 4 x 40
+    budget = KW["cpu_kv_cache_bytes"]
+    assert blocks == budget // (layers * KW["block_size"] * latent * 4)
+    assert blocks // (budget // (layers * KW["block_size"] * standard * 4)) == standard // latent == 8
+    assert [g.spec.describe() for g in llm.engine.kv_cache_config.groups] == ["mla 32+8"]
+
+
+def test_deepseek_v2_lite_takes_576_values_a_token_and_layer() -> None:
+    """DeepSeek-V2-Lite's shape: 512 + 64 latent values a token and layer, 1,152 bytes in bfloat16, against
+    per-head K and V's 2 x 16 x 192 (12,288 bytes)."""
+    lite = MLAAttentionSpec(16, 1, 512 + 64, torch.bfloat16, 512)
+    assert lite.bytes_per_token == 1152 and lite.page_size_bytes == 16 * 1152
+    assert FullAttentionSpec(16, 16, 192, torch.bfloat16).bytes_per_token == 12288
+    assert kv_cache_config([[lite] * 27]).describe() == ["group 0: mla 512+64, 27 layers"]
+
+
+def test_flash_attn_and_flashinfer_cannot_serve_the_latent_cache(checkpoint, triton_kernels) -> None:
+    """On an H200 the selection refuses them with the reason and runs Triton alone: no per-phase pair.
+    (Off CUDA Triton's kernels are checked as the interpreter imports them.)"""
+    triton_kernels()
+    from turnout_deepseek_v2 import turnout_model_architectures
+
+    from turnout.plugins import PluginManager
+    from turnout.selection import attention_candidates, attention_context, choose_attention
+
+    path, _ = checkpoint("q-proj-greedy")
+    (arch,) = turnout_model_architectures()
+    ctx = attention_context(ModelInfo.from_dir(path), arch, H200, torch.bfloat16, 16)
+    assert ctx.kv_cache_specs == {"mla"} and ctx.kv_lora_rank == 32
+    pm = PluginManager()
+    pm.load_entry_points()
+    candidates = attention_candidates(pm, ctx)
+    reasons = {c.name: c.reasons for c in candidates}
+    for name in ("flash_attn", "flashinfer"):
+        assert "KV-cache spec mla unsupported (serves full)" in reasons[name], reasons[name]
+    assert choose_attention(candidates, "auto", ctx).chosen.name == "triton"
+    with pytest.raises(TurnoutError, match="KV-cache spec mla unsupported") as e:
+        LLM(str(path), attention_backend="flashinfer", **KW)
+    assert "\n" not in str(e.value)
+
+
+def test_an_fp8_kv_cache_is_refused(checkpoint) -> None:
+    """The latent cache runs in the model dtype only: kv_cache_dtype fp8 is one line, before any load."""
+    path, _ = checkpoint("q-proj-greedy")
+    with pytest.raises(TurnoutError, match="kv_cache_dtype fp8 unsupported for DeepseekV2ForCausalLM") as e:
+        LLM(str(path), kv_cache_dtype="fp8", **KW)
+    assert "\n" not in str(e.value)
 
 
 PARALLEL = [

@@ -187,8 +187,8 @@ def test_gemma3_like_kv_memory_at_32k_is_under_a_third_of_full_attention() -> No
         spec = _gemma3_like(window)
         be.setup(spec)
         config = kv_cache_config([spec.kv_cache_specs()])
-        sizes[window] = [kv_cache.kv_bytes_for_tokens(be, spec, config, 32768, c) for c in (None, 2048)]
-        blocks = int((1 << 33) // kv_cache.kv_bytes_per_block(be, spec, config.group_size))
+        sizes[window] = [kv_cache.kv_bytes_for_tokens(spec, config, 32768, c) for c in (None, 2048)]
+        blocks = int((1 << 33) // kv_cache.kv_bytes_per_block(spec, config.group_size))
         sizes[window].append(config.max_tokens(blocks, 2048))
     (decode, chunked, longest), (full_decode, full_chunked, full_longest) = sizes[1024], sizes[None]
     assert full_decode == full_chunked == 48 * 2 * 32768 * 8 * 256 * 2  # 48 layers of K and V in bf16
@@ -268,10 +268,10 @@ def test_backends_declare_the_specs_they_serve() -> None:
     from turnout_flashinfer.backend import FlashInferBackend
     from turnout_triton.backend import TritonAttentionBackend
 
-    both = ("full", "sliding_window")
-    assert CPUAttentionBackend.kv_cache_specs == TritonAttentionBackend.kv_cache_specs == both
+    every = ("full", "sliding_window", "mla")
+    assert CPUAttentionBackend.kv_cache_specs == TritonAttentionBackend.kv_cache_specs == every
     assert FlashInferBackend.kv_cache_specs == FlashAttnBackend.kv_cache_specs == ("full",)
     with pytest.raises(TypeError, match="unknown kv_cache_specs"):
         type("Bad", (AttentionBackend,), {"name": "bad", "device_types": ("cpu",), "dtypes": (torch.float32,),
-                                          "kv_cache_specs": ("mla",), "forward": lambda *a: None,
+                                          "kv_cache_specs": ("latent",), "forward": lambda *a: None,
                                           "attention_features": frozenset(LAYER_FEATURES)})  # fmt: skip

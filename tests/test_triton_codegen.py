@@ -37,18 +37,27 @@ def compile_(fn, consts, fp8, **opts):
 
 
 for window, cap, cache in (v.split(":") for v in sys.argv[1:]):
-    window, cap, fp8 = int(window), float(cap) * LOG2E, cache == "fp8"
-    feats = dict(WINDOW=window, SOFT_CAP=cap, PDL=True, PREC="tf32", HEAD=128, HEAD_P2=128, BLOCK_SIZE=16,
-                 FP8=fp8)
-    for qpk in (2, 4):  # the tiles an H200 gets at 16 / 8 and 32 / 8 heads, the register cap included
-        cfg = kernels._decode_config(128, qpk, False, sm90=True)
+    window, cap, fp8, mla = int(window), float(cap) * LOG2E, cache == "fp8", cache == "mla"
+    # the latent layout at DeepSeek-V2-Lite's 512 + 64, 16 and 8 query heads (TP 1 and 2) on its one KV head
+    head, pe, qpks = (512, 64, (16, 8)) if mla else (128, 0, (2, 4))
+    feats = dict(WINDOW=window, SOFT_CAP=cap, PDL=True, PREC="tf32", HEAD=head, HEAD_P2=head, BLOCK_SIZE=16,
+                 FP8=fp8, PE=pe, PE_P2=pe or 1)
+    for qpk in qpks:  # the tiles an H200 gets at 16 / 8 and 32 / 8 heads, the register cap included
+        cfg = kernels._decode_config(head, qpk, False, sm90=True, latent=mla)
         tiles = dict(QPK=qpk, ROWS=cfg["rows"], BLOCK_N=cfg["block_n"], NUM_SPLITS=4, SPLIT_KEYS=512,
                      MAX_SPLITS=16)
         compile_(kernels._decode_kernel, dict(**tiles, **feats), fp8, num_warps=cfg["warps"],
                  num_stages=cfg["stages"], **kernels._maxnreg(cfg))
-    compile_(kernels._prefill_kernel, dict(QPK=2, QPK_P2=2, BLOCK_Q=64, BLOCK_N=128, K_T=False, **feats),
-             fp8, num_warps=8, num_stages=3)
-    store = dict(HEAD=128, HEAD_P2=128, KVH_P2=8, PDL=True, FP8=fp8)
+    if mla:
+        cfg = kernels._fit_config(kernels._prefill_config(head, 16, False, latent=True), 16)
+        compile_(kernels._prefill_kernel, dict(QPK=16, QPK_P2=16, BLOCK_Q=cfg["block_m"] // 16,
+                 BLOCK_N=cfg["block_n"], K_T=False, **feats), fp8, num_warps=cfg["warps"],
+                 num_stages=cfg["stages"])
+    else:
+        compile_(kernels._prefill_kernel, dict(QPK=2, QPK_P2=2, BLOCK_Q=64, BLOCK_N=128, K_T=False, **feats),
+                 fp8, num_warps=8, num_stages=3)
+    store = dict(HEAD=head + pe, HEAD_P2=1024 if mla else 128, KVH_P2=1 if mla else 8, PDL=True, FP8=fp8,
+                 K_ONLY=mla)
     compile_(kernels._store_kv_kernel, store, fp8, num_warps=4)
 print("compiled")
 """
@@ -57,14 +66,14 @@ print("compiled")
 @pytest.mark.slow
 def test_the_per_layer_feature_variants_compile_for_sm90() -> None:
     """A sliding window, a soft-cap, and both (window:cap:cache; 0 is none), on the bf16 paths' H200 tiles,
-    over a bf16 cache and an FP8 one (kv_cache_dtype fp8). (triton is not imported here: this process may
-    need it under the interpreter.)"""
+    over a bf16 cache and an FP8 one (kv_cache_dtype fp8); and the MLA latent layout at DeepSeek-V2-Lite's
+    shape. (triton is not imported here: this process may need it under the interpreter.)"""
     if importlib.util.find_spec("triton") is None or not importlib.util.find_spec("triton.backends.nvidia"):
         pytest.skip("needs triton with its NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, without its warning
     res = subprocess.run(
-        [sys.executable, "-c", SCRIPT, "7:0:bf16", "0:50:bf16", "4096:50:bf16", "0:0:fp8", "7:50:fp8"],
-        env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", SCRIPT, "7:0:bf16", "0:50:bf16", "4096:50:bf16", "0:0:fp8", "7:50:fp8",
+         "0:0:mla"], env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]

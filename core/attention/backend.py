@@ -20,6 +20,11 @@ An FP8 cache (kv_cache_dtype "fp8", vLLM's names and format) holds float8_e4m3fn
 scales: key x is stored as e4m3(clamp(x / layer.k_scale, -448, 448)), rounded to nearest even, and read as
 stored * layer.k_scale in float32; values likewise with v_scale. A backend reads the cache dtypes it
 declares in kv_cache_dtypes; selection refuses it the others.
+
+Multi-head latent attention (spec.kv_lora_rank set; the "mla" KV-cache spec), in its absorbed form: Hkv is
+1 and D = kv_lora_rank + qk_rope_head_dim. k [T, 1, D] is the latent vector, the key of every query head;
+v is k[..., :kv_lora_rank], the values, which the cache does not hold apart: kv_cache is
+[num_blocks, block_size, 1, D], written with k alone. forward returns [T, H, kv_lora_rank].
 """
 
 from __future__ import annotations
@@ -32,7 +37,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from turnout.attention.kv_spec import KV_CACHE_SPEC_KINDS, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from turnout.attention.kv_spec import (
+    KV_CACHE_SPEC_KINDS,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from turnout.envs import EnvVar
 from turnout.errors import ConfigError
 from turnout.platform import Platform
@@ -136,11 +147,15 @@ class AttentionContext:
     block_size: int
     features: frozenset[str] = frozenset()
     kv_cache_dtype: str = "auto"
+    kv_lora_rank: int | None = None  # multi-head latent attention: head_size is the latent vector's
 
     @property
     def kv_cache_specs(self) -> frozenset[str]:
-        """The KV-cache spec kinds (KV_CACHE_SPEC_KINDS) the layers need: "sliding_window" where some layer
-        has a window, "full" always (a model's declaration does not say whether every layer has one)."""
+        """The KV-cache spec kinds (KV_CACHE_SPEC_KINDS) the layers need: "mla" for multi-head latent
+        attention; else "sliding_window" where some layer has a window, and "full" always (a model's
+        declaration does not say whether every layer has one)."""
+        if self.kv_lora_rank:
+            return frozenset({"mla"})
         return frozenset({"full"} | ({"sliding_window"} & self.features))
 
 
@@ -158,6 +173,9 @@ class AttentionSpec:
     num_layers: int  # attention layers on this rank (this pipeline stage's)
     layers: tuple[AttentionLayerSpec, ...] = ()  # by layer_idx; empty: every layer is plain, at `scale`
     kv_cache_dtype: str = "auto"  # a KV_CACHE_DTYPES name
+    # multi-head latent attention (see the module docstring): num_kv_heads 1, head_size the latent vector's,
+    # values its first kv_lora_rank dims; None: keys and values of head_size each
+    kv_lora_rank: int | None = None
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -173,10 +191,17 @@ class AttentionSpec:
         """The LAYER_FEATURES these layers use (layer_features)."""
         return layer_features(self.layers)
 
+    @property
+    def v_head_size(self) -> int:
+        """The values' head size, that of forward's output: kv_lora_rank under MLA, else head_size."""
+        return self.kv_lora_rank or self.head_size
+
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """Each layer's KVCacheSpec, by layer_idx: SlidingWindowSpec where it has a window, else
-        FullAttentionSpec."""
+        """Each layer's KVCacheSpec, by layer_idx: MLAAttentionSpec under multi-head latent attention, else
+        SlidingWindowSpec where the layer has a window, else FullAttentionSpec."""
         shape = (self.block_size, self.num_kv_heads, self.head_size, self.cache_dtype)
+        if self.kv_lora_rank:
+            return [MLAAttentionSpec(*shape, self.kv_lora_rank)] * self.num_layers
         windows = [self.layer(i).sliding_window for i in range(self.num_layers)]
         return [SlidingWindowSpec(*shape, w) if w else FullAttentionSpec(*shape) for w in windows]
 
@@ -346,8 +371,11 @@ class AttentionBackend:
         return self._spec
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
-        """Shape of one layer's KV cache tensor, in spec.cache_dtype. Its size must grow linearly in
-        num_blocks."""
+        """Shape of one layer's KV cache tensor, in spec.cache_dtype: num_blocks pages of the layer's
+        KVCacheSpec (page_size_bytes each, which sizes the cache). Keys, then values; after setup with a
+        spec of kv_lora_rank (multi-head latent attention), the one latent vector a token."""
+        if self._spec is not None and self._spec.kv_lora_rank:
+            return (num_blocks, block_size, num_kv_heads, head_size)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def build_metadata(self, meta: AttentionMetadata) -> Any:
@@ -372,7 +400,8 @@ class AttentionBackend:
         """Write k, v into kv_cache at meta.slot_mapping (skipping -1), quantized with the layer's k_scale and
         v_scale where the cache is FP8 (see the module docstring), then attend as `layer` says: its
         scale, and its sliding window and soft-cap where attention_features declares them; None (a direct
-        call, as a benchmark makes) means spec.layer(0). Returns [T, H, D]; must not modify q, k or v.
+        call, as a benchmark makes) means spec.layer(0). Returns [T, H, spec.v_head_size] (D; under MLA
+        kv_lora_rank, and only k is written); must not modify q, k or v.
 
         A forward without the `layer` parameter (plugin API 2 before per-layer features) is still called,
         without it: it attends with spec.scale and declares no attention_features."""

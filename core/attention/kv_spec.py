@@ -1,7 +1,8 @@
 """KV-cache specs and groups, in vLLM's vocabulary.
 
-A KVCacheSpec says what one attention layer keeps per token and how many of a request's blocks it must
-hold: full attention keeps them all, a sliding window only those its latest queries can still see. Layers
+A KVCacheSpec says what one attention layer keeps per token (a key and a value, or multi-head latent
+attention's one latent vector) and how many of a request's blocks it must hold: full attention and MLA keep
+them all, a sliding window only those its latest queries can still see. Layers
 with equal specs form KV-cache groups; every group has its own block table per request, and all groups
 draw their block ids from one pool. KV memory is shared slot-wise: group g's j-th layer and group h's j-th
 layer use the same tensor, each through the block ids its own group holds, so a block id costs
@@ -21,7 +22,7 @@ from typing import ClassVar
 import torch
 
 NULL_BLOCK = 0  # stands for a block freed out of a window; never allocated where a group frees blocks
-KV_CACHE_SPEC_KINDS = ("full", "sliding_window")  # what a backend may declare in kv_cache_specs
+KV_CACHE_SPEC_KINDS = ("full", "sliding_window", "mla")  # what a backend may declare in kv_cache_specs
 
 
 def cdiv(a: int, b: int) -> int:
@@ -98,6 +99,24 @@ class SlidingWindowSpec(KVCacheSpec):
 
     def describe(self) -> str:
         return f"sliding_window {self.sliding_window}"
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(KVCacheSpec):
+    """Multi-head latent attention's cache: one vector of head_size = kv_lora_rank + qk_rope_head_dim a
+    token (num_kv_heads 1), the key of every query head; the values are its first kv_lora_rank dims. Every
+    query attends to every earlier token, as under FullAttentionSpec."""
+
+    kv_lora_rank: int
+    kind: ClassVar[str] = "mla"
+
+    @property
+    def bytes_per_token(self) -> int:
+        """One latent vector: no separate key and value."""
+        return self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return f"mla {self.kv_lora_rank}+{self.head_size - self.kv_lora_rank}"
 
 
 @dataclass(frozen=True)

@@ -165,10 +165,13 @@ class LLMEngine:
         capacity = self.kv_cache_config.max_tokens(num_blocks, cfg.max_num_batched_tokens)
         self.max_model_len = min(cfg.max_model_len or model_max, capacity)
         groups = "; ".join(self.kv_cache_config.describe())
+        # a block id over every stage of one tensor-parallel rank, a token's share
+        per_block = sum(self.executor.collective_rpc("kv_bytes_per_block")[:: cfg.tensor_parallel_size])
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens a request in %s; max_model_len %d; %s",
-            num_blocks, cfg.block_size, capacity, self.selection.kv_cache_description(), self.max_model_len,
-            groups,
+            "KV cache: %d blocks of %d tokens (%d bytes a token a rank) = %d tokens a request in %s; "
+            "max_model_len %d; %s",
+            num_blocks, cfg.block_size, per_block // cfg.block_size, capacity,
+            self.selection.kv_cache_description(), self.max_model_len, groups,
         )  # fmt: skip
         self.num_blocks = num_blocks
         self.scheduler = self._new_scheduler()

@@ -176,7 +176,7 @@ class GraphRunner:
             q, k, v = (self._attn_in(i, t) for i, t in enumerate((q, k, v)))
             pw.graphs[-1].capture_end()
             pw.holes.append(_Hole(layer_idx, q, k, v))
-            out = self._attn_out(n, q.shape[1] * q.shape[2], q)
+            out = self._attn_out(n, q.shape[1] * v.shape[2], q)  # H x the values' head size
             layer = self.backend.spec.layer(layer_idx)
             meta = metas[self.layer_groups[layer_idx]]
             out.copy_(self.backend.attend(q, k, v, self.kv_caches[layer_idx], meta, layer).reshape(n, -1))

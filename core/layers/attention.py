@@ -60,7 +60,11 @@ class Attention(nn.Module):
     Each layer may set its own scale, a sliding_window (a query attends to its latest sliding_window keys,
     its own included) and a logits_soft_cap (scores s -> cap * tanh(s / cap)); the model's ModelArchitecture
     declares the features its layers use (attention_features), so selection picks a backend that serves
-    them."""
+    them.
+
+    kv_lora_rank: multi-head latent attention in absorbed form (turnout.attention's "mla" spec): one KV
+    head whose k of head_size is the cached latent vector; v is k[..., :kv_lora_rank], and the output
+    [T, H * kv_lora_rank]."""
 
     def __init__(
         self,
@@ -71,12 +75,15 @@ class Attention(nn.Module):
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        kv_lora_rank: int | None = None,
     ) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be None or at least 1, not {sliding_window}")
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap must be None or positive, not {logits_soft_cap}")
+        if kv_lora_rank is not None and (sliding_window is not None or num_kv_heads != 1):
+            raise ValueError("multi-head latent attention (kv_lora_rank) takes one KV head and no window")
         self.num_heads, self.num_kv_heads, self.head_size, self.scale = (
             num_heads,
             num_kv_heads,
@@ -84,6 +91,7 @@ class Attention(nn.Module):
             scale,
         )
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.kv_lora_rank = kv_lora_rank
         # an FP8 KV cache's scales of this layer: vLLM's 1.0 unless a loader sets the checkpoint's
         self.k_scale, self.v_scale = 1.0, 1.0
         self.layer_idx: int | None = None  # set by bind_attention_layers: this layer's KV cache
@@ -91,7 +99,8 @@ class Attention(nn.Module):
         self.kv_cache_group = 0  # set by bind_kv_cache_groups: whose block table this layer reads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D] (under MLA v [T, 1, kv_lora_rank] -> [T, H *
+        kv_lora_rank])."""
         ctx = get_forward_context()
         if ctx.hole is not None:
             return ctx.hole(self.layer_idx, q, k, v)
@@ -112,22 +121,24 @@ def bind_attention_layers(
             f"model {type(model).__name__} has no turnout.layers.Attention layer; "
             "its attention must call one (see docs/writing-a-plugin.md)"
         )
-    shapes = {(m.num_heads, m.num_kv_heads, m.head_size) for m in layers}
+    shapes = {(m.num_heads, m.num_kv_heads, m.head_size, m.kv_lora_rank) for m in layers}
     if len(shapes) > 1:
         raise TurnoutError(
-            f"model {type(model).__name__}'s Attention layers differ in (heads, KV heads, head size): "
-            f"{sorted(shapes)}; turnout's paged KV cache needs one shape for every layer"
+            f"model {type(model).__name__}'s Attention layers differ in (heads, KV heads, head size, "
+            f"kv_lora_rank): {sorted(shapes, key=str)}; turnout's paged KV cache needs one shape for every "
+            "layer"
         )
     for i, m in enumerate(layers):
         m.layer_idx = i
         m.layer_spec = AttentionLayerSpec(
             i, m.scale, m.sliding_window, m.logits_soft_cap, k_scale=m.k_scale, v_scale=m.v_scale
         )
-    heads, kv_heads, head_size = shapes.pop()
+    heads, kv_heads, head_size, kv_lora_rank = shapes.pop()
     specs = tuple(m.layer_spec for m in layers)
     return AttentionSpec(
-        heads, kv_heads, head_size, dtype, block_size, layers[0].scale, len(layers), specs, kv_cache_dtype
-    )
+        heads, kv_heads, head_size, dtype, block_size, layers[0].scale, len(layers), specs, kv_cache_dtype,
+        kv_lora_rank,
+    )  # fmt: skip
 
 
 def bind_kv_cache_groups(model: nn.Module, groups: list[int]) -> None:

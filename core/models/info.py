@@ -43,16 +43,24 @@ class ModelInfo:
         return self.hf_config["num_attention_heads"]
 
     @property
+    def kv_lora_rank(self) -> int | None:
+        """Multi-head latent attention's latent size (config.json's kv_lora_rank); None for other models."""
+        return self.hf_config.get("kv_lora_rank") or None
+
+    @property
     def num_kv_heads(self) -> int:
+        """The KV heads the cache holds: one latent head under multi-head latent attention."""
+        if self.kv_lora_rank:
+            return 1
         return self.hf_config.get("num_key_value_heads") or self.num_heads
 
     @property
     def head_size(self) -> int:
-        """The Attention layers' head size. Multi-head latent attention (config.json sets kv_lora_rank) runs
-        on the standard layout with one size for q, k and v: max(qk_nope + qk_rope, v_head_dim)."""
+        """The Attention layers' key head size. Multi-head latent attention (config.json sets kv_lora_rank)
+        attends in absorbed form over its cached latent vector: kv_lora_rank + qk_rope_head_dim."""
         c = self.hf_config
-        if c.get("kv_lora_rank"):
-            return max(c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"])
+        if self.kv_lora_rank:
+            return c["kv_lora_rank"] + c["qk_rope_head_dim"]
         return c.get("head_dim") or c["hidden_size"] // self.num_heads
 
     @property

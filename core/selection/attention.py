@@ -24,11 +24,14 @@ def attention_context(
     block_size: int | None,
     kv_cache_dtype: str = "auto",
 ) -> AttentionContext:
-    """What the attention backends are checked against: the checkpoint's heads, the per-layer features
-    the chosen model class declares for it, and the KV cache dtype the config asks for."""
+    """What the attention backends are checked against: the checkpoint's heads (under multi-head latent
+    attention one latent KV head, and kv_lora_rank), the per-layer features the chosen model class declares
+    for it, and the KV cache dtype the config asks for."""
     features = arch.layer_features(info.hf_config)
     heads = (info.head_size, info.num_heads, info.num_kv_heads)
-    return AttentionContext(platform, dtype, *heads, block_size, features, kv_cache_dtype)
+    return AttentionContext(
+        platform, dtype, *heads, block_size, features, kv_cache_dtype, kv_lora_rank=info.kv_lora_rank
+    )
 
 
 def attention_candidates(pm: PluginManager, ctx: AttentionContext) -> list[Candidate]:
@@ -64,6 +67,11 @@ def select_attention(
     """config.attention_backend among the backends that can serve info's heads and model's layers and read
     a cache of config.kv_cache_dtype: the cache dtype is never changed to find a backend."""
     ctx = attention_context(info, model, platform, dtype, config.block_size, config.kv_cache_dtype)
+    if ctx.kv_lora_rank and config.kv_cache_dtype != "auto":
+        raise SelectionError(
+            f"kv_cache_dtype {config.kv_cache_dtype} unsupported for {model.name}: its multi-head latent "
+            "attention cache holds the latent vector in the model dtype only; set kv_cache_dtype = auto"
+        )
     try:
         return choose_attention(attention_candidates(pm, ctx), config.attention_backend, ctx)
     except SelectionError as e:

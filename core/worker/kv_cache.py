@@ -1,6 +1,7 @@
-"""KV-cache sizing of one rank: what a block costs in the backend's layout, and the KV tensors. Layers of
-different KV-cache groups share tensors slot-wise (turnout.attention.kv_spec): num_tensors is the slots this
-rank's layers use, every layer's where there is one group."""
+"""KV-cache sizing of one rank: what a block costs (a page of the layers' KVCacheSpec a KV tensor), and the
+KV tensors, in the backend's layout of those pages. Layers of different KV-cache groups share tensors
+slot-wise (turnout.attention.kv_spec): num_tensors is the slots this rank's layers use, every layer's where
+there is one group."""
 
 from __future__ import annotations
 
@@ -12,38 +13,35 @@ import torch
 from turnout.attention.backend import AttentionBackend, AttentionSpec
 from turnout.attention.kv_spec import KVCacheConfig, kv_cache_config
 from turnout.config import EngineConfig
+from turnout.errors import TurnoutError
 from turnout.layers.attention import bind_attention_layers
 from turnout.selection import Selection
 
 
-def _layer_shape(backend: AttentionBackend, spec: AttentionSpec, num_blocks: int) -> tuple:
-    return backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+def page_size_bytes(spec: AttentionSpec) -> int:
+    """Bytes one block takes in one KV tensor: the page of the layers' KVCacheSpec (every layer's is one
+    size, which kv_cache_config checks)."""
+    return spec.kv_cache_specs()[0].page_size_bytes
 
 
-def kv_bytes_per_block(backend: AttentionBackend, spec: AttentionSpec, num_tensors: int | None = None) -> int:
+def kv_bytes_per_block(spec: AttentionSpec, num_tensors: int | None = None) -> int:
     """Bytes one block takes over the KV tensors of this rank (num_tensors; None: one per attention
     layer), in the cache's dtype."""
     n = spec.num_layers if num_tensors is None else num_tensors
-    return n * math.prod(_layer_shape(backend, spec, 1)) * spec.cache_dtype.itemsize
+    return n * page_size_bytes(spec)
 
 
-def blocks_in(
-    budget_bytes: float, backend: AttentionBackend, spec: AttentionSpec, num_tensors: int | None = None
-) -> int:
+def blocks_in(budget_bytes: float, spec: AttentionSpec, num_tensors: int | None = None) -> int:
     """How many whole blocks fit in budget_bytes (0 when none do)."""
-    return max(0, int(budget_bytes // kv_bytes_per_block(backend, spec, num_tensors)))
+    return max(0, int(budget_bytes // kv_bytes_per_block(spec, num_tensors)))
 
 
 def kv_bytes_for_tokens(
-    backend: AttentionBackend,
-    spec: AttentionSpec,
-    config: KVCacheConfig,
-    num_tokens: int,
-    chunk: int | None = None,
+    spec: AttentionSpec, config: KVCacheConfig, num_tokens: int, chunk: int | None = None
 ) -> int:
     """KV bytes one request of num_tokens tokens holds at most on this rank (a single stage), computed in
     chunks of `chunk` tokens (None: decode): its blocks in every group, each over the group_size tensors."""
-    return config.blocks_for_tokens(num_tokens, chunk) * kv_bytes_per_block(backend, spec, config.group_size)
+    return config.blocks_for_tokens(num_tokens, chunk) * kv_bytes_per_block(spec, config.group_size)
 
 
 def allocate_kv_caches(
@@ -54,8 +52,13 @@ def allocate_kv_caches(
     num_tensors: int | None = None,
 ) -> list[torch.Tensor]:
     """num_tensors zeroed tensors of spec.cache_dtype (None: one per attention layer, kv_caches[i] for the
-    layer with layer_idx i)."""
-    shape = _layer_shape(backend, spec, num_blocks)
+    layer with layer_idx i), each of the backend's kv_cache_shape, which must hold num_blocks pages."""
+    shape = backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    if math.prod(shape) * spec.cache_dtype.itemsize != num_blocks * page_size_bytes(spec):
+        raise TurnoutError(
+            f"attention backend {backend.name}'s kv_cache_shape {shape} for {num_blocks} blocks is not "
+            f"{num_blocks} pages of {page_size_bytes(spec)} bytes ({spec.kv_cache_specs()[0].describe()})"
+        )
     zeros = _lazy_zeros if device.type == "cpu" else torch.zeros
     n = spec.num_layers if num_tensors is None else num_tensors
     return [zeros(shape, dtype=spec.cache_dtype, device=device) for _ in range(n)]

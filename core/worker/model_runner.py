@@ -99,14 +99,21 @@ class ModelRunner:
         self.set_kv_cache_config(kv_cache_config([self.kv_cache_specs()]), stage=0)  # this rank's alone
 
     def _check_layer_features(self) -> None:
-        """The layers as built use only features the backend serves: selection went by what the model's
-        ModelArchitecture declares (attention_features), and a declaration can fall short."""
+        """The layers as built use only features and KV-cache specs the backend serves: selection went by
+        what the model's ModelArchitecture declares (attention_features) and config.json says (kv_lora_rank),
+        and either can fall short."""
+        arch = self.selection.architecture.name
         if missing := sorted(self.attn_spec.features - set(self.backend.attention_features)):
-            arch = self.selection.architecture.name
             raise TurnoutError(
                 f"{arch}'s attention layers use per-layer {', '.join(missing)}, which attention backend "
                 f"{self.backend.name} does not serve; its ModelArchitecture must declare them "
                 "(attention_features) so that selection picks a backend that does"
+            )
+        kinds = {s.kind for s in self.attn_spec.kv_cache_specs()}
+        if missing := sorted(kinds - set(self.backend.kv_cache_specs)):
+            raise TurnoutError(
+                f"{arch}'s attention layers need KV-cache spec {', '.join(missing)}, which attention backend "
+                f"{self.backend.name} does not serve (it serves {', '.join(self.backend.kv_cache_specs)})"
             )
 
     def _load_model(self) -> CausalLM:
@@ -184,7 +191,7 @@ class ModelRunner:
         return len(set(self.layer_tensors))
 
     def kv_bytes_per_block(self) -> int:
-        return kv_cache.kv_bytes_per_block(self.backend, self.attn_spec, self.num_kv_tensors)
+        return kv_cache.kv_bytes_per_block(self.attn_spec, self.num_kv_tensors)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit: cpu_kv_cache_bytes on CPU; on CUDA, what is left of

@@ -17,6 +17,10 @@ ROW_SLICE queries, each against only the keys its window reaches.
 An FP8 cache (kv_cache_dtype fp8) is written quantized with the layer's k_scale / v_scale and read back
 dequantized into the activations' dtype (turnout.attention.quantize_kv / dequantize_kv) wherever keys and
 values are gathered; a fresh prompt attends over its own k, v as the cache holds them.
+
+Multi-head latent attention (the "mla" spec, spec.kv_lora_rank set) runs the same paths over one page
+tensor [num_blocks, block_size, 1, D] of latent vectors: one gather gives the keys, and their first
+kv_lora_rank dims are the values (SDPA takes a value head size other than the key's).
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ class CPUAttentionBackend(AttentionBackend):
     cudagraph_support = CudagraphSupport.NEVER
     attention_features = frozenset(LAYER_FEATURES)
     kv_cache_dtypes = ("auto", "fp8")
-    kv_cache_specs = ("full", "sliding_window")  # a window reads only its blocks: nulled ones never
+    kv_cache_specs = ("full", "sliding_window", "mla")  # a window reads only its blocks: nulled ones never
 
     def build_metadata(self, meta: AttentionMetadata) -> CPUMetadata:
         qsl = meta.query_start_loc.tolist()
@@ -128,21 +132,23 @@ class CPUAttentionBackend(AttentionBackend):
         layer = layer or self.spec.layer(0)
         plain = layer.sliding_window is None and layer.logits_soft_cap is None
         self._store(kv_cache, k, v, meta, md, layer)
-        out = torch.zeros_like(q)
+        out = q.new_zeros(*q.shape[:2], v.shape[-1])
+        pages, latent = _pages(kv_cache, self.spec.kv_lora_rank), self.spec.kv_lora_rank
         if len(md.decode_tokens):
             dq = q.index_select(0, md.decode_tokens)
+            keys, vals = _decode_kv(pages, latent, md, layer, q.dtype)
             if plain:
-                o = self._decode(dq, kv_cache, md, layer)
+                o = _decode(dq, keys, vals, md, layer)
             else:
-                o = self._decode_features(dq, kv_cache, md, layer)
+                o = _decode_features(dq, keys, vals, md, layer)
             out.index_copy_(0, md.decode_tokens, o)
         if md.prefills and kv_cache.dtype != k.dtype:  # fresh prompts attend over k, v as cached
             k, v = _as_cached(k, layer.k_scale, kv_cache.dtype), _as_cached(v, layer.v_scale, kv_cache.dtype)
         for p in md.prefills:
             if plain:
-                _prefill(q, k, v, kv_cache, p, layer, out)
+                _prefill(q, k, v, pages, latent, p, layer, out)
             else:
-                _prefill_features(q, kv_cache, p, layer, out)
+                _prefill_features(q, pages, latent, p, layer, out)
         return out
 
     def _store(
@@ -160,47 +166,68 @@ class CPUAttentionBackend(AttentionBackend):
             slots, k, v = slots[md.store_rows], k[md.store_rows], v[md.store_rows]
         if (cache_dtype := kv_cache.dtype) != k.dtype:
             k, v = quantize_kv(k, layer.k_scale, cache_dtype), quantize_kv(v, layer.v_scale, cache_dtype)
-        hkv, d = kv_cache.shape[-2:]
-        _bytes(kv_cache[0]).view(-1, hkv, d).index_copy_(0, slots, _bytes(k))
-        _bytes(kv_cache[1]).view(-1, hkv, d).index_copy_(0, slots, _bytes(v))
+        for page, x in zip(_pages(kv_cache, self.spec.kv_lora_rank), (k, v)):  # MLA: k alone
+            _bytes(page).view(-1, *page.shape[-2:]).index_copy_(0, slots, _bytes(x))
 
-    def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: CPUMetadata, layer: AttentionLayerSpec
-    ) -> torch.Tensor:
-        """q [Bd, H, D] -> [Bd, H, D]."""
-        bd, hkv, d = md.decode_blocks.shape[0], *kv_cache.shape[-2:]
-        keys, vals = _decode_kv(kv_cache, md, layer, q.dtype)
-        if q.dtype == torch.float32:
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, vals, attn_mask=md.decode_mask, scale=layer.scale, enable_gqa=True
-            )
-            return o.squeeze(2)
-        # torch's CPU SDPA is ~3x slower than plain matmuls at these sizes in bf16/fp16
-        qg = q.view(bd, hkv, -1, d)  # [Bd, Hkv, G, D]: the G query heads sharing one KV head
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * layer.scale  # [Bd, Hkv, G, L]
-        scores.masked_fill_(~md.decode_mask, float("-inf"))
-        return torch.matmul(scores.softmax(-1).to(q.dtype), vals).view_as(q)
 
-    def _decode_features(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: CPUMetadata, layer: AttentionLayerSpec
-    ) -> torch.Tensor:
-        """q [Bd, H, D] -> [Bd, H, D] under the layer's window and soft-cap."""
-        bd, hkv, d = md.decode_blocks.shape[0], *kv_cache.shape[-2:]
-        keys, vals = _decode_kv(kv_cache, md, layer, q.dtype)
-        qg = q.view(bd, hkv, -1, 1, d)  # [Bd, Hkv, G, 1, D]
-        mask = md.window_mask(layer.sliding_window)[..., None, :]  # [Bd, 1, 1, 1, L]
-        return _explicit(qg, keys, vals, mask, layer).view_as(q)
+def _decode(
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, md: CPUMetadata, layer: AttentionLayerSpec
+) -> torch.Tensor:
+    """q [Bd, H, D] over _decode_kv's keys [Bd, Hkv, L, D] and vals [Bd, Hkv, L, Dv] -> [Bd, H, Dv]."""
+    (bd, h, d), hkv, scale = q.shape, keys.shape[1], layer.scale
+    if q.dtype == torch.float32:
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, vals, attn_mask=md.decode_mask, scale=scale, enable_gqa=True
+        )
+        return o.squeeze(2)
+    # torch's CPU SDPA is ~3x slower than plain matmuls at these sizes in bf16/fp16
+    qg = q.view(bd, hkv, -1, d)  # [Bd, Hkv, G, D]: the G query heads sharing one KV head
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [Bd, Hkv, G, L]
+    scores.masked_fill_(~md.decode_mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(q.dtype), vals).view(bd, h, -1)
+
+
+def _decode_features(
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, md: CPUMetadata, layer: AttentionLayerSpec
+) -> torch.Tensor:
+    """_decode under the layer's window and soft-cap."""
+    (bd, h, d), hkv = q.shape, keys.shape[1]
+    qg = q.view(bd, hkv, -1, 1, d)  # [Bd, Hkv, G, 1, D]
+    mask = md.window_mask(layer.sliding_window)[..., None, :]  # [Bd, 1, 1, 1, L]
+    return _explicit(qg, keys, vals, mask, layer).view(bd, h, -1)
+
+
+def _pages(kv_cache: torch.Tensor, kv_lora_rank: int | None) -> list[torch.Tensor]:
+    """The cache's page tensors, [num_blocks, block_size, Hkv, D] each: keys and values, or under MLA
+    (kv_lora_rank) the latent vectors alone."""
+    return [kv_cache] if kv_lora_rank else [kv_cache[0], kv_cache[1]]
+
+
+def _keys_values(xs: list[torch.Tensor], kv_lora_rank: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of what was gathered from _pages: under MLA the values are the keys' first
+    kv_lora_rank dims."""
+    return (xs[0], xs[0][..., :kv_lora_rank]) if kv_lora_rank else (xs[0], xs[1])
 
 
 def _decode_kv(
-    kv_cache: torch.Tensor, md: CPUMetadata, layer: AttentionLayerSpec, dtype: torch.dtype
+    pages: list[torch.Tensor],
+    kv_lora_rank: int | None,
+    md: CPUMetadata,
+    layer: AttentionLayerSpec,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every decode row's cached keys and values in dtype, [Bd, Hkv, L, D] each (L = the longest row)."""
-    bd, (hkv, d) = md.decode_blocks.shape[0], kv_cache.shape[-2:]
-    k, v = (
-        _bytes(c).view(-1, hkv, d).index_select(0, md.decode_slots).view(c.dtype).view(bd, -1, hkv, d)
-        for c in kv_cache
-    )
+    """Every decode row's cached keys and values in dtype, [Bd, Hkv, L, D] and [Bd, Hkv, L, Dv] (L = the
+    longest row)."""
+    bd = md.decode_blocks.shape[0]
+    xs = [
+        _bytes(c)
+        .view(-1, *c.shape[-2:])
+        .index_select(0, md.decode_slots)
+        .view(c.dtype)
+        .view(bd, -1, *c.shape[-2:])
+        for c in pages
+    ]
+    k, v = _keys_values(xs, kv_lora_rank)
     k, v = dequantize_kv(k, layer.k_scale, dtype), dequantize_kv(v, layer.v_scale, dtype)
     return k.transpose(1, 2), v.transpose(1, 2)
 
@@ -216,14 +243,18 @@ def _as_cached(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch
 
 
 def _cached_kv(
-    kv_cache: torch.Tensor, p: _Prefill, layer: AttentionLayerSpec, dtype: torch.dtype
+    pages: list[torch.Tensor],
+    kv_lora_rank: int | None,
+    p: _Prefill,
+    layer: AttentionLayerSpec,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's cached keys and values in dtype, [seq_len, Hkv, D] each."""
-    hkv, d = kv_cache.shape[-2:]
+    """One request's cached keys and values in dtype, [seq_len, Hkv, D] and [seq_len, Hkv, Dv]."""
     # index_select, not kv_cache[0, blocks]: advanced indexing is orders of magnitude slower on CPU
-    keys, vals = (
-        _bytes(c).index_select(0, p.blocks).view(c.dtype).view(-1, hkv, d)[: p.seq_len] for c in kv_cache
-    )
+    xs = [
+        _bytes(c).index_select(0, p.blocks).view(c.dtype).view(-1, *c.shape[-2:])[: p.seq_len] for c in pages
+    ]
+    keys, vals = _keys_values(xs, kv_lora_rank)
     return dequantize_kv(keys, layer.k_scale, dtype), dequantize_kv(vals, layer.v_scale, dtype)
 
 
@@ -231,8 +262,8 @@ def _explicit(
     q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec
 ) -> torch.Tensor:
     """softmax(cap(q k^T * scale), masked) v in float32, as HF's eager attention computes it: q [N, Hkv, G,
-    L, D], keys and vals [N, Hkv, S, D], mask broadcast to [N, Hkv, G, L, S] (True = attend) ->
-    [N, Hkv, G, L, D]. Masked keys must be finite."""
+    L, D], keys [N, Hkv, S, D] and vals [N, Hkv, S, Dv], mask broadcast to [N, Hkv, G, L, S] (True =
+    attend) -> [N, Hkv, G, L, Dv]. Masked keys must be finite."""
     scores = torch.matmul(q.float(), keys.unsqueeze(2).transpose(-1, -2).float()) * layer.scale
     if (cap := layer.logits_soft_cap) is not None:
         scores = torch.tanh(scores / cap) * cap
@@ -241,12 +272,17 @@ def _explicit(
 
 
 def _prefill_features(
-    q: torch.Tensor, kv_cache: torch.Tensor, p: _Prefill, layer: AttentionLayerSpec, out: torch.Tensor
+    q: torch.Tensor,
+    pages: list[torch.Tensor],
+    kv_lora_rank: int | None,
+    p: _Prefill,
+    layer: AttentionLayerSpec,
+    out: torch.Tensor,
 ) -> None:
     """One request's chunk of queries into out[q_start:q_end] under the layer's window and soft-cap, in
     slices of ROW_SLICE queries, each against the cached keys its window reaches (this chunk's included)."""
-    hkv, d = kv_cache.shape[-2:]
-    keys, vals = _cached_kv(kv_cache, p, layer, q.dtype)
+    hkv, d = pages[0].shape[-2:]
+    keys, vals = _cached_kv(pages, kv_lora_rank, p, layer, q.dtype)
     ctx, window = p.seq_len - (p.q_end - p.q_start), layer.sliding_window
     for start in range(p.q_start, p.q_end, ROW_SLICE):
         end = min(start + ROW_SLICE, p.q_end)
@@ -258,8 +294,8 @@ def _prefill_features(
             mask &= kpos > qpos - window
         qg = q[start:end].transpose(0, 1).reshape(hkv, -1, end - start, d)[None]  # [1, Hkv, G, n, D]
         kk, vv = (t[lo:last].transpose(0, 1)[None] for t in (keys, vals))  # [1, Hkv, S, D]
-        o = _explicit(qg, kk, vv, mask, layer)  # [1, Hkv, G, n, D]
-        out[start:end] = o.reshape(-1, end - start, d).transpose(0, 1)
+        o = _explicit(qg, kk, vv, mask, layer)  # [1, Hkv, G, n, Dv]
+        out[start:end] = o.reshape(-1, end - start, o.shape[-1]).transpose(0, 1)
 
 
 def _decode_slots(blocks: torch.Tensor, lens: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
@@ -298,7 +334,8 @@ def _head_runs(lo: int, hi: int, group: int) -> list[tuple[int, int]]:
 def _causal(
     sdpa, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor | None, even: int
 ) -> torch.Tensor:
-    """A fresh prompt's attention: q [1, H, n, D] over its keys, vals [1, Hkv, n, D] -> [1, H, n, D].
+    """A fresh prompt's attention: q [1, H, n, D] over its keys [1, Hkv, n, D], vals [1, Hkv, n, Dv] ->
+    [1, H, n, Dv].
 
     The flash kernel hands each thread an equal run of (head, query block) items, and a causal block costs
     as many key tiles as it reaches; a run that ends inside a head leaves that head's costly blocks to one
@@ -308,7 +345,7 @@ def _causal(
     h, group = q.shape[1], q.shape[1] // keys.shape[1]
     if even == h:
         return sdpa(q, keys, vals, is_causal=True)
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:3], vals.shape[-1])
     for lo, hi in _head_runs(0, even, group) + _head_runs(even, h, group):
         kv = slice(lo // group, (hi - 1) // group + 1)
         qq, kk, vv = q[:, lo:hi], keys[:, kv], vals[:, kv]
@@ -326,7 +363,7 @@ def _tiled(sdpa, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: 
     in front, so that it takes that pass's path through the kernel."""
     n, seq_len, rows = q.shape[2], keys.shape[2], mask.shape[0]
     ctx, start, least = seq_len - n, 0, min(MIN_QUERIES, seq_len)
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:3], vals.shape[-1])
     for end in [*range(ctx // KEY_TILE * KEY_TILE + KEY_TILE, seq_len, KEY_TILE), seq_len]:
         m = end - ctx - start
         qs, tile = q[:, :, start : start + m], mask[rows - m :, seq_len - end :]
@@ -342,7 +379,8 @@ def _prefill(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    kv_cache: torch.Tensor,
+    pages: list[torch.Tensor],
+    kv_lora_rank: int | None,
     p: _Prefill,
     layer: AttentionLayerSpec,
     out: torch.Tensor,
@@ -354,6 +392,6 @@ def _prefill(
         keys, vals = (t[p.q_start : p.q_end].transpose(0, 1)[None] for t in (k, v))
         out[p.q_start : p.q_end] = _causal(sdpa, qq, keys, vals, p.mask, p.causal_heads)[0].transpose(0, 1)
         return
-    keys, vals = _cached_kv(kv_cache, p, layer, q.dtype)
+    keys, vals = _cached_kv(pages, kv_lora_rank, p, layer, q.dtype)
     keys, vals = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]
     out[p.q_start : p.q_end] = _tiled(sdpa, qq, keys, vals, p.mask)[0].transpose(0, 1)

@@ -22,6 +22,7 @@ from turnout.attention import (
 )
 
 MAX_HEAD_SIZE = 256  # heads are padded to a power of two in registers; past 256 the tiles spill
+MAX_KV_LORA_RANK = 512  # the latent layout's V part (DeepSeek's 512), padded likewise; its rope part apart
 
 
 def _kernels() -> ModuleType:
@@ -49,7 +50,8 @@ class TritonAttentionBackend(AttentionBackend):
     # a sliding window and a soft-cap compile their own kernel variants (constexpr), one per value
     attention_features = frozenset(LAYER_FEATURES)
     kv_cache_dtypes = ("auto", "fp8")  # FP8: e4m3 stores, tiles read as stored * scale (kernels.py)
-    kv_cache_specs = ("full", "sliding_window")  # a window reads only its blocks: nulled ones never
+    # a window reads only its blocks (nulled ones never); "mla": the latent layout of kernels.py
+    kv_cache_specs = ("full", "sliding_window", "mla")
 
     def __init__(self) -> None:
         if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every kernel on the host
@@ -70,7 +72,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def check(self, ctx: AttentionContext) -> list[str]:
         reasons = super().check(ctx)
-        if ctx.head_size > MAX_HEAD_SIZE:
+        if ctx.kv_lora_rank:
+            rope = ctx.head_size - ctx.kv_lora_rank
+            if ctx.kv_lora_rank > MAX_KV_LORA_RANK or rope > MAX_HEAD_SIZE:
+                limits = f"at most {MAX_KV_LORA_RANK} + {MAX_HEAD_SIZE}"
+                reasons.insert(0, f"MLA latent {ctx.kv_lora_rank} + {rope} unsupported ({limits})")
+        elif ctx.head_size > MAX_HEAD_SIZE:
             reasons.insert(0, f"head size {ctx.head_size} unsupported (at most {MAX_HEAD_SIZE})")
         return reasons
 
@@ -79,7 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
         q: torch.Tensor,  # [T, num_heads, head_size]
         k: torch.Tensor,  # [T, num_kv_heads, head_size]
         v: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]; MLA: no leading 2
         meta: AttentionMetadata,
         layer: AttentionLayerSpec | None = None,
     ) -> torch.Tensor:
@@ -93,7 +100,7 @@ class TritonAttentionBackend(AttentionBackend):
         return kn.paged_attention(
             q, k, v, kv_cache, meta.slot_mapping, *lens, layer.scale, meta.max_query_len, splits, counts,
             sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap,
-            k_scale=layer.k_scale, v_scale=layer.v_scale,
+            k_scale=layer.k_scale, v_scale=layer.v_scale, kv_lora_rank=self.spec.kv_lora_rank,
         )  # fmt: skip
 
     def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:

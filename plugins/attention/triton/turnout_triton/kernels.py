@@ -28,6 +28,14 @@ FP8 (a constexpr, set where the cache is float8_e4m3fn: kv_cache_dtype fp8) stor
 v / v_scale rounded to e4m3 (_to_e4m3: nearest even, saturated at +-448, the bits torch's cast gives), and
 every K/V tile is read as stored * scale in float32, then cast to q's dtype for the dots. Without FP8 the
 scales are unused and the kernels are those of a model-dtype cache.
+
+The latent layout of multi-head latent attention (launchers' kv_lora_rank; the "mla" KV-cache spec): kv_cache
+[num_blocks, block_size, 1, kv_lora_rank + PE], one KV head, K = the whole row and V = its first
+kv_lora_rank dims. The kernels then take HEAD = kv_lora_rank (V's and the output's head size, K's first
+part) and PE > 0 (K's last dims, the rope part): a score is q[:HEAD] . K[:HEAD] + q[HEAD:] . K[HEAD:], two
+dots of power-of-two widths (512 and 64 at DeepSeek's shape, so a 576-wide head wastes no lanes), and the
+tile read for the first part is V's too. Only K is written. PE = 0 compiles the kernels of the default
+layout unchanged.
 """
 
 from __future__ import annotations
@@ -108,7 +116,9 @@ def _store_kv_kernel(
     k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     s_kt, s_kh, s_vt, s_vh, s_cb, s_cs, s_ch, block_size, num_kv_heads,
     HEAD: tl.constexpr, HEAD_P2: tl.constexpr, KVH_P2: tl.constexpr, PDL: tl.constexpr, FP8: tl.constexpr,
+    K_ONLY: tl.constexpr,
 ):  # fmt: skip
+    """Token t's k and v (K_ONLY, the latent layout: its k alone, of HEAD dims) at its slot."""
     _pdl_wait(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_mapping + t).to(tl.int64)
@@ -117,9 +127,23 @@ def _store_kv_kernel(
     mask = (h < tl.where(slot >= 0, num_kv_heads, 0)) & (d < HEAD)  # [KVH_P2, HEAD_P2]
     dst = (slot // block_size) * s_cb + (slot % block_size) * s_cs + h * s_ch + d
     kx = _to_cache(tl.load(k + t * s_kt + h * s_kh + d, mask=mask), k_scale, k_cache, FP8)
-    vx = _to_cache(tl.load(v + t * s_vt + h * s_vh + d, mask=mask), v_scale, v_cache, FP8)
     tl.store(k_cache + dst, kx, mask=mask)
-    tl.store(v_cache + dst, vx, mask=mask)
+    if not K_ONLY:
+        vx = _to_cache(tl.load(v + t * s_vt + h * s_vh + d, mask=mask), v_scale, v_cache, FP8)
+        tl.store(v_cache + dst, vx, mask=mask)
+
+
+@triton.jit
+def _load_pe(ptr, rows, qt, d, PE: tl.constexpr, PE_P2: tl.constexpr):
+    """The latent layout's query dims past HEAD, ptr [M, 1] + [0, PE) -> [M, PE_P2] (rows masked by rows),
+    and their offsets; without PE, qt and d, which the kernels then never read."""
+    if PE > 0:
+        e = tl.arange(0, PE_P2)
+        x = tl.load(ptr + e[None, :], mask=rows[:, None] & (e[None, :] < PE), other=0.0)
+    else:
+        e = d
+        x = qt
+    return x, e
 
 
 @triton.jit
@@ -198,10 +222,10 @@ def _soft_cap(s, CAP: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    qt, m, den, acc, k_cache, v_cache, blk, j, kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2, k_scale,
-    v_scale, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    MASK: tl.constexpr, K_T: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-    FP8: tl.constexpr,
+    qt, qpe, m, den, acc, k_cache, v_cache, blk, j, kv_end, qpos, d, dpe, kv_off, s_cb, s_cs, scale_log2,
+    k_scale, v_scale, HEAD: tl.constexpr, HEAD_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, K_T: tl.constexpr, PREC: tl.constexpr, WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr, FP8: tl.constexpr, PE: tl.constexpr, PE_P2: tl.constexpr,
 ):  # fmt: skip
     """Keys [j, j + BLOCK_N) (j a multiple of BLOCK_N, blk their _block_ids) against qt [M, HEAD_P2];
     m is in log2 units (scale_log2 > 0).
@@ -210,17 +234,23 @@ def _attend_tile(
     and m stays finite; under a WINDOW, every key is also inside every row's window. MASK True: keys past a
     row's position or >= kv_end are masked, and under a WINDOW those at or before its position - WINDOW.
     SOFT_CAP (log2 units): scores are capped first, and are then in log2 units already. FP8: K and V are
-    read as stored * k_scale / v_scale, in qt's dtype."""
+    read as stored * k_scale / v_scale, in qt's dtype. PE > 0 (the latent layout): qpe [M, PE_P2] meets
+    K's last PE dims, and V is K's first HEAD, read once."""
     pos = j + tl.arange(0, BLOCK_N)
     kmask = pos < kv_end
     off = blk.to(tl.int64) * s_cb + (pos % BLOCK_SIZE) * s_cs + kv_off  # [BLOCK_N] element offset of each key
-    if K_T:  # K^T read straight into [HEAD_P2, BLOCK_N]
-        kt = _gather_rows(k_cache, off, d, kmask, HEAD, HEAD_P2, MASK, True)
+    if PE > 0:
+        vt = _gather_rows(k_cache, off, d, kmask, HEAD, HEAD_P2, MASK, False)  # [BLOCK_N, HEAD_P2]
+        kpe = _gather_rows(k_cache, off + HEAD, dpe, kmask, PE, PE_P2, MASK, True)  # [PE_P2, BLOCK_N]
+        s = _dot(qt, tl.trans(vt), PREC) + _dot(qpe, kpe, PREC)  # [M, BLOCK_N] raw scores
     else:
-        kt = tl.trans(_gather_rows(k_cache, off, d, kmask, HEAD, HEAD_P2, MASK, False))
-    vt = _gather_rows(v_cache, off, d, kmask, HEAD, HEAD_P2, MASK, False)  # [BLOCK_N, HEAD_P2]
-    kt, vt = _from_cache(kt, k_scale, qt.dtype, FP8), _from_cache(vt, v_scale, qt.dtype, FP8)
-    s = _dot(qt, kt, PREC)  # [M, BLOCK_N] raw scores
+        if K_T:  # K^T read straight into [HEAD_P2, BLOCK_N]
+            kt = _gather_rows(k_cache, off, d, kmask, HEAD, HEAD_P2, MASK, True)
+        else:
+            kt = tl.trans(_gather_rows(k_cache, off, d, kmask, HEAD, HEAD_P2, MASK, False))
+        vt = _gather_rows(v_cache, off, d, kmask, HEAD, HEAD_P2, MASK, False)  # [BLOCK_N, HEAD_P2]
+        kt, vt = _from_cache(kt, k_scale, qt.dtype, FP8), _from_cache(vt, v_scale, qt.dtype, FP8)
+        s = _dot(qt, kt, PREC)  # [M, BLOCK_N] raw scores
     if SOFT_CAP > 0:
         s = _soft_cap(s * scale_log2, SOFT_CAP)
         scale_log2 = 1.0
@@ -249,6 +279,7 @@ def _prefill_kernel(
     QPK: tl.constexpr, QPK_P2: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, K_T: tl.constexpr,
     PREC: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, FP8: tl.constexpr,
+    PE: tl.constexpr, PE_P2: tl.constexpr,
 ):  # fmt: skip
     """Grid (T // BLOCK_Q + B, num_kv_heads). Requests with query_len 1 are left to the decode kernel.
 
@@ -272,6 +303,7 @@ def _prefill_kernel(
     io_mask = row_ok[:, None] & (d[None, :] < HEAD)
     row = (q0 + tok).to(tl.int64)
     qt = tl.load(q + row[:, None] * s_qt + head[:, None] * s_qh + d[None, :], mask=io_mask, other=0.0)
+    qpe, dpe = _load_pe(q + row[:, None] * s_qt + head[:, None] * s_qh + HEAD, row_ok, qt, d, PE, PE_P2)
     qpos = ctx + tok
     tile_end = tl.minimum((qb + 1) * BLOCK_Q, qlen)
     kv_end = tl.where((qlen > 1) & (tile_end > qb * BLOCK_Q), ctx + tile_end, 0)
@@ -285,9 +317,9 @@ def _prefill_kernel(
         lo = tl.maximum(ctx + qb * BLOCK_Q - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
         for j in range(lo, kv_end, BLOCK_N):
             m, den, acc = _attend_tile(
-                qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, kv_end, BLOCK_N, BLOCK_SIZE), j,
-                kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2, k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N,
-                BLOCK_SIZE, True, K_T, PREC, WINDOW, SOFT_CAP, FP8,
+                qt, qpe, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, kv_end, BLOCK_N, BLOCK_SIZE), j,
+                kv_end, qpos, d, dpe, kv_off, s_cb, s_cs, scale_log2, k_scale, v_scale, HEAD, HEAD_P2,
+                BLOCK_N, BLOCK_SIZE, True, K_T, PREC, WINDOW, SOFT_CAP, FP8, PE, PE_P2,
             )  # fmt: skip
     else:
         # The block ids of the next tile are read one iteration ahead, so the K/V loads, whose addresses
@@ -299,14 +331,15 @@ def _prefill_kernel(
             cur = ids
             ids = _block_ids(bt_row, j + BLOCK_N, full_end, BLOCK_N, BLOCK_SIZE)
             m, den, acc = _attend_tile(
-                qt, m, den, acc, k_cache, v_cache, cur, j, kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2,
-                k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, K_T, PREC, 0, SOFT_CAP, FP8,
+                qt, qpe, m, den, acc, k_cache, v_cache, cur, j, kv_end, qpos, d, dpe, kv_off, s_cb, s_cs,
+                scale_log2, k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, K_T, PREC, 0,
+                SOFT_CAP, FP8, PE, PE_P2,
             )  # fmt: skip
         for j in range(full_end, kv_end, BLOCK_N):  # the tiles that cross the diagonal: masked
             m, den, acc = _attend_tile(
-                qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, kv_end, BLOCK_N, BLOCK_SIZE), j,
-                kv_end, qpos, d, kv_off, s_cb, s_cs, scale_log2, k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N,
-                BLOCK_SIZE, True, K_T, PREC, 0, SOFT_CAP, FP8,
+                qt, qpe, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, kv_end, BLOCK_N, BLOCK_SIZE), j,
+                kv_end, qpos, d, dpe, kv_off, s_cb, s_cs, scale_log2, k_scale, v_scale, HEAD, HEAD_P2,
+                BLOCK_N, BLOCK_SIZE, True, K_T, PREC, 0, SOFT_CAP, FP8, PE, PE_P2,
             )  # fmt: skip
     acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
     o_ptr = out + row[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
@@ -320,7 +353,7 @@ def _decode_kernel(
     QPK: tl.constexpr, ROWS: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
     SPLIT_KEYS: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr,
-    SOFT_CAP: tl.constexpr, FP8: tl.constexpr,
+    SOFT_CAP: tl.constexpr, FP8: tl.constexpr, PE: tl.constexpr, PE_P2: tl.constexpr,
 ):  # fmt: skip
     """Grid (B, num_kv_heads, P); only requests with query_len 1. A request's keys [0, seq_len) fall into
     chunks of max(SPLIT_KEYS, seq_len / MAX_SPLITS) keys, split s covering chunk s; program p computes
@@ -351,17 +384,22 @@ def _decode_kernel(
     d = tl.arange(0, HEAD_P2)
     slot = tl.load(slot_mapping + q0, mask=is_dec, other=-1)
     if (slot >= 0) & ((written - 1) % tl.num_programs(2) == tl.program_id(2)):
-        dst = (slot // BLOCK_SIZE) * s_cb + (slot % BLOCK_SIZE) * s_cs + kvh * s_ch + d
+        dst = (slot // BLOCK_SIZE) * s_cb + (slot % BLOCK_SIZE) * s_cs + kvh * s_ch
         kx = _to_cache(tl.load(k + q0 * s_kt + kvh * s_kh + d, mask=d < HEAD), k_scale, k_cache, FP8)
-        vx = _to_cache(tl.load(v + q0 * s_vt + kvh * s_vh + d, mask=d < HEAD), v_scale, v_cache, FP8)
-        tl.store(k_cache + dst, kx, mask=d < HEAD)
-        tl.store(v_cache + dst, vx, mask=d < HEAD)
+        tl.store(k_cache + dst + d, kx, mask=d < HEAD)
+        if PE > 0:  # the latent layout: k's last PE dims too; V is K's first HEAD
+            e = tl.arange(0, PE_P2)
+            tl.store(k_cache + dst + HEAD + e, tl.load(k + q0 * s_kt + HEAD + e, mask=e < PE), mask=e < PE)
+        else:
+            vx = _to_cache(tl.load(v + q0 * s_vt + kvh * s_vh + d, mask=d < HEAD), v_scale, v_cache, FP8)
+            tl.store(v_cache + dst + d, vx, mask=d < HEAD)
         tl.debug_barrier()  # the key is read back below by other threads of this program
     r = tl.arange(0, ROWS)
     head = kvh * QPK + r
     row_dec = r < tl.where(is_dec, QPK, 0)
     io_mask = row_dec[:, None] & (d[None, :] < HEAD)
     qt = tl.load(q + q0 * s_qt + head[:, None] * s_qh + d[None, :], mask=io_mask, other=0.0)  # [ROWS, HD_P2]
+    qpe, dpe = _load_pe(q + q0 * s_qt + head[:, None] * s_qh + HEAD, row_dec, qt, d, PE, PE_P2)
     qpos = tl.full([ROWS], 0, tl.int32) + seq_len - 1
     bt_row = block_table + b.to(tl.int64) * s_bt
     row0 = (b * (QPK * tl.num_programs(1)) + head) * NUM_SPLITS  # [ROWS] into [B, H, NUM_SPLITS]
@@ -377,9 +415,10 @@ def _decode_kernel(
         if WINDOW:  # the tile of the window's first key, masked; the rest of split 0 from the next one
             if sp == 0:
                 m, den, acc = _attend_tile(
-                    qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, start, end, BLOCK_N, BLOCK_SIZE),
-                    start, end, qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2, k_scale, v_scale, HEAD, HEAD_P2,
-                    BLOCK_N, BLOCK_SIZE, True, False, PREC, WINDOW, SOFT_CAP, FP8,
+                    qt, qpe, m, den, acc, k_cache, v_cache,
+                    _block_ids(bt_row, start, end, BLOCK_N, BLOCK_SIZE), start, end, qpos, d, dpe, kvh * s_ch,
+                    s_cb, s_cs, scale_log2, k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, True, False,
+                    PREC, WINDOW, SOFT_CAP, FP8, PE, PE_P2,
                 )  # fmt: skip
                 start = tl.minimum(start + BLOCK_N, end)
         full = start + (end - start) // BLOCK_N * BLOCK_N  # start is a multiple of BLOCK_N (or end)
@@ -388,14 +427,15 @@ def _decode_kernel(
             cur = ids
             ids = _block_ids(bt_row, j + BLOCK_N, full, BLOCK_N, BLOCK_SIZE)
             m, den, acc = _attend_tile(
-                qt, m, den, acc, k_cache, v_cache, cur, j, end, qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2,
-                k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, False, PREC, 0, SOFT_CAP, FP8,
+                qt, qpe, m, den, acc, k_cache, v_cache, cur, j, end, qpos, d, dpe, kvh * s_ch, s_cb, s_cs,
+                scale_log2, k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N, BLOCK_SIZE, False, False, PREC, 0,
+                SOFT_CAP, FP8, PE, PE_P2,
             )  # fmt: skip
         for j in range(full, end, BLOCK_N):  # at most one
             m, den, acc = _attend_tile(
-                qt, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, end, BLOCK_N, BLOCK_SIZE), j, end,
-                qpos, d, kvh * s_ch, s_cb, s_cs, scale_log2, k_scale, v_scale, HEAD, HEAD_P2, BLOCK_N,
-                BLOCK_SIZE, True, False, PREC, 0, SOFT_CAP, FP8,
+                qt, qpe, m, den, acc, k_cache, v_cache, _block_ids(bt_row, j, end, BLOCK_N, BLOCK_SIZE), j,
+                end, qpos, d, dpe, kvh * s_ch, s_cb, s_cs, scale_log2, k_scale, v_scale, HEAD, HEAD_P2,
+                BLOCK_N, BLOCK_SIZE, True, False, PREC, 0, SOFT_CAP, FP8, PE, PE_P2,
             )  # fmt: skip
         acc = acc / tl.where(den == 0.0, 1.0, den)[:, None]
         if (NUM_SPLITS == 1) | (written == 1):  # a lone split: the merge would give these bits
@@ -461,21 +501,33 @@ def store_kv(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_lora_rank: int | None = None,
 ) -> None:
     """k, v: [T, num_kv_heads, head_size] -> kv_cache[:, slot] for every slot_mapping[t] >= 0; an FP8 cache
-    gets e4m3(k / k_scale) and e4m3(v / v_scale)."""
+    gets e4m3(k / k_scale) and e4m3(v / v_scale). With kv_lora_rank (the latent layout) k alone ->
+    kv_cache[slot]."""
     t, kvh, hs = k.shape
     if t == 0:
         return
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    kc, vc = kv_cache[0], kv_cache[1]
+    kc, vc = (kv_cache, kv_cache) if kv_lora_rank else (kv_cache[0], kv_cache[1])
     p2 = triton.next_power_of_2
     _store_kv_kernel[(t,)](
         k, v, kc, vc, slot_mapping, k_scale, v_scale, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.shape[1], kvh,
-        HEAD=hs, HEAD_P2=_head_p2(hs), KVH_P2=p2(kvh), FP8=_fp8(kv_cache), num_warps=1 if INTERPRET else 4,
-        **pdl_launch(),
+        HEAD=hs, HEAD_P2=_head_p2(hs), KVH_P2=p2(kvh), FP8=_fp8(kv_cache), K_ONLY=bool(kv_lora_rank),
+        num_warps=1 if INTERPRET else 4, **pdl_launch(),
     )  # fmt: skip
+
+
+def _layout(kv_cache: torch.Tensor, head_size: int, kv_lora_rank: int | None) -> tuple:
+    """(K pages, V pages, HEAD, the constexprs PE and PE_P2) of a cache of keys of head_size: the default
+    layout's kv_cache[0] and [1] with HEAD = head_size and PE = 0; the latent layout's one tensor as both,
+    HEAD = kv_lora_rank and PE the rest."""
+    if kv_lora_rank:
+        pe = head_size - kv_lora_rank
+        return kv_cache, kv_cache, kv_lora_rank, dict(PE=pe, PE_P2=_head_p2(pe))
+    return kv_cache[0], kv_cache[1], head_size, dict(PE=0, PE_P2=1)
 
 
 def paged_attention(
@@ -497,11 +549,13 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_lora_rank: int | None = None,
 ) -> torch.Tensor:
     """Write k, v to the cache at slot_mapping, then q [T, H, D] against the cache -> [T, H, D]. Rows past
     query_start_loc[-1] (padding) stay unwritten. sliding_window, logits_soft_cap, k_scale and v_scale: the
     layer's (None: none), as turnout.attention.AttentionLayerSpec defines them; the scales apply where the
-    cache is float8_e4m3fn.
+    cache is float8_e4m3fn. kv_lora_rank: the latent layout (the module docstring): k alone is written, and
+    the output is [T, H, kv_lora_rank].
 
     The decode kernel always runs (its programs skip requests with query_len != 1) and writes the k, v of
     the requests it serves; store_kv and the prefill kernel run only when max_query_len > 1 (the prefill
@@ -509,22 +563,22 @@ def paged_attention(
     which the decode kernel leaves zero.
     """
     t, h, hs = q.shape
-    kc, vc = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, num_kv_heads, head_size]
+    kc, vc, head, latent = _layout(kv_cache, hs, kv_lora_rank)  # [num_blocks, block_size, kv heads, D] each
     nb, bs, kvh, _ = kc.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty((t, h, head), dtype=q.dtype, device=q.device)
     b = seq_lens.shape[0]
     if t == 0 or b == 0:
         return out
     if max_query_len > 1:
-        store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+        store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale, kv_lora_rank)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     qpk = h // kvh
     prec = _precision(q.dtype)
-    p2, hp2 = triton.next_power_of_2, _head_p2(hs)
+    p2, hp2 = triton.next_power_of_2, _head_p2(head)
     scale_log2 = scale * LOG2E
-    dec = _decode_config(hp2, p2(qpk), q.dtype == torch.float32)
+    dec = _decode_config(hp2, p2(qpk), q.dtype == torch.float32, latent=bool(kv_lora_rank))
     s = num_splits
-    part_o = out if s == 1 else torch.empty((b, h, s, hs), dtype=torch.float32, device=q.device)
+    part_o = out if s == 1 else torch.empty((b, h, s, head), dtype=torch.float32, device=q.device)
     part_lse = out if s == 1 else torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     if counts.numel() < b * kvh:
         raise ValueError(f"counts holds {counts.numel()} entries, the decode kernel needs {b * kvh}")
@@ -534,14 +588,14 @@ def paged_attention(
         scale_log2, k_scale, v_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         block_table.stride(0),
-        QPK=qpk, ROWS=dec["rows"], HEAD=hs, HEAD_P2=hp2, BLOCK_N=dec["block_n"], BLOCK_SIZE=bs,
+        QPK=qpk, ROWS=dec["rows"], HEAD=head, HEAD_P2=hp2, BLOCK_N=dec["block_n"], BLOCK_SIZE=bs,
         NUM_SPLITS=s, PREC=prec, SPLIT_KEYS=SPLIT_KEYS, MAX_SPLITS=MAX_SPLITS, FP8=_fp8(kv_cache),
         num_warps=dec["warps"], num_stages=dec["stages"], **_maxnreg(dec),
-        **_features(sliding_window, logits_soft_cap), **pdl_launch(),
+        **_features(sliding_window, logits_soft_cap), **latent, **pdl_launch(),
     )  # fmt: skip
     if max_query_len > 1:
         _launch_prefill(q, kv_cache, out, query_start_loc, seq_lens, block_table, scale, None,
-                        sliding_window, logits_soft_cap, k_scale, v_scale)  # fmt: skip
+                        sliding_window, logits_soft_cap, k_scale, v_scale, kv_lora_rank)  # fmt: skip
     return out
 
 
@@ -575,13 +629,16 @@ def prefill_attention(
     logits_soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_lora_rank: int | None = None,
 ) -> torch.Tensor:
-    """The prefill kernel alone (for tuning): rows of requests with query_len > 1 of q [T, H, D]. config
-    (block_m, block_n, warps, stages, trans_k) overrides _prefill_config; rows it skips stay unwritten."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+    """The prefill kernel alone (for tuning): rows of requests with query_len > 1 of q [T, H, D] (-> [T, H,
+    kv_lora_rank] in the latent layout). config (block_m, block_n, warps, stages, trans_k) overrides
+    _prefill_config; rows it skips stay unwritten."""
+    if out is None:
+        out = q.new_empty(*q.shape[:2], kv_lora_rank or q.shape[2])
     if q.shape[0] and seq_lens.shape[0]:
         _launch_prefill(_last_dim_contiguous(q), kv_cache, out, query_start_loc, seq_lens, block_table, scale,
-                        config, sliding_window, logits_soft_cap, k_scale, v_scale)  # fmt: skip
+                        config, sliding_window, logits_soft_cap, k_scale, v_scale, kv_lora_rank)  # fmt: skip
     return out
 
 
@@ -598,24 +655,26 @@ def _launch_prefill(
     logits_soft_cap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_lora_rank: int | None = None,
 ) -> object:
     """Launch the prefill kernel; returns what the launch returns (the compiled kernel, on a GPU)."""
     t, h, hs = q.shape
-    kc, vc = kv_cache[0], kv_cache[1]
+    kc, vc, head, latent = _layout(kv_cache, hs, kv_lora_rank)
     _, bs, kvh, _ = kc.shape
     b = seq_lens.shape[0]
-    qpk, hp2 = h // kvh, _head_p2(hs)
+    qpk, hp2 = h // kvh, _head_p2(head)
     qpk_p2 = triton.next_power_of_2(qpk)
     prec = _precision(q.dtype)
-    cfg = _fit_config(config or _prefill_config(hp2, qpk_p2, q.dtype == torch.float32), qpk_p2)
+    fp32 = q.dtype == torch.float32
+    cfg = _fit_config(config or _prefill_config(hp2, qpk_p2, fp32, bool(kv_lora_rank)), qpk_p2)
     bq = cfg["block_m"] // qpk_p2
     return _prefill_kernel[(t // bq + b, kvh)](
         q, kc, vc, out, query_start_loc, seq_lens, block_table, scale * LOG2E, b, k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-        block_table.stride(0), QPK=qpk, QPK_P2=qpk_p2, HEAD=hs, HEAD_P2=hp2, BLOCK_Q=bq,
+        block_table.stride(0), QPK=qpk, QPK_P2=qpk_p2, HEAD=head, HEAD_P2=hp2, BLOCK_Q=bq,
         BLOCK_N=cfg["block_n"], BLOCK_SIZE=bs, K_T=cfg["trans_k"], PREC=prec, FP8=_fp8(kv_cache),
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_features(sliding_window, logits_soft_cap),
-        **pdl_launch(),
+        **latent, **pdl_launch(),
     )  # fmt: skip
 
 
@@ -643,13 +702,20 @@ def decode_programs(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
 # at 1024 and 2048 keys took 6-7% less time (84.5 -> 90.2% and 87.6 -> 94.0% of 4.3 TB/s); 16 / 8 heads
 # gained nothing (benchmarks/results/attention/*-decode-maxnreg-*). Prefill 128 x 128 tiles on 8 warps
 # reached 360 TFLOP/s at 16k before the mask-free hot loop (benchmarks/results/tune-triton/).
-def _decode_config(head_p2: int, qpk_p2: int, fp32: bool, sm90: bool | None = None) -> dict:
+# The latent layout's tiles (latent=True: HEAD 512 + PE 64) are not measured on a GPU: they are those for
+# which ptxas (sm_90a, Triton 3.9) reports no spills at 16 and 8 query heads; 32-key decode tiles on 4 warps
+# spilled 744 bytes a thread, 64 x 32 prefill tiles on 4 warps 6 KB.
+def _decode_config(
+    head_p2: int, qpk_p2: int, fp32: bool, sm90: bool | None = None, latent: bool = False
+) -> dict:
     """The decode tiles for this device (sm90: Hopper or newer; None: the current GPU's)."""
     if _DECODE_OVERRIDE:
         return _parse_decode_config(_DECODE_OVERRIDE, qpk_p2)
     if INTERPRET:
         return dict(rows=qpk_p2, block_n=32, warps=1, stages=1, maxnreg=0)
     rows = max(16, qpk_p2)  # tl.dot needs M >= 16
+    if latent:
+        return dict(rows=rows, block_n=16, warps=8, stages=2, maxnreg=0)
     if head_p2 <= 128 and not fp32:
         if qpk_p2 <= 2:
             return dict(rows=rows, block_n=32, warps=2, stages=4, maxnreg=0)
@@ -664,11 +730,13 @@ def _decode_config(head_p2: int, qpk_p2: int, fp32: bool, sm90: bool | None = No
 PREFILL_KEYS = ("block_m", "block_n", "warps", "stages", "trans_k")
 
 
-def _prefill_config(head_p2: int, qpk_p2: int, fp32: bool) -> dict:
+def _prefill_config(head_p2: int, qpk_p2: int, fp32: bool, latent: bool = False) -> dict:
     if _PREFILL_OVERRIDE:
         return _parse_config(_PREFILL_OVERRIDE)
     if INTERPRET:
         return dict(block_m=max(64, qpk_p2), block_n=32, warps=1, stages=1)  # few, large programs
+    if latent:
+        return dict(block_m=max(32, qpk_p2), block_n=32, warps=8, stages=1)
     if head_p2 <= 128 and not fp32:
         # 3 stages need ~224 KB of shared memory: Hopper has 228 KB (a tile sweep on an H200: 463 TFLOP/s
         # at 16k against 415 with 2 stages); Ampere has 164 KB

@@ -1,5 +1,6 @@
-"""DeepSeek-V2 (DeepSeek-V2, -V2-Lite, -V2.5 and their chat models): multi-head latent attention, whose K and
-V the cache holds per head (not the latent vector), and shared plus routed experts on turnout's FusedMoE."""
+"""DeepSeek-V2 (DeepSeek-V2, -V2-Lite, -V2.5 and their chat models): multi-head latent attention in absorbed
+form over the latent KV cache (kv_lora_rank + qk_rope_head_dim values a token and layer, the "mla" spec), and
+shared plus routed experts on turnout's FusedMoE."""
 
 from turnout import hookimpl
 from turnout.models import ModelArchitecture

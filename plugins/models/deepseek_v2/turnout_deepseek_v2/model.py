@@ -1,18 +1,20 @@
 """DeepseekV2ForCausalLM from the public layers, as HF transformers' modeling_deepseek_v2 computes it.
 
-Multi-head latent attention, computed on the standard KV layout. q comes from q_proj, or where q_lora_rank is
-set from q_a_proj -> q_a_layernorm -> q_b_proj; kv_a_proj_with_mqa gives the compressed kv (kv_lora_rank)
-and one k_pe (qk_rope_head_dim) shared by every head; kv_a_layernorm -> kv_b_proj expands the compressed kv
-into each head's k_nope and v. A head's k is cat(k_nope, k_pe), its q cat(q_nope, q_pe), with the rotary
-applied to the rope parts as HF applies it: interleaved pairs (2i, 2i + 1), complex-style, in float32. The
-softmax scale is qk_head_dim ** -0.5, times mscale ** 2 where rope scaling sets mscale_all_dim (YaRN).
+Multi-head latent attention over the latent KV cache. q comes from q_proj, or where q_lora_rank is set from
+q_a_proj -> q_a_layernorm -> q_b_proj; kv_a_proj_with_mqa gives the compressed kv (kv_lora_rank) and one
+k_pe (qk_rope_head_dim) shared by every head. HF expands the compressed kv through kv_a_layernorm ->
+kv_b_proj into each head's k_nope and v, and attends over cat(k_nope, k_pe) with cat(q_nope, q_pe), the
+rotary applied to the rope parts as HF applies it: interleaved pairs (2i, 2i + 1), complex-style, in float32.
+The softmax scale is qk_head_dim ** -0.5, times mscale ** 2 where rope scaling sets mscale_all_dim (YaRN).
 
-**The KV cache holds each head's K and V, not the latent vector.** The backends take one head size for K and
-V, so v is padded with zeros to D = max(qk_head_dim, v_head_dim) (q and k too where v_head_dim is the larger)
-and the attention output is cut back to v_head_dim before o_proj: a token takes 2 * num_heads * D values a
-layer (DeepSeek-V2-Lite: 2 x 16 x 192 = 6,144) where MLA's latent cache would take kv_lora_rank +
-qk_rope_head_dim (576). Caching the latent needs per-layer KV-cache specs, which the plugin contract does not
-have yet.
+**The KV cache holds the latent vector, cat(kv_a_layernorm(compressed kv), k_pe): kv_lora_rank +
+qk_rope_head_dim values a token and layer** (DeepSeek-V2-Lite: 512 + 64 = 576, where per-head K and V take
+2 x 16 x 192 = 6,144), the "mla" KV-cache spec. Attention runs in absorbed form, as DeepSeek and vLLM decode:
+kv_b_proj splits per head into W_UK (to k_nope) and W_UV (to v), and since q_nope . (W_UK c) = (q_nope W_UK)
+. c, each head's query is cat(q_nope W_UK, q_pe) against the one cached latent head, whose first
+kv_lora_rank dims are the values; a head's output (kv_lora_rank wide) times W_UV is its v-weighted sum. The
+same form serves prefill: exact there too, at more FLOPs than expanding the keys (kv_lora_rank + rope dims a
+score instead of qk_head_dim), and one code path for every step.
 
 Feed-forward: the first first_k_dense_replace layers are a dense SwiGLU MLP of intermediate_size; the rest
 route each token to num_experts_per_tok of n_routed_experts experts on turnout's FusedMoE (softmax scores in
@@ -66,11 +68,6 @@ DEEPSEEK_KEYS: dict[str, Callable[[dict[str, Any]], Any]] = {
 }
 
 
-def head_size(cfg: dict[str, Any]) -> int:
-    """D, the one head size of q, k and v in the KV cache: max(qk_nope + qk_rope, v_head_dim)."""
-    return max(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"])
-
-
 def softmax_scale(cfg: dict[str, Any], scaling: dict[str, Any]) -> float:
     """qk_head_dim ** -0.5, times mscale ** 2 (YaRN's 0.1 mscale_all_dim ln(factor) + 1) where a rope scaling
     sets mscale_all_dim, as HF's yarn_apply_mscale folds it in."""
@@ -105,9 +102,10 @@ def rotate_interleaved(rotary: RotaryEmbedding, positions: torch.Tensor, x: torc
 
 
 class DeepseekV2Attention(nn.Module):
-    """Multi-head latent attention with per-head K and V in the cache: positions [T], x [T, hidden] ->
-    [T, hidden]. Under tensor parallelism each rank holds num_heads / tp heads (q_proj or q_b_proj, kv_b_proj
-    and o_proj split by heads); q_a_proj and kv_a_proj_with_mqa are whole on every rank."""
+    """Multi-head latent attention in absorbed form over the latent KV cache (see the module docstring):
+    positions [T], x [T, hidden] -> [T, hidden]. Under tensor parallelism each rank holds num_heads / tp heads
+    (q_proj or q_b_proj, kv_b_proj and o_proj split by heads) and the whole latent cache; q_a_proj and
+    kv_a_proj_with_mqa are whole on every rank."""
 
     def __init__(self, cfg: dict[str, Any], rotary: RotaryEmbedding, scale: float) -> None:
         super().__init__()
@@ -115,7 +113,7 @@ class DeepseekV2Attention(nn.Module):
         hidden, heads, tp = cfg["hidden_size"], cfg["num_attention_heads"], get_parallel_state().tp_size
         self.nope, self.rope, self.v_dim = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
         self.kv_rank, self.q_rank = cfg["kv_lora_rank"], cfg.get("q_lora_rank")
-        self.num_heads, self.head_size, qk = heads // tp, head_size(cfg), self.nope + self.rope
+        self.num_heads, qk = heads // tp, self.nope + self.rope
         bias = bool(cfg.get("attention_bias", False))
         if self.q_rank:
             self.q_a_proj = nn.Linear(hidden, self.q_rank, bias=bias)
@@ -128,25 +126,31 @@ class DeepseekV2Attention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_rank, heads * (self.nope + self.v_dim))
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_heads, self.head_size, scale)
+        self.attn = Attention(self.num_heads, 1, self.kv_rank + self.rope, scale, kv_lora_rank=self.kv_rank)
 
-    def _pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H, d] -> [T, H, head_size], zeros after d: they add nothing to q.k, and v's are cut off."""
-        return F.pad(x, (0, self.head_size - x.shape[-1])) if x.shape[-1] < self.head_size else x
+    def absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, qk_nope, kv_lora_rank] and W_UV [H, v_head_dim, kv_lora_rank]: this rank's heads of
+        kv_b_proj's weight (views); a quantized kv_b_proj's weight as its GEMM computes it, read off the
+        identity."""
+        lin = self.kv_b_proj
+        if lin.quant_method is None:
+            w = lin.weight
+        else:
+            w = lin(torch.eye(self.kv_rank, dtype=dtype, device=lin.weight.device)).t()
+        return w.view(self.num_heads, self.nope + self.v_dim, self.kv_rank).split([self.nope, self.v_dim], 1)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t, h = x.shape[0], self.num_heads
+        t, h, r = x.shape[0], self.num_heads, self.kv_rank
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_rank else self.q_proj(x)
         q = q.view(t, h, self.nope + self.rope)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, h, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([r, self.rope], -1)
+        w_uk, w_uv = self.absorbed(x.dtype)
+        q_latent = torch.einsum("thn,hnr->thr", q[..., : self.nope], w_uk)
         q_pe = rotate_interleaved(self.rotary, positions, q[..., self.nope :])
-        k_pe = rotate_interleaved(self.rotary, positions, k_pe[:, None]).expand(t, h, self.rope)
-        q = self._pad(torch.cat([q[..., : self.nope], q_pe], -1))
-        k = self._pad(torch.cat([k_nope, k_pe], -1))
-        out = self.attn(q, k, self._pad(v)).view(t, h, self.head_size)[..., : self.v_dim]
-        return self.o_proj(out.reshape(t, h * self.v_dim))
+        k_pe = rotate_interleaved(self.rotary, positions, k_pe[:, None])  # [T, 1, rope]
+        k = torch.cat([self.kv_a_layernorm(latent)[:, None], k_pe], -1)  # [T, 1, r + rope]: what is cached
+        out = self.attn(torch.cat([q_latent, q_pe], -1), k, k[..., :r]).view(t, h, r)
+        return self.o_proj(torch.einsum("thr,hvr->thv", out, w_uv).reshape(t, h * self.v_dim))
 
 
 def deepseek_routing(cfg: dict[str, Any]) -> Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, ...]]:

@@ -46,8 +46,8 @@ class Fp8Method(QuantizationMethod):
             return [*why, str(e)]
         if s.kv_cache and ctx.hf_config.get("kv_lora_rank"):
             why.append(
-                "quantization_config.kv_cache_scheme: its scales are for multi-head latent attention's "
-                "latent cache, and the KV cache here holds per-head K and V; remove kv_cache_scheme"
+                "quantization_config.kv_cache_scheme: multi-head latent attention's latent KV cache runs in "
+                "the model dtype only, not FP8; remove kv_cache_scheme"
             )
         return why
 
