@@ -11,15 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from turnout import LLM, SamplingParams, hookimpl
 from turnout.bench.random_models import quantize_checkpoint
 from turnout.errors import TurnoutError
-from turnout.loader.weights import weight_files
 
-from tiny_models import chat_prompts, hf_greedy, make_tiny_model, teacher_forced_agreement
+from tiny_models import (
+    chat_prompts,
+    dequantized_checkpoint,
+    hf_greedy,
+    make_tiny_model,
+    teacher_forced_agreement,
+)
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
@@ -30,44 +34,6 @@ FORMATS = {
     "ct-tensor-static": dict(fmt="compressed-tensors", weights="tensor", activations="static"),
 }
 PROMPTS = [[random.Random(i).randrange(3, 512) for _ in range(4 + 5 * i)] for i in range(4)]
-
-
-def dequantized_checkpoint(src: Path, dst: Path) -> Path:
-    """The independent reference of an FP8 checkpoint: every FP8 weight times its scale by the format's
-    formula in float64 (w[i, j] = q[i, j] * s[i // bn, j // bk], or a row's or the tensor's scale),
-    written as float32 without quantization_config, for HF transformers to load."""
-    src, dst = Path(src), Path(dst)
-    cfg = json.loads((src / "config.json").read_text())
-    qc = cfg.pop("quantization_config")
-    block = qc.get("weight_block_size")
-    if qc["quant_method"] == "compressed-tensors":
-        w = next(iter(qc["config_groups"].values()))["weights"]
-        block = w.get("block_structure") if w["strategy"] == "block" else None
-    dst.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for path in weight_files(src):
-        with safe_open(str(path), framework="pt") as f:
-            tensors.update({k: f.get_tensor(k) for k in f.keys()})
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith(("_scale", "_scale_inv")):
-            continue
-        if t.dtype == torch.float8_e4m3fn:
-            stem = name.removesuffix(".weight")
-            s = tensors.get(f"{stem}.weight_scale_inv", tensors.get(f"{stem}.weight_scale")).double()
-            n, k = t.shape
-            if block:
-                s = s.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
-            else:
-                s = s.reshape(-1, 1) if s.numel() == n and n > 1 else s.reshape(1, 1)
-            t = t.double() * s
-        out[name] = t.float()
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    for f in src.iterdir():
-        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "generation")):
-            (dst / f.name).write_bytes(f.read_bytes())
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +144,7 @@ def _assert_refused(
 
 
 def _edit_tensors(src: Path, dst: Path, edit) -> Path:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     shutil.copytree(src, dst)
     tensors = load_file(dst / "model.safetensors")

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from turnout import LLM, SamplingParams
-from turnout.bench.random_models import dequantized_checkpoint, quantize_checkpoint
+from turnout.bench.random_models import quantize_checkpoint
 from turnout.cli import main
 from turnout.errors import TurnoutError
 
-from tiny_models import make_tiny_model
+from tiny_models import dequantized_checkpoint, make_tiny_model
 
 # per layer (k_scale, v_scale): K after rope reaches ~3.9 and V ~4.5 on these prompts, so x / scale spans
 # most of e4m3's range (448), and none is a power of two (a power of two rounds as scale 1.0 does)

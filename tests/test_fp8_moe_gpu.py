@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from turnout import LLM, SamplingParams
-from turnout.bench.random_models import dequantized_checkpoint
 
-from tiny_models import hf_greedy, make_tiny_model
+from tiny_models import dequantized_checkpoint, hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):

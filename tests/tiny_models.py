@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -157,3 +158,46 @@ def assert_parallel_matches_reference(path: Path, ref, prompts, greedy, parallel
         assert [o.token_ids for o in again] == ref[:2] and all(o.num_cached_tokens >= 8 for o in again)
     finally:
         llm.shutdown()
+
+
+def dequantized_checkpoint(src: Path, dst: Path) -> Path:
+    """The independent reference of an FP8 checkpoint: every FP8 weight times its scale by the format's
+    formula in float64 (w[i, j] = q[i, j] * s[i // bn, j // bk], or a row's or the tensor's scale),
+    written as float32 without quantization_config, for HF transformers to load."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from turnout.loader.weights import weight_files
+
+    src, dst = Path(src), Path(dst)
+    cfg = json.loads((src / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    block = qc.get("weight_block_size")
+    if qc["quant_method"] == "compressed-tensors":
+        w = next(iter(qc["config_groups"].values()))["weights"]
+        block = w.get("block_structure") if w["strategy"] == "block" else None
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for path in weight_files(src):
+        with safe_open(str(path), framework="pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(("_scale", "_scale_inv")):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            stem = name.removesuffix(".weight")
+            s = tensors.get(f"{stem}.weight_scale_inv", tensors.get(f"{stem}.weight_scale")).double()
+            n, k = t.shape
+            if block:
+                s = s.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+            else:
+                s = s.reshape(-1, 1) if s.numel() == n and n > 1 else s.reshape(1, 1)
+            t = t.double() * s
+        out[name] = t.float()
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "generation")):
+            (dst / f.name).write_bytes(f.read_bytes())
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return dst
