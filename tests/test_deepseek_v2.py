@@ -24,6 +24,7 @@ from turnout_deepseek_v2.model import deepseek_routing
 
 from turnout import LLM, SamplingParams, TurnoutError
 from turnout.attention.kv_spec import FullAttentionSpec, MLAAttentionSpec, kv_cache_config
+from turnout.bench.random_models import LINEAR_NAMES, quantize_checkpoint
 from turnout.layers import moe
 from turnout.models.info import ModelInfo
 from turnout.platform import Platform
@@ -33,6 +34,7 @@ from tiny_models import (
     assert_matches_reference,
     assert_parallel_matches_reference,
     checkpoints,
+    dequantized_checkpoint,
     hf_greedy,
     write_tokenizer,
 )
@@ -169,6 +171,25 @@ def test_an_fp8_kv_cache_is_refused(checkpoint) -> None:
     with pytest.raises(TurnoutError, match="kv_cache_dtype fp8 unsupported for DeepseekV2ForCausalLM") as e:
         LLM(str(path), kv_cache_dtype="fp8", **KW)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_kv_b_proj_matches_hf_dequantized(checkpoint, tmp_path: Path, device: str) -> None:
+    """kv_b_proj (with the other projections) in HF's block FP8: the absorbed W_UK and W_UV are the weight
+    the layer computes with (dequantized at load on the CPU, read off its FP8 GEMM on CUDA), so greedy tokens
+    equal HF's on the checkpoint dequantized."""
+    if device == "cuda" and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        pytest.skip("needs a CUDA GPU with FP8 (sm89+)")
+    path, _ = checkpoint("q-proj-greedy")
+    names = (*LINEAR_NAMES, "kv_b_proj")
+    fp8 = quantize_checkpoint(path, tmp_path / "fp8", block=(16, 32), linear_names=names)
+    ref = dequantized_checkpoint(fp8, tmp_path / "ref")
+    llm = LLM(str(fp8), **KW)
+    assert llm.selection.quantization.chosen.name == "fp8"
+    kv_b = llm.engine.executor.worker.runner.model.model.layers[0].self_attn.kv_b_proj
+    assert (kv_b.quant_method is not None) == (device == "cuda")
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == hf_greedy(ref, PROMPTS, MAX_NEW, attn_implementation="eager")
 
 
 PARALLEL = [

@@ -174,8 +174,10 @@ def quantize_checkpoint(
     weights: str = "channel",
     activations: str = "dynamic",
     input_scale: float = 8 / 448,
+    linear_names: tuple[str, ...] = LINEAR_NAMES,
 ) -> Path:
-    """Write src's checkpoint to dst with its decoder linear weights in FP8 e4m3, and config.json's
+    """Write src's checkpoint to dst with its decoder linear weights (the modules named in linear_names) in
+    FP8 e4m3, and config.json's
     quantization_config saying how (the scale of a tile, row or tensor is its amax / 448; w = q * scale):
 
     - fmt "fp8": HF's fine-grained format, `weight_scale_inv` [N / bn, K / bk] for block (dynamic
@@ -204,7 +206,7 @@ def quantize_checkpoint(
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
-                if not (name.endswith(".weight") and name.split(".")[-2] in LINEAR_NAMES and t.dim() == 2):
+                if not (name.endswith(".weight") and name.split(".")[-2] in linear_names and t.dim() == 2):
                     out[name] = t
                     continue
                 stem = name.removesuffix(".weight")

@@ -127,16 +127,19 @@ class DeepseekV2Attention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
         self.rotary = rotary
         self.attn = Attention(self.num_heads, 1, self.kv_rank + self.rope, scale, kv_lora_rank=self.kv_rank)
+        self.w_kv_b: torch.Tensor | None = None  # a quantized kv_b_proj's weight, read once
 
     def absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, qk_nope, kv_lora_rank] and W_UV [H, v_head_dim, kv_lora_rank]: this rank's heads of
-        kv_b_proj's weight (views); a quantized kv_b_proj's weight as its GEMM computes it, read off the
-        identity."""
+        kv_b_proj's weight (views). A quantized kv_b_proj's weight is the one its GEMM computes with, read
+        off the identity at the first forward (the weights are fixed once loaded)."""
         lin = self.kv_b_proj
         if lin.quant_method is None:
             w = lin.weight
         else:
-            w = lin(torch.eye(self.kv_rank, dtype=dtype, device=lin.weight.device)).t()
+            if self.w_kv_b is None:
+                self.w_kv_b = lin(torch.eye(self.kv_rank, dtype=dtype, device=lin.weight.device)).t()
+            w = self.w_kv_b
         return w.view(self.num_heads, self.nope + self.v_dim, self.kv_rank).split([self.nope, self.v_dim], 1)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
