@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import types
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from turnout.attention import LAYER_FEATURES, AttentionBackend, AttentionLayerSp
 from turnout.attention.kv_spec import NULL_BLOCK, FullAttentionSpec, SlidingWindowSpec, kv_cache_config
 from turnout.engine.block_manager import BlockManager
 from turnout.engine.request import Request
+from turnout.engine.scheduler import Scheduler
 from turnout.errors import SelectionError
 from turnout.worker import kv_cache
 
@@ -99,6 +101,9 @@ def test_sliding_blocks_are_freed_and_tokens_match_hf(checkpoint, case: str) -> 
     assert any(b > a for a, b in zip(free[:-1], free[1:-1])), free  # risen before the request ended
     chunked = LLM(str(path), max_num_batched_tokens=16, max_num_seqs=4, **KW)
     assert [o.token_ids for o in chunked.generate(PROMPTS, GREEDY, use_tqdm=False)] == ref
+    for engine in (llm.engine, chunked.engine):  # every block back, NULL_BLOCK not counted as held
+        stats = engine.stats()
+        assert stats["free_blocks"] == stats["total_blocks"], stats
 
 
 @pytest.fixture
@@ -167,6 +172,105 @@ def test_a_hit_needs_only_the_window_of_its_last_token() -> None:
     hit = bm.find_cached(Request("c", list(range(3, 27)) + [1], sp))
     assert len(hit[0]) == 6 and hit[0] == a.block_ids[0][:6]
     assert hit[1][:4] == [NULL_BLOCK] * 4 and hit[1][4:] == a.block_ids[1][4:6]
+
+
+def test_a_hit_in_several_groups_never_gives_one_block_to_two_groups() -> None:
+    """The cached blocks of every group are taken off the free queue before any group takes new blocks:
+    a group's new block never evicts (and so shares) a block another group's hit holds."""
+    specs = (
+        SlidingWindowSpec(BLOCK, 1, 8, torch.float32, 64),
+        FullAttentionSpec(BLOCK, 1, 8, torch.float32),
+    )
+    bm = BlockManager(num_blocks=11, block_size=BLOCK, kv_cache_specs=specs)  # 10 blocks and NULL_BLOCK
+    sp = SamplingParams(max_tokens=4)
+    a, d = Request("a", list(range(3, 13)), sp), Request("d", list(range(50, 58)), sp)
+    for r in (a, d):  # a: 3 blocks a group, d: 2; the pool is then empty
+        assert bm.allocate(r, r.num_tokens)
+        r.num_computed_tokens = r.num_tokens
+        bm.cache_full_blocks(r)
+    bm.free_request(a)
+    bm.free_request(d)
+    b = Request("b", list(range(3, 11)) + list(range(70, 82)), sp)  # a's first 2 blocks, then 3 more
+    hit = bm.find_cached(b)
+    assert [len(ids) for ids in hit] == [2, 2]
+    assert bm.allocate(b, b.num_tokens - 2 * BLOCK, hit)
+    held = [i for ids in b.block_ids for i in ids]
+    assert len(held) == len(set(held)) == 10, b.block_ids
+    assert all(bm.blocks[i].ref_count == 1 for i in held) and bm.num_free_blocks == 0
+
+
+def test_a_freed_request_is_evicted_from_its_tail_in_every_group() -> None:
+    """free_request queues every group's block at a position together, tail first: a new request that
+    evicts two blocks takes the last position's, and the freed prefix's first two blocks still hit in both
+    groups."""
+    specs = (
+        SlidingWindowSpec(BLOCK, 1, 8, torch.float32, 64),
+        FullAttentionSpec(BLOCK, 1, 8, torch.float32),
+    )
+    bm = BlockManager(num_blocks=7, block_size=BLOCK, kv_cache_specs=specs)  # 6 blocks and NULL_BLOCK
+    sp = SamplingParams(max_tokens=4)
+    a = Request("a", list(range(3, 15)), sp)  # 3 full blocks a group: the whole pool
+    assert bm.allocate(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    bm.cache_full_blocks(a)
+    bm.free_request(a)
+    assert bm.num_free_blocks == bm.num_pool_blocks == 6
+    assert bm.allocate(Request("b", [1, 2], sp), 2)  # one block a group, evicted from the free queue
+    hit = bm.find_cached(Request("c", list(range(3, 11)) + [1], sp))
+    assert [len(ids) for ids in hit] == [2, 2], hit
+
+
+def _assert_accounted(bm: BlockManager, reqs: list[Request]) -> None:
+    """Each held block is in one group and its ref_count is its holders; the rest of the pool is free."""
+    held, group = Counter(), {}
+    for r in reqs:
+        for g, ids in enumerate(r.block_ids):
+            for b in ids:
+                if b != bm.null:
+                    held[b] += 1
+                    assert group.setdefault(b, g) == g, (b, r.req_id, r.block_ids)
+    assert all(bm.blocks[b].ref_count == n and b not in bm.free for b, n in held.items())
+    assert all(bm.blocks[b].ref_count == 0 for b in bm.free)
+    assert len(held) + bm.num_free_blocks == bm.num_pool_blocks
+
+
+@pytest.mark.parametrize(("windows", "num_blocks"), [((6, None), 29), ((6, 6, None), 43), ((5,), 9)])
+def test_blocks_stay_accounted_through_preemption_abort_and_prefix_hits(windows, num_blocks: int) -> None:
+    """Requests sharing prefixes over a pool too small for them all (but for the longest alone), chunked,
+    preempted and some aborted, with one step in flight (async scheduling): after every step each group's
+    blocks are accounted for."""
+    specs = tuple(
+        SlidingWindowSpec(BLOCK, 1, 8, torch.float32, w)
+        if w
+        else FullAttentionSpec(BLOCK, 1, 8, torch.float32)
+        for w in windows
+    )
+    preempted = 0
+    for seed in range(30):
+        rng = random.Random(seed)
+        bm = BlockManager(num_blocks=num_blocks, block_size=BLOCK, kv_cache_specs=specs)
+        sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=200)
+        shared = [rng.randrange(3, 50) for _ in range(40)]
+        reqs = {}
+        for i in range(12):
+            prompt = shared[: rng.randrange(5, 40)] + [rng.randrange(3, 50) for _ in range(rng.randrange(10))]
+            sp = SamplingParams(temperature=0, max_tokens=rng.randrange(1, 30), ignore_eos=True)
+            reqs[str(i)] = r = Request(str(i), prompt, sp)
+            sched.add(r)
+        in_flight = None
+        while sched.has_unfinished() or in_flight:
+            out = sched.schedule()
+            if in_flight is not None:
+                sched.update(
+                    in_flight, {s.req_id: rng.randrange(3, 50) for s in in_flight.requests if s.sample}, reqs
+                )
+            in_flight = out if out.requests else None
+            if sched.running and rng.random() < 0.05:
+                sched.finish(rng.choice(sched.running), "abort")
+            _assert_accounted(bm, [r for r in reqs.values() if not r.is_finished])
+        assert bm.num_free_blocks == bm.num_pool_blocks
+        preempted += sched.num_preemptions
+    assert preempted > 0
 
 
 def _gemma3_like(window: int | None) -> AttentionSpec:

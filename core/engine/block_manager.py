@@ -77,6 +77,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free)
 
+    @property
+    def num_pool_blocks(self) -> int:
+        """The blocks requests can hold: num_blocks, less NULL_BLOCK where a group frees blocks."""
+        return self.num_blocks - (self.null is not None)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
@@ -125,6 +130,8 @@ class BlockManager:
         return n
 
     def can_allocate(self, req: Request, num_new_tokens: int, cached: CachedBlocks = ()) -> bool:
+        """Whether the free queue holds the new blocks of every group that allocate would take, the cached
+        blocks it revives from that queue counted out."""
         have = len(req.block_ids[0]) + (len(cached[0]) if cached else 0)
         need = self.blocks_needed(self._end(req, num_new_tokens, cached)) - have
         revived = sum(
@@ -144,12 +151,13 @@ class BlockManager:
         if not self.can_allocate(req, num_new_tokens, cached):
             return False
         need = self.blocks_needed(self._end(req, num_new_tokens, cached)) - len(req.block_ids[0])
-        for g, ids in enumerate(req.block_ids):
+        for g, ids in enumerate(req.block_ids):  # every group's hit leaves the free queue before any _take
             if cached:
                 for b in cached[g]:
                     if b != self.null:
                         self._ref(b)
                 ids.extend(cached[g])
+        for g, ids in enumerate(req.block_ids):
             ids.extend(self._take(g) for _ in range(need - (len(cached[g]) if cached else 0)))
         return True
 
@@ -211,10 +219,11 @@ class BlockManager:
         return new
 
     def free_request(self, req: Request) -> None:
-        # tail blocks first, so a prefix's first blocks are the last to be evicted
-        for ids in req.block_ids:
-            for block_id in reversed(ids):
-                self._unref(block_id)
+        # tail positions first, every group's block at a position together, so that a prefix's first blocks
+        # are the last to be evicted in every group
+        for i in reversed(range(len(req.block_ids[0]))):
+            for ids in req.block_ids:
+                self._unref(ids[i])
         req.block_ids = tuple([] for _ in range(self.num_groups))
         self.hashes.pop(req.req_id, None)
         self.registered.pop(req.req_id, None)

@@ -433,7 +433,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": round(bm.stats.hit_rate, 4),
             "preemptions": self.scheduler.num_preemptions,
             "free_blocks": bm.num_free_blocks,
-            "total_blocks": bm.num_blocks,
+            "total_blocks": bm.num_pool_blocks,
         }
 
     def shutdown(self) -> None:
