@@ -23,7 +23,7 @@ from turnout.engine.scheduler import Scheduler
 from turnout.errors import SelectionError
 from turnout.worker import kv_cache
 
-from tiny_models import TOKENIZER_VOCAB, checkpoints, hf_greedy, write_tokenizer
+from tiny_models import TOKENIZER_VOCAB, checkpoints, hf_greedy, save_random_model, write_tokenizer
 
 WINDOW, BLOCK, MAX_NEW = 8, 4, 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -50,12 +50,7 @@ def _write(path: Path, case: str) -> Path:
     import transformers
 
     cls, own = CONFIGS[case]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**COMMON, **own))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else p.normal_(0, 0.1) if case.startswith("gemma") else None
-    model.save_pretrained(path, safe_serialization=True)
+    save_random_model(path, getattr(transformers, cls)(**COMMON, **own), wide_norms=case.startswith("gemma"))
     write_tokenizer(path)
     return path
 

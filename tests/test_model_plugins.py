@@ -31,6 +31,7 @@ from tiny_models import (
     assert_parallel_matches_reference,
     checkpoints,
     hf_greedy,
+    save_random_model,
     write_tokenizer,
 )
 
@@ -84,15 +85,7 @@ def _write(path: Path, case: str) -> Path:
     import transformers
 
     cls, own = CONFIGS[case]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**COMMON, **own))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-            elif case.startswith("gemma"):  # GemmaRMSNorm scales by 1 + w, w initialised to 0
-                p.normal_(0, 0.1)
-    model.save_pretrained(path, safe_serialization=True)
+    save_random_model(path, getattr(transformers, cls)(**COMMON, **own), wide_norms=case.startswith("gemma"))
     if case.endswith("older-keys"):
         cfg = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps(_older_keys(cfg), indent=2))

@@ -24,6 +24,23 @@ def write_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
+def save_random_model(path: Path, config, wide_norms: bool = False) -> None:
+    """A random-weight checkpoint of `config` (a transformers config) at path, seed 0: weights N(0, 0.2), so
+    that logits are far from ties, and where wide_norms 1-D ones N(0, 0.1) (GemmaRMSNorm scales by 1 + w, w
+    initialised to 0)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+            elif wide_norms:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+
+
 def make_tiny_model(
     path: Path, arch: str = "llama", num_kv_heads: int = 2, seed: int = 0, **overrides
 ) -> Path:
