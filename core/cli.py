@@ -281,7 +281,7 @@ def _print_explain(sel: Selection, config: EngineConfig) -> None:
 
 
 def _groups_line(groups: list[dict[str, Any]] | str) -> str:
-    """The KV-cache groups in one line: "full x 1 layers; sliding_window 1024 x 5 layers"."""
+    """The KV-cache groups in one line: "sliding_window 1024 (1 layers); full (1 layers)"."""
     if isinstance(groups, str):
         return groups
     words = lambda g: g["kind"] + (f" {g['sliding_window']}" if g["sliding_window"] else "")  # noqa: E731

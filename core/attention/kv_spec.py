@@ -187,9 +187,8 @@ def kv_cache_config(stage_specs: Sequence[Sequence[KVCacheSpec]]) -> KVCacheConf
     for i, s in enumerate(specs):
         by_spec.setdefault(s, []).append(i)
     if len({s.page_size_bytes for s in by_spec}) > 1:
-        raise ValueError(
-            f"KV-cache specs of different page sizes cannot share one block pool: {list(by_spec)}"
-        )
+        pages = ", ".join(f"{s.describe()} {s.page_size_bytes} bytes" for s in by_spec)
+        raise ValueError(f"KV-cache specs of different page sizes cannot share one block pool: {pages}")
     size = min(map(len, by_spec.values()))
     groups = tuple(
         KVCacheGroup(spec, tuple(ids[k : k + size]))

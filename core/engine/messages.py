@@ -28,6 +28,8 @@ class EngineShutdownError(EngineBusyError):
 
 @dataclass
 class EngineRequest:
+    """A request for the core: its id, prompt tokens and sampling parameters."""
+
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -48,6 +50,8 @@ class EngineOutput:
 
 @dataclass
 class SchedulerStats:
+    """The scheduler's gauges and counters after a step, summed over data-parallel replicas."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # share of KV blocks held by requests
@@ -58,6 +62,9 @@ class SchedulerStats:
 
 @dataclass
 class CoreBatch:
+    """What the core hands back once a step: an ack per group of requests added (its key, and the error that
+    refused it or None), the step's outputs, the scheduler's stats, and an error that ends every request."""
+
     time: float
     acks: list[tuple[int, TurnoutError | None]]
     outputs: list[EngineOutput]
@@ -80,6 +87,7 @@ class EngineInfo:
 
     @classmethod
     def of(cls, engine: Any) -> EngineInfo:
+        """The info of a started LLMEngine (or its data-parallel front)."""
         sel = engine.selection
         return cls(
             engine.max_model_len, str(sel.model_info.path), sel.model_info.architecture,

@@ -199,7 +199,9 @@ class ModelRunner:
         if self.config.num_gpu_blocks_override:
             return self.config.num_gpu_blocks_override
         if self.device.type != "cuda":
-            return max(1, int(self.config.cpu_kv_cache_bytes // self.kv_bytes_per_block()))
+            return max(
+                1, kv_cache.blocks_in(self.config.cpu_kv_cache_bytes, self.attn_spec, self.num_kv_tensors)
+            )
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._dummy_run(self.config.max_num_batched_tokens)
@@ -209,7 +211,7 @@ class ModelRunner:
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes, NCCL
         budget = total * self.config.gpu_memory_utilization - peak - used_elsewhere
         logger.info("memory: total %.1f GiB, peak step %.2f GiB", total / 2**30, peak / 2**30)
-        return max(0, int(budget // self.kv_bytes_per_block()))
+        return kv_cache.blocks_in(budget, self.attn_spec, self.num_kv_tensors)
 
     def _dummy_run(self, num_tokens: int) -> None:
         """A prefill of num_tokens over a throwaway KV cache: measures peak activation memory."""
