@@ -277,3 +277,29 @@ def test_a_checkpoint_missing_a_tensor_is_refused_naming_it(checkpoint, tmp_path
     with pytest.raises(TurnoutError, match=f"the checkpoint lacks {re.escape(name)}, which fills ") as e:
         LLM(str(path), **KW)
     assert "\n" not in str(e.value)
+
+
+def test_a_random_moe_checkpoint_stores_each_expert_as_the_hub_does(tmp_path: Path, monkeypatch) -> None:
+    """turnout bench's random DeepSeek-V2-Lite, in a small copy of its shape: experts written one matrix
+    each (`experts.{e}.gate_proj.weight`), which HF loads with no missing key and turnout answers as HF."""
+    from transformers import AutoModelForCausalLM
+
+    from turnout.bench import random_models
+
+    arch, lite = random_models.SHAPES["deepseek-v2-lite"]
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                 vocab_size=TOKENIZER_VOCAB, kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=8,
+                 v_head_dim=16)  # fmt: skip
+    monkeypatch.setitem(random_models.SHAPES, "small-lite", (arch, {**lite, **small}))
+    path = random_models.make_random_model(tmp_path / "m", "small-lite")
+    names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names
+    assert not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in names)
+    hf, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    prompt = [5, 17, 99, 200, 31]
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt) :]
+    llm = LLM(str(path), **KW)
+    got = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0].outputs[0].token_ids
+    assert list(got) == want.tolist()

@@ -39,9 +39,20 @@ SHAPES = {
                                    sliding_window=1024, sliding_window_pattern=6, rope_theta=1e6,
                                    rope_local_base_freq=1e4,
                                    rope_scaling={"rope_type": "linear", "factor": 8.0})),
+    # DeepSeek-V2-Lite: 27 layers, hidden 2048, 16 heads of MLA (latent 512 + rope 64, nope 128, v 128), the
+    # first layer dense, then 64 routed experts (6 a token, greedy) plus 2 shared; vocab 102400; YaRN by 40
+    "deepseek-v2-lite": ("deepseek_v2", dict(
+        hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=102400, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=1408, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", n_group=1,
+        topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, tie_word_embeddings=False,
+        rope_theta=1e4, rope_scaling={"type": "yarn", "factor": 40.0, "mscale": 0.707,
+                                      "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                      "beta_fast": 32, "beta_slow": 1})),
 }  # fmt: skip
 CONFIG_CLASSES = {"qwen3": "Qwen3Config", "llama": "LlamaConfig", "mistral": "MistralConfig",
-                  "gemma3": "Gemma3TextConfig"}  # fmt: skip
+                  "gemma3": "Gemma3TextConfig", "deepseek_v2": "DeepseekV2Config"}  # fmt: skip
 # FP8 variants of every shape ("qwen3-8b-fp8"): the shape's bf16 checkpoint quantized by quantize_checkpoint
 FP8_VARIANTS = {
     "fp8": dict(fmt="fp8", block=(128, 128)),  # HF's fine-grained FP8: 128x128 block scales
@@ -96,7 +107,7 @@ def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
     cfg = random_config(shape)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    names = {k: v.shape for k, v in model.state_dict().items()}
+    names = checkpoint_names({k: v.shape for k, v in model.state_dict().items()})
     cfg.architectures, cfg.dtype = [type(model).__name__], "bfloat16"
     if cfg.tie_word_embeddings:
         names.pop("lm_head.weight", None)
@@ -124,6 +135,25 @@ def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
     write_tokenizer(path, cfg.vocab_size)
     cfg.save_pretrained(path)
     return path
+
+
+def checkpoint_names(names: dict[str, Any]) -> dict[str, Any]:
+    """Tensor shapes by checkpoint name: transformers' fused expert tensors (`experts.gate_up_proj`
+    [E, 2I, H], `experts.down_proj` [E, H, I]) as the per-expert matrices MoE checkpoints store
+    (`experts.{e}.gate_proj.weight` [I, H], `up_proj`, `down_proj` [H, I]); every other name as it is."""
+    out = {}
+    for name, shape in names.items():
+        prefix, _, leaf = name.rpartition("experts.")
+        if len(shape) != 3 or leaf not in ("gate_up_proj", "down_proj"):
+            out[name] = shape
+            continue
+        num_experts, rows, cols = shape
+        halves = {"gate_proj": (rows // 2, cols), "up_proj": (rows // 2, cols)}
+        parts = halves if leaf == "gate_up_proj" else {"down_proj": (rows, cols)}
+        for e in range(num_experts):
+            for proj, shp in parts.items():
+                out[f"{prefix}experts.{e}.{proj}.weight"] = shp
+    return out
 
 
 def _raise_positions(config_file: Path) -> None:
