@@ -11,6 +11,7 @@ from turnout.bench.serve import add_bench_serve_parser
 
 __all__ = [
     "CEILINGS",
+    "COLUMNS",
     "SHAPES",
     "STAGES",
     "Shape",
@@ -30,7 +31,7 @@ __all__ = [
 _LAZY = {  # name -> (module, its name there)
     **{n: ("turnout.bench.random_models", n) for n in ("SHAPES", "make_random_model", "random_model_dir")},
     "write_tokenizer": ("turnout.bench.random_models", "write_tokenizer"),
-    "provenance": ("turnout.bench.records", "provenance"),
+    **{n: ("turnout.bench.records", n) for n in ("COLUMNS", "provenance")},
     "CEILINGS": ("turnout.bench.roofline", "CEILINGS"),
     "Shape": ("turnout.bench.roofline", "Shape"),
     **{n: ("turnout.bench.profiling", n) for n in ("STAGES", "stages", "memory_reports")},

@@ -54,6 +54,34 @@ BY_WORKLOAD = {
         "mean_output_len",
     ),
 }
+RUN = {"engine": "engine", "run": "run", "requests": "requests", "output_tokens_per_s": "output tok/s"}
+VS = {"ratio_vs_vllm": "x vLLM", "ratio_vs_nano_vllm": "x nano-vllm", "ratio_vs_static": "x static"}
+TAIL = {"over_floor": "x floor", "prefix_cache_hit_rate": "prefix-cache hits", "startup_s": "start-up (s)"}
+COLUMNS = {  # each workload's table (the CLI's and docs/performance.md's): key -> header
+    "throughput": {**RUN, **VS, "ratio_vs_peer": "x HF generate_batch",
+                   "ratio_vs_hf_generate": "x HF generate", **TAIL},
+    "wide": {**RUN, "seconds": "seconds", **VS, "floor_s": "floor (s)", **TAIL},
+    "latency": {
+        "engine": "engine", "run": "run", "tpot_ms": "TPOT (ms)", "ttft_ms": "TTFT (ms) by prompt",
+        "tpot_ratio_vs_vllm": "TPOT / vLLM's", "ttft_ratio_vs_vllm": "TTFT / vLLM's by prompt",
+        "tpot_ratio_vs_static": "TPOT / static's", "ttft_ratio_vs_static": "TTFT / static's by prompt",
+        "tpot_floor_ms": "TPOT floor (ms)", "tpot_over_floor": "TPOT x floor",
+        "ttft_over_floor": "TTFT x floor by prompt", "startup_s": "start-up (s)",
+    },
+    "prefix": {
+        "run": "run", "output_tokens_per_s": "output tok/s, cache on",
+        "no_cache_output_tokens_per_s": "cache off", "speedup_vs_no_cache": "speedup",
+        "over_floor": "x floor", "no_cache_over_floor": "cache off x floor", "startup_s": "start-up (s)",
+    },
+    "structured": {
+        "structured_output_ratio": "share constrained", "requests": "requests",
+        "num_completed": "grammars completed", "mean_output_len": "mean output len",
+        "output_tokens_per_s": "output tok/s, constrained",
+        "unconstrained_output_tokens_per_s": "unconstrained", "structured_cost": "cost",
+        "over_floor": "x floor", "unconstrained_over_floor": "unconstrained x floor",
+        "startup_s": "start-up (s)",
+    },
+}  # fmt: skip
 ENGINES = ("turnout", "vllm", "nano-vllm", "hf-generate-batch", "hf-generate", "turnout-static")
 
 
@@ -143,9 +171,13 @@ def fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def table(records: list[dict[str, Any]], columns: list[str]) -> str:
-    rows = [columns] + [[fmt(r.get(c)) for c in columns] for r in records]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+def table(records: list[dict[str, Any]], columns: dict[str, str]) -> str:
+    """The records as aligned text: the columns (key -> header) any of them has; requests: its subset or
+    num_prompts."""
+    records = [{**r, "requests": r.get("subset") or r.get("num_prompts")} for r in records]
+    keys = [k for k in columns if any(r.get(k) is not None for r in records)]
+    rows = [[columns[k] for k in keys]] + [[fmt(r.get(k)) for k in keys] for r in records]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(keys))]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows)
 
 
