@@ -380,10 +380,7 @@ class Bench:
             return res
         lat, a = "latency" in plan, self.args
         d = peers.find_peers_dir(a.peers_dir, peers.BENCH_PY_PEERS[engine])
-        if engine == "vllm":
-            res = peers.vllm(self.model_dir, d, a.vllm_site, lat, a.peer_timeout)
-        else:
-            res = peers.nano_vllm(self.model_dir, d, lat, a.peer_timeout)
+        res = peers.bench_py(engine, self.model_dir, d, lat, a.peer_timeout, a.vllm_site)
         tpot = res.get("tpot_ms")  # MODE=tpot times decode only
         metrics = {run: {"tpot_ms": tpot, "ttft_ms": {}} if lat else {"output_tokens_per_s": res[run]}
                    for run in RUNS}  # fmt: skip
