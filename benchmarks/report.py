@@ -170,12 +170,6 @@ def _ttft(ttft: dict[str, float] | None) -> str | None:
 
 
 # ---- the scripts' suites: one table per file ----
-CONFORMANCE = {"backend": "backend", "passed": "passed", "failed": "failed", "skipped": "skipped",
-               "max_rel_err": "largest relative error", "worst_case": "in case"}  # fmt: skip
-IDLE = {
-    "async_scheduling": "async scheduling", "batch": "batch", "ms_per_step": "ms a step",
-    "output_tok_s": "output tok/s", "gpu_idle_pct": "GPU idle %", "longest_gap_us": "longest gap (us)",
-}  # fmt: skip
 STEP = {
     "phase": "phase", "attention": "attention", "wall_us": "wall (us)", "busy_us": "GPU busy",
     "idle_us": "idle", "floor_us": "floor", "gemm/gemv": "GEMM", "attention_us": "attention kernels",
@@ -208,11 +202,6 @@ def per_file(
     for path, doc in files(suite):
         out += ["", caption(path, doc), ""] + table(*columns(rows(doc) if rows else doc["results"], wanted))
     return out or missing(suite)
-
-
-def _idle_rows(doc: Doc) -> list[dict]:
-    """The GPU-idle rows; the suite's throughput records are in the throughput section's format."""
-    return doc["results"] if isinstance(doc, dict) else []
 
 
 def _step_rows(doc: Doc) -> list[dict]:
@@ -249,10 +238,11 @@ def _ttft_rows(doc: Doc) -> list[dict]:
 
 
 def archive(suite: str) -> list[str]:
-    """A retired suite's files as they are: each list of rows a file holds, every field a column (a dict's
-    fields each a column, a row's short list of dicts as text; its long ones, kernel lists, left out)."""
+    """A suite's documents as they are: each list of rows a file holds, every field a column (a dict's
+    fields each a column, a row's short list of dicts as text; its long ones, kernel lists, left out). Its
+    turnout bench records (a list) have their own section."""
     out = []
-    for path, doc in files(suite):
+    for path, doc in (d for d in files(suite) if isinstance(d[1], dict)):
         out += ["", caption(path, doc)]
         for name, rows in doc.items():
             if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
@@ -334,7 +324,7 @@ SECTIONS: list[tuple[str, str, Callable[[], list[str]]]] = [
     ("prefix", "Prefix caching", lambda: bench_section("prefix")),
     ("structured", "Structured outputs", lambda: bench_section("structured")),
     ("async-scheduling", "GPU idle between decode steps",
-     lambda: per_file("async-scheduling", IDLE, _idle_rows)),
+     lambda: archive("async-scheduling")),
     ("llama-3-8b", "Llama-3-8B shape", lambda: bench_section("llama-3-8b")),
     ("cpu-vs-hf", "CPU: turnout against HF transformers", lambda: archive("cpu-vs-hf")),
     ("cpu-latency", "CPU: time to first token", lambda: per_file("cpu-latency", CPU_TTFT, _ttft_rows)),
@@ -345,7 +335,7 @@ SECTIONS: list[tuple[str, str, Callable[[], list[str]]]] = [
     ("profile", "A decode step, kernel by kernel", lambda: archive("profile")),
     ("tune", "Measured selection: turnout tune", turnout_tune_section),
     ("tune-triton", "Triton kernel tiles", lambda: archive("tune-triton")),
-    ("conformance", "Conformance", lambda: per_file("conformance", CONFORMANCE)),
+    ("conformance", "Conformance", lambda: archive("conformance")),
     ("e2e", "End to end against HF transformers", lambda: archive("e2e")),
     ("parallel", "Parallelism", lambda: archive("parallel")),
     ("serve", "Serving", lambda: per_file("serve", SERVE, _serve_rows)),

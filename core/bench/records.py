@@ -142,16 +142,20 @@ def check(rec: dict[str, Any]) -> None:
         raise TurnoutError(f"record run {rec['run']!r} is not 'first' or 'repeat'")
 
 
-def write(records: list[dict[str, Any]], out: str | Path, workload: str, device: str) -> Path:
-    """out: a .json file, or a folder that gets <UTC date-time>-<device>-<workload>-<attention>[-async].json;
-    a name already taken gets -2, -3, ..., so no run overwrites another's file."""
-    for rec in records:
+def write(
+    records: list[dict[str, Any]] | dict[str, Any], out: str | Path, workload: str, device: str
+) -> Path:
+    """records (turnout bench's, each checked) or one document (bench serve's) to out: a .json file, or a
+    folder that gets <UTC date-time>-<device>-<workload>[-<attention>][-async].json; a name already taken
+    gets -2, -3, ..., so no run overwrites another's file."""
+    for rec in records if isinstance(records, list) else ():
         check(rec)
     path = Path(out)
     if path.suffix != ".json":
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
         slug = re.sub(r"[^a-z0-9]+", "-", device.lower().split("(")[0]).strip("-").removeprefix("nvidia-")
-        cfg = next((r["config"] for r in records if r["engine"] == "turnout"), {})
+        recs = records if isinstance(records, list) else []
+        cfg = next((r["config"] for r in recs if r["engine"] == "turnout"), {})
         tag = "".join(f"-{t}" for t in (cfg.get("attention"), cfg.get("async_scheduling") and "async") if t)
         base, i = path / f"{stamp}-{slug}-{workload}{tag}", 1
         path = Path(f"{base}.json")
