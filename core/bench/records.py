@@ -44,16 +44,9 @@ BY_WORKLOAD = {
     "wide": ("run", "output_tokens_per_s"),
     "latency": ("run", "tpot_ms", "ttft_ms"),
     "prefix": ("run", "speedup_vs_no_cache"),
-    "structured": (
-        "run",
-        "structured_output_ratio",
-        "num_constrained",
-        "output_tokens_per_s",
-        "unconstrained_output_tokens_per_s",
-        "structured_cost",
-        "mean_output_len",
-    ),
-}
+    "structured": ("run", "structured_output_ratio", "num_constrained", "output_tokens_per_s",
+                   "unconstrained_output_tokens_per_s", "structured_cost", "mean_output_len"),
+}  # fmt: skip
 RUN = {"engine": "engine", "run": "run", "requests": "requests", "output_tokens_per_s": "output tok/s"}
 VS = {"ratio_vs_vllm": "x vLLM", "ratio_vs_nano_vllm": "x nano-vllm", "ratio_vs_static": "x static"}
 TAIL = {"over_floor": "x floor", "prefix_cache_hit_rate": "prefix-cache hits", "startup_s": "start-up (s)"}
@@ -175,9 +168,10 @@ def fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def table(records: list[dict[str, Any]], columns: dict[str, str]) -> str:
-    """The records as aligned text: the columns (key -> header) any of them has; requests: its subset or
-    num_prompts."""
+def table(records: list[dict[str, Any]], columns: dict[str, str] | None = None) -> str:
+    """The records as aligned text: the columns (key -> header; default the first record's keys) any of
+    them has; requests: its subset or num_prompts."""
+    columns = columns or {k: k for k in (records or [{}])[0]}
     records = [{**r, "requests": r.get("subset") or r.get("num_prompts")} for r in records]
     keys = [k for k in columns if any(r.get(k) is not None for r in records)]
     rows = [[columns[k] for k in keys]] + [[fmt(r.get(k)) for k in keys] for r in records]

@@ -21,14 +21,9 @@ WORKLOAD_KEYS = {
     "wide": ("num_prompts", "min_input_len", "max_input_len", "min_output_len", "max_output_len"),
     "latency": ("tpot_tokens", "ttft_lens"),
     "prefix": ("num_prompts", "prefix_len", "suffix_len", "output_len"),
-    "structured": (
-        "num_prompts",
-        "max_input_len",
-        "max_output_len",
-        "json_schema",
-        "structured_output_ratio",
-    ),
-}
+    "structured": ("num_prompts", "max_input_len", "max_output_len", "json_schema",
+                   "structured_output_ratio"),
+}  # fmt: skip
 VS_PEERS = {"vllm": "vllm", "nano_vllm": "nano-vllm", "static": "turnout-static"}  # ratio_vs_<key>: engine
 CHILD_PEERS = ("wide",)  # workloads whose requests vLLM and nano-vllm run here, not their bench.py's
 
