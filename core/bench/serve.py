@@ -87,7 +87,7 @@ def add_bench_serve_parser(subparsers: Any) -> None:
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE (TTFT, ITL)")
     p.add_argument("--repeat", type=int, default=1, help="runs per rate (each paired with an offline run)")
     p.add_argument("--vs-offline", action="store_true", help="also run LLM.generate here; report the ratio")
-    p.add_argument("--output", help="JSON record path; default benchmarks/results/<date>-<device>-serve-...")
+    p.add_argument("--output", help="a .json file or a folder (default: benchmarks/results/serve)")
     add_engine_args(p, skip=("seed",))  # --seed is the workload's; the engine seed comes from config or env
     p.set_defaults(fn=run_bench_serve)
 
