@@ -4,7 +4,7 @@ Requests go to /v1/completions through the official `openai` async client, as to
 Poisson request rate (inf = all at once), optionally capped at --max-concurrency. Reported per rate:
 request and output-token throughput, TTFT, TPOT (per request: (e2e - TTFT) / (tokens - 1)), ITL (gaps
 between chunks) and end-to-end latency at mean, p50 and p99, and the failed count. A JSON record goes to
-benchmarks/results/.
+benchmarks/results/serve/.
 
 Without --url the command starts `turnout serve` itself (the engine flags are serve's) on a free port
 and stops it afterwards. --vs-offline then runs the same workload through LLM.generate in this process,
