@@ -1,5 +1,5 @@
-"""Shared by the benchmark scripts: provenance of a result, a printed table, a JSON record, timers, and the
-spans of a torch.profiler trace."""
+"""Shared by the benchmark scripts: a JSON record with its provenance, timers, and the spans of a
+torch.profiler trace."""
 
 from __future__ import annotations
 
@@ -15,18 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from turnout.bench import provenance
-
-
-def print_table(rows: list[dict[str, Any]]) -> None:
-    """rows as aligned columns, the first row's keys as the header; floats to two decimals."""
-    if not rows:
-        return
-    cols = list(rows[0])
-    cells = [[f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for x in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(x, widths)))
 
 
 def write_json(path: str | None, rows: list[dict[str, Any]], config: Any, **extra: Any) -> None:

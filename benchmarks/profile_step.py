@@ -28,13 +28,14 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from turnout.bench import CEILINGS, SHAPES, Shape, make_random_model, random_model_dir, stages
+from turnout.bench import CEILINGS, SHAPES, Shape, make_random_model, random_model_dir, stages, table
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
@@ -43,7 +44,6 @@ from common import (  # noqa: E402
     busy_us,
     kernel_spans,
     label_ranges,
-    print_table,
     short,
     sync,
     timed,
@@ -80,21 +80,16 @@ def labelled(llm, labels: dict[str, str], synced: bool):
     """While the block runs, each stage of labels runs inside a record_function range of its label, between
     two synchronisations where synced."""
 
-    class Range:
-        def __init__(self, label: str) -> None:
-            self.range = record_function(label)
-
-        def __enter__(self) -> None:
+    @contextmanager
+    def ranged(label: str) -> Iterator[None]:
+        if synced:
+            sync()
+        with record_function(label):
+            yield
             if synced:
                 sync()
-            self.range.__enter__()
 
-        def __exit__(self, *exc: object) -> None:
-            if synced:
-                sync()
-            self.range.__exit__(*exc)
-
-    return stages(llm, lambda name, args: Range(labels[name]), labels)
+    return stages(llm, lambda name, args: ranged(labels[name]), labels)
 
 
 def device_kernels(events) -> list[Span]:
@@ -264,24 +259,19 @@ def report(results: list[dict], extra: dict) -> None:
             continue
         print(f"\n== {r['phase']} ({r['attention']}, graph {r['graph']}, async {r['async_scheduling']}, "
               f"budget {r['token_budget']}): {r['kernels_per_step']:.0f} kernels/step")  # fmt: skip
-        print_table(r["buckets"])
-        print()
-        print_table(r["top"])
-        if "idle_by_stage" in r:
-            print()
-            print_table(r["idle_by_stage"])
-            print()
-            print_table(r["longest_idle"])
+        for key in ("buckets", "top", "idle_by_stage", "longest_idle"):
+            if key in r:
+                print("\n" + table(r[key]))
     keys = ("wall_us", "profiled_wall_us", "busy_us", "idle_us", "kernel_us", "floor_us")
-    print()
-    print_table([{"phase": r["phase"], **{k: r[k] for k in keys}} for r in results if "error" not in r])
+    print(
+        "\n" + table([{"phase": r["phase"], **{k: r[k] for k in keys}} for r in results if "error" not in r])
+    )
     if "cublas_error" in extra:
         print(f"\n== linears: FAILED {extra['cublas_error']}")
     if "cublas" in extra:
         print("\n== linears, us (median): torch.matmul, turnout's gemv; floor: weight bytes at the H200's")
-        print_table([{k: v for k, v in r.items() if k != "per_step"} for r in extra["cublas"]])
-        print()
-        print_table(extra["cublas_step"])
+        print(table([{k: v for k, v in r.items() if k != "per_step"} for r in extra["cublas"]]))
+        print("\n" + table(extra["cublas_step"]))
 
 
 def main() -> None:

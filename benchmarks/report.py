@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from collections.abc import Callable, Iterable
@@ -19,6 +18,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from suites import ABOUT, RETIRED  # noqa: E402
+
+from turnout.bench import COLUMNS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -83,34 +84,6 @@ def missing(suite: str) -> list[str]:
 
 
 # ---- turnout bench ----
-RUN = {"engine": "engine", "run": "run", "requests": "requests", "output_tokens_per_s": "output tok/s"}
-VS = {"ratio_vs_vllm": "x vLLM", "ratio_vs_nano_vllm": "x nano-vllm", "ratio_vs_static": "x static"}
-TAIL = {"over_floor": "x floor", "prefix_cache_hit_rate": "prefix-cache hits", "startup_s": "start-up (s)"}
-BENCH_COLUMNS = {
-    "throughput": {**RUN, **VS, "ratio_vs_peer": "x HF generate_batch",
-                   "ratio_vs_hf_generate": "x HF generate", **TAIL},
-    "wide": {**RUN, "seconds": "seconds", **VS, "floor_s": "floor (s)", **TAIL},
-    "latency": {
-        "engine": "engine", "run": "run", "tpot_ms": "TPOT (ms)", "ttft_ms": "TTFT (ms) by prompt",
-        "tpot_ratio_vs_vllm": "TPOT / vLLM's", "ttft_ratio_vs_vllm": "TTFT / vLLM's by prompt",
-        "tpot_ratio_vs_static": "TPOT / static's", "ttft_ratio_vs_static": "TTFT / static's by prompt",
-        "tpot_floor_ms": "TPOT floor (ms)", "tpot_over_floor": "TPOT x floor",
-        "ttft_over_floor": "TTFT x floor by prompt", "startup_s": "start-up (s)",
-    },
-    "prefix": {
-        "run": "run", "output_tokens_per_s": "output tok/s, cache on",
-        "no_cache_output_tokens_per_s": "cache off", "speedup_vs_no_cache": "speedup",
-        "over_floor": "x floor", "no_cache_over_floor": "cache off x floor", "startup_s": "start-up (s)",
-    },
-    "structured": {
-        "structured_output_ratio": "share constrained", "requests": "requests",
-        "num_completed": "grammars completed", "mean_output_len": "mean output len",
-        "output_tokens_per_s": "output tok/s, constrained",
-        "unconstrained_output_tokens_per_s": "unconstrained", "structured_cost": "cost",
-        "over_floor": "x floor", "unconstrained_over_floor": "unconstrained x floor",
-        "startup_s": "start-up (s)",
-    },
-}  # fmt: skip
 FLOOR_LEGEND = (
     "x floor: each engine's time over its run's roofline floor, the least time the run's work takes at the "
     "device's ceilings (the weights read once a step, every token's KV written once and its context read "
@@ -146,7 +119,7 @@ def bench_section(suite: str) -> list[str]:
         seen.add(key)
         out += ["", f"{ours['model']}, {key[1]}. {caption(path, recs)}{floor_note(recs)}", ""]
         floors = {r["run"]: r for r in recs if _whole(r) and (_floor(r) or r.get("tpot_floor_ms"))}
-        out += table(*columns([_row(r, floors.get(r["run"])) for r in recs], BENCH_COLUMNS[ours["workload"]]))
+        out += table(*columns([_row(r, floors.get(r["run"])) for r in recs], COLUMNS[ours["workload"]]))
     if any("x floor" in line for line in out):
         out = ["", FLOOR_LEGEND, *out]
     return out or missing(suite)
@@ -197,39 +170,6 @@ def _ttft(ttft: dict[str, float] | None) -> str | None:
 
 
 # ---- the scripts' suites: one table per file ----
-GRAPHS = {
-    "backend": "backend", "mode": "mode", "seqs_identical": "same as NONE",
-    **{f"tpot_ms_b{b}": f"TPOT b{b}" for b in (1, 2, 8, 64, 256)},
-    **{f"forward_ms_b{b}": f"forward b{b}" for b in (1, 2, 8, 256)},
-    "decode_heavy_tok_s": "decode-heavy", "prefill_heavy_tok_s": "prefill-heavy", "mixed_tok_s": "mixed",
-    "capture": "graph sets FULL+PIECEWISE, capture, memory",
-}  # fmt: skip
-GRAPHS_LEGEND = (
-    "TPOT and forward in ms at the batch named (forward: `execute_model` alone, GPU-synchronised); the "
-    "workload columns in output tok/s; same as NONE: greedy sequences identical to the NONE mode's."
-)
-CONFORMANCE = {"backend": "backend", "passed": "passed", "failed": "failed", "skipped": "skipped",
-               "max_rel_err": "largest relative error", "worst_case": "in case"}  # fmt: skip
-E2E = {
-    "model": "model", "backend": "backend", "graph_mode": "graphs", "vs_hf_teacher_forced": "teacher-forced",
-    "vs_hf": "free-running", "alone_hf_agrees": "batch 1: HF argmax agrees",
-    "alone_logprob_max_gap": "largest logprob gap",
-}  # fmt: skip
-PARALLEL = {
-    "config": "config", "attention": "attention", "graph": "graphs", "seqs_identical": "same as TP=1",
-    "tf_agree": "teacher-forced", "mixed_out_tok_s": "mixed: output tok/s",
-    "mixed_total_tok_s": "total tok/s", "mixed_wall_s": "wall (s)",
-}  # fmt: skip
-PROFILE = {
-    "mode": "mode", "batch": "batch", "kernels_per_step_forward": "kernels a step",
-    "kernel_us_per_step_forward": "kernel time (us)", "gpu_idle_in_span_us": "GPU idle (us)",
-    "tpot_us": "TPOT (us)", "weight_floor_us": "weight-read floor (us)",
-    "host_outside_runner_us": "host outside the runner (us)",
-}  # fmt: skip
-IDLE = {
-    "async_scheduling": "async scheduling", "batch": "batch", "ms_per_step": "ms a step",
-    "output_tok_s": "output tok/s", "gpu_idle_pct": "GPU idle %", "longest_gap_us": "longest gap (us)",
-}  # fmt: skip
 STEP = {
     "phase": "phase", "attention": "attention", "wall_us": "wall (us)", "busy_us": "GPU busy",
     "idle_us": "idle", "floor_us": "floor", "gemm/gemv": "GEMM", "attention_us": "attention kernels",
@@ -244,11 +184,6 @@ SERVE = {
     "ttft_p99_ms": "TTFT p99", "tpot_p50_ms": "TPOT p50", "tpot_p99_ms": "TPOT p99", "itl_p50_ms": "ITL p50",
     "itl_p99_ms": "ITL p99",
 }  # fmt: skip
-MOE = {
-    "config": "config", "moe_kernel": "kernel", "graph": "graph mode", "seqs_identical": "identical to EP=1",
-    "tf_agree": "teacher-forced agreement", "mixed_out_tok_s": "mixed output tok/s",
-    "expert_mib": "expert weights per rank (MiB)",
-}  # fmt: skip
 CPU_TTFT = {  # the in-process TTFT records against HF, their A/B records, and turnout bench latency's
     "input_len": "prompt tokens", "run": "run", "tpot_ms": "TPOT (ms)",
     **{f"ttft_{n}_s": f"TTFT {n:,} (s)" for n in (512, 2048, 4096)},
@@ -258,9 +193,6 @@ CPU_TTFT = {  # the in-process TTFT records against HF, their A/B records, and t
     "hf_float32_ttft_s": "HF fp32 (s)", "hf_fp32_ttft_s": "HF fp32 (s)", "speedup": "after / before",
     "hf_bf16_over_turnout": "HF bf16 / turnout", "after_vs_hf_bf16": "HF bf16 / after",
 }  # fmt: skip
-CAPTURE = re.compile(
-    r"(\d+) FULL and (\d+) PIECEWISE graph sets .*? in ([\d.]+)s, graph memory ([-\d.]+ GiB)"
-)
 
 
 def per_file(
@@ -270,17 +202,6 @@ def per_file(
     for path, doc in files(suite):
         out += ["", caption(path, doc), ""] + table(*columns(rows(doc) if rows else doc["results"], wanted))
     return out or missing(suite)
-
-
-def _idle_rows(doc: Doc) -> list[dict]:
-    """The GPU-idle rows; the suite's throughput records are in the throughput section's format."""
-    return doc["results"] if isinstance(doc, dict) else []
-
-
-def _graph_rows(doc: Doc) -> list[dict]:
-    """capture: "51 FULL and 51 PIECEWISE graph sets (51 sizes) in 5.4s, graph memory 4.08 GiB", shortened."""
-    short = lambda m: f"{m[1]}+{m[2]}, {m[3]} s, {m[4]}" if m else "-"  # noqa: E731
-    return [{**r, "capture": short(CAPTURE.match(r.get("capture", "")))} for r in doc["results"]]
 
 
 def _step_rows(doc: Doc) -> list[dict]:
@@ -296,10 +217,6 @@ def _step_rows(doc: Doc) -> list[dict]:
     return rows + doc.get("engines", [])
 
 
-def _profile_rows(doc: Doc) -> list[dict]:
-    return [{"mode": r["mode"], "batch": doc.get("batch", 1), **r["totals"]} for r in doc["results"]]
-
-
 def _serve_rows(doc: Doc) -> list[dict]:
     """One row per run; against offline LLM.generate where the record measured it."""
     offline = doc.get("offline_tok_s") or []
@@ -313,15 +230,40 @@ def _serve_rows(doc: Doc) -> list[dict]:
                    for i, t in enumerate(offline)]  # fmt: skip
 
 
-def _moe_rows(doc: Doc) -> list[dict]:
-    return [{**r, "expert_mib": r["memory_per_rank"][0]["expert_weight_mib"]} for r in doc["results"]]
-
-
 def _ttft_rows(doc: Doc) -> list[dict]:
     if isinstance(doc, dict):
         return doc["results"]
     ttft = lambda r: {f"ttft_{n}_s": ms / 1e3 for n, ms in r["ttft_ms"].items()}  # noqa: E731
     return [{"run": r["run"], "tpot_ms": r["tpot_ms"], **ttft(r)} for r in doc if r["engine"] == "turnout"]
+
+
+def archive(suite: str) -> list[str]:
+    """A suite's documents as they are: each list of rows a file holds, every field a column (a dict's
+    fields each a column, a row's short list of dicts as text; its long ones, kernel lists, left out). Its
+    turnout bench records (a list) have their own section."""
+    out = []
+    for path, doc in (d for d in files(suite) if isinstance(d[1], dict)):
+        out += ["", caption(path, doc)]
+        for name, rows in doc.items():
+            if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
+                flat = [_flat(r) for r in rows]
+                keys = list(dict.fromkeys(k for r in flat for k in r))
+                label = [] if name == "results" else ["", f"`{name}`:"]
+                out += [*label, "", *table(keys, ([r.get(k) for k in keys] for r in flat))]
+    return out
+
+
+def _flat(row: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if isinstance(v, dict):
+            out.update(v)
+        elif isinstance(v, list) and all(isinstance(x, dict) for x in v):
+            if v and len(v) <= 4:
+                out[k] = "; ".join(", ".join(f"{f}: {num(x)}" for f, x in d.items()) for d in v)
+        else:
+            out[k] = ", ".join(map(num, v)) if isinstance(v, list) else v
+    return out
 
 
 # ---- sections of their own ----
@@ -355,54 +297,6 @@ def attention_section() -> list[str]:
             f"newest of {sources}.", "", *table(["case", *backends], rows)]  # fmt: skip
 
 
-def gemv_section() -> list[str]:
-    out, docs = [], files("gemv")
-    newest = {}  # shape -> its newest isolated sweep
-    for path, doc in docs:
-        if "step" in doc:
-            newest.setdefault(doc.get("config", {}).get("shape", "qwen3-0.6b"), (path, doc))
-    for path, doc in newest.values():
-        out += ["", caption(path, doc), "", "A decode step's matmuls, by rows (M):", ""]
-        out += table(["M", "cuBLAS (us)", "Triton GEMV, best tile (us)"],
-                     ([s["M"], s["cublas_step_us"], s["best_step_us"]] for s in doc["step"]))  # fmt: skip
-        out += ["", "At M = 1, by projection:", ""]
-        out += table(["shape", "N x K", "cuBLAS (us)", "% of bandwidth", "Triton (us)", "% of bandwidth"],
-                     ([r["shape"], f"{r['N']} x {r['K']}", r["cublas_us"], r["cublas_pct_bw"], r["best_us"],
-                       r["best_pct_bw"]] for r in doc["results"] if r["M"] == 1))  # fmt: skip
-    for path, doc in [(p, d) for p, d in docs if "best_tiles" in d][:1]:
-        out += ["", caption(path, doc), "",
-                f"In a captured batch-1 step (`--chain`): {doc['default_step_us']:.0f} us with the commit's "
-                f"tiles, {doc['best_step_us']:.0f} us with the best of each shape "
-                f"(`TURNOUT_GEMV_TILES='{doc['env']}'`). Each tile was tried with the other shapes held "
-                "at their best so far:", ""]  # fmt: skip
-        out += table(["shape", "tile (BLOCK_N, BLOCK_K, warps)", "step (us)"],
-                     ([r["shape"], r["tile"], r["step_us"]] for r in doc["results"]))  # fmt: skip
-    return out or missing("gemv")
-
-
-def tune_section() -> list[str]:
-    """The newest prefill tile sweep and the newest decode tile sweep of each head ratio."""
-    out, docs = [], files("tune-triton")
-    for path, doc in [d for d in docs if d[1].get("workload") != "decode-tiles"][:1]:
-        out += [
-            "",
-            f"{caption(path, doc)} Best: `{doc['best']}` (block_m, block_n, warps, stages, trans_k).",
-            "",
-        ]
-        top = ([r["config"], r["4k_tflops"], r["16k_tflops"], r["4x4k_tflops"]] for r in doc["results"][:5])
-        out += table(["config", "4k (TFLOP/s)", "16k", "4x4k"], top)
-    heads = {}  # the newest decode tile sweep of each head ratio
-    for path, doc in [d for d in docs if d[1].get("workload") == "decode-tiles"]:
-        heads.setdefault(tuple(doc.get("heads", ())), (path, doc))
-    for path, doc in heads.values():
-        cases = [k for k in doc["results"][0] if k.endswith("_us")]
-        out += ["", f"{caption(path, doc)} Best: `{doc['best']}` (block_n, warps, stages).", ""]
-        header = ["tiles", "kernel", *(c.removesuffix("_us").replace("x", " x ") + " (us)" for c in cases)]
-        rows = ([r["tiles"], f"`{r['kernel_commit']}`", *(r[c] for c in cases)] for r in doc["results"])
-        out += table(header, rows)
-    return out or missing("tune-triton")
-
-
 def turnout_tune_section() -> list[str]:
     """Each `turnout tune` record, newest first: its time against its budget, every measured candidate's
     runs and median against the static default, and how many it skipped."""
@@ -423,23 +317,6 @@ def turnout_tune_section() -> list[str]:
     return out or missing("tune")
 
 
-def cpu_section() -> list[str]:
-    docs = files("cpu-vs-hf")
-    if not docs:
-        return missing("cpu-vs-hf")
-    path, doc = docs[0]
-    out = ["", caption(path, doc) + f" {doc.get('model')}, {doc.get('threads')} threads.", ""]
-    keys = ("dtype", "batch", "turnout_tok_s", "hf_tok_s", "speedup")
-    out += table(["dtype", "batch", "turnout (tok/s)", "HF (tok/s)", "speedup"],
-                 ([r[k] for k in keys] for r in doc["results"]))  # fmt: skip
-    out += ["", "Every recorded run, speedup at batch 16:", ""]
-    rows = []
-    for p, d in docs:
-        by = {r["dtype"]: r["speedup"] for r in d["results"] if r["batch"] == 16}
-        rows.append([cite(p), f"`{d.get('commit')}`", by.get("bfloat16"), by.get("bf16 vs HF fp32")])
-    return out + table(["file", "commit", "bf16 vs HF bf16", "turnout default vs HF float32"], rows)
-
-
 SECTIONS: list[tuple[str, str, Callable[[], list[str]]]] = [
     ("throughput", "Throughput: nano-vllm's bench", lambda: bench_section("throughput")),
     ("wide", "Wide decode", lambda: bench_section("wide")),
@@ -447,22 +324,22 @@ SECTIONS: list[tuple[str, str, Callable[[], list[str]]]] = [
     ("prefix", "Prefix caching", lambda: bench_section("prefix")),
     ("structured", "Structured outputs", lambda: bench_section("structured")),
     ("async-scheduling", "GPU idle between decode steps",
-     lambda: per_file("async-scheduling", IDLE, _idle_rows)),
+     lambda: archive("async-scheduling")),
     ("llama-3-8b", "Llama-3-8B shape", lambda: bench_section("llama-3-8b")),
-    ("cpu-vs-hf", "CPU: turnout against HF transformers", cpu_section),
+    ("cpu-vs-hf", "CPU: turnout against HF transformers", lambda: archive("cpu-vs-hf")),
     ("cpu-latency", "CPU: time to first token", lambda: per_file("cpu-latency", CPU_TTFT, _ttft_rows)),
-    ("graphs", "CUDA graphs", lambda: per_file("graphs", GRAPHS, _graph_rows, GRAPHS_LEGEND)),
+    ("graphs", "CUDA graphs", lambda: archive("graphs")),
     ("attention", "Attention kernels", attention_section),
-    ("gemv", "The decode GEMV", gemv_section),
+    ("gemv", "The decode GEMV", lambda: archive("gemv")),
     ("profile-step", "Engine steps by kernel bucket", lambda: per_file("profile-step", STEP, _step_rows)),
-    ("profile", "A decode step, kernel by kernel", lambda: per_file("profile", PROFILE, _profile_rows)),
+    ("profile", "A decode step, kernel by kernel", lambda: archive("profile")),
     ("tune", "Measured selection: turnout tune", turnout_tune_section),
-    ("tune-triton", "Triton kernel tiles", tune_section),
-    ("conformance", "Conformance", lambda: per_file("conformance", CONFORMANCE)),
-    ("e2e", "End to end against HF transformers", lambda: per_file("e2e", E2E)),
-    ("parallel", "Parallelism", lambda: per_file("parallel", PARALLEL)),
+    ("tune-triton", "Triton kernel tiles", lambda: archive("tune-triton")),
+    ("conformance", "Conformance", lambda: archive("conformance")),
+    ("e2e", "End to end against HF transformers", lambda: archive("e2e")),
+    ("parallel", "Parallelism", lambda: archive("parallel")),
     ("serve", "Serving", lambda: per_file("serve", SERVE, _serve_rows)),
-    ("moe", "Mixture of experts", lambda: per_file("moe", MOE, _moe_rows)),
+    ("moe", "Mixture of experts", lambda: archive("moe")),
 ]  # fmt: skip
 
 
@@ -587,21 +464,15 @@ def vllm_headline() -> list[str]:
     for model, by in newest.items():
         figs, head = [], next(iter(by.values()))[1]
         version = next((r["config"].get("version") for r in head if r["engine"] == "vllm"), None)
-        if "throughput" in by:
-            path, recs = by["throughput"]
+        for workload, what in (("throughput", "output tok/s"), ("wide", "wide decode")):
+            path, recs = by.get(workload, (None, []))
             ours = {r["run"]: r for r in recs if r["engine"] == "turnout" and r.get("ratio_vs_vllm")}
             if {"first", "repeat"} <= set(ours):
-                figs.append(f"output tok/s {ours['first']['ratio_vs_vllm']:.2f}x and "
-                            f"{ours['repeat']['ratio_vs_vllm']:.2f}x vLLM's on the first run and a repeat "
-                            f"({cite(path, '')})")  # fmt: skip
-        if "wide" in by:
-            path, recs = by["wide"]
-            ours = {r["run"]: r for r in recs if r["engine"] == "turnout" and r.get("ratio_vs_vllm")}
-            if {"first", "repeat"} <= set(ours):
-                over = ours["first"].get("over_floor")
-                near = f", its first run {over:.2f}x the floor's time" if over else ""
                 first, repeat = ours["first"]["ratio_vs_vllm"], ours["repeat"]["ratio_vs_vllm"]
-                figs.append(f"wide decode {first:.2f}x and {repeat:.2f}x vLLM's{near} ({cite(path, '')})")
+                over = ours["first"].get("over_floor") if workload == "wide" else None
+                near = f", its first run {over:.2f}x the floor's time" if over else ""
+                runs = " on the first run and a repeat" if workload == "throughput" else ""
+                figs.append(f"{what} {first:.2f}x and {repeat:.2f}x vLLM's{runs}{near} ({cite(path, '')})")
         if "latency" in by:
             path, recs = by["latency"]
             first = next((r for r in recs if r["engine"] == "turnout" and r["run"] == "first"), {})

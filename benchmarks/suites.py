@@ -106,12 +106,10 @@ SUITES = {
         ],
     ),
     "fp8": Suite(
-        "turnout-fp8's matmul routes (the FP8 GEMV with a sweep of its tiles, the Triton FP8 GEMM, "
-        "_scaled_mm with per-token or 1 x 128 activation scales) against bf16 cuBLAS at the Qwen3-8B "
-        "shapes by rows M, each checked against float64 and timed inside a CUDA graph; then nano-vllm's "
-        "bench at the Qwen3-8B shape in both FP8 formats beside vLLM's FP8 path, and in bf16",
+        "nano-vllm's bench at the Qwen3-8B shape in both FP8 formats beside vLLM's FP8 path, and in bf16; "
+        "the folder also holds the sweeps of turnout-fp8's matmul routes against bf16 cuBLAS by rows M that "
+        "chose its routes and tiles (bench_fp8.py, no longer run: each file names its command and commit)",
         [
-            "python benchmarks/bench_fp8.py --sweep --max-m 4096 --out {out}/{stamp}-fp8-linear-sweep.json",
             "turnout bench throughput --random-model qwen3-8b-fp8-dynamic --peers vllm --out {out}",
             "turnout bench throughput --random-model qwen3-8b-fp8 --peers vllm --out {out}",
             "turnout bench throughput --random-model qwen3-8b --out {out}",

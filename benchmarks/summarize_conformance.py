@@ -14,7 +14,9 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, write_json  # noqa: E402
+from common import write_json  # noqa: E402
+
+from turnout.bench import table  # noqa: E402
 
 BACKENDS = ("flash_attn", "flashinfer", "triton", "cpu")
 
@@ -48,7 +50,7 @@ def main() -> None:
         err, case = worst.get(be, (float("nan"), ""))
         rows.append({"backend": be, "passed": c["passed"], "failed": c["failed"], "skipped": c["skipped"],
                      "max_rel_err": f"{err:.2e}", "worst_case": case})  # fmt: skip
-    print_table(rows)
+    print(table(rows))
     write_json(args.json, rows, args)
 
 

@@ -303,13 +303,13 @@ def test_vllm_runs_with_its_site_as_its_whole_pythonpath(fake_vllm, tmp_path):
     from turnout.bench import peers
 
     peers_dir, site, _ = fake_vllm
-    res = peers.vllm("/m", peers_dir, site, tpot=False, timeout=60)
+    res = peers.bench_py("vllm", "/m", peers_dir, tpot=False, timeout=60, site=site)
     assert res["PYTHONPATH"] == str(site) and res["mode"] is None and res["argv"] == ["/m"]
     assert (res["first"], res["repeat"]) == (1000, 2000)
-    res = peers.vllm("/m", peers_dir, site, tpot=True, timeout=60)
+    res = peers.bench_py("vllm", "/m", peers_dir, tpot=True, timeout=60, site=site)
     assert res["mode"] == "tpot" and res["tpot_ms"] == 2.5
     with pytest.raises(TurnoutError, match=r"no vllm/ in .*nowhere; pass --vllm-site DIR") as e:
-        peers.vllm("/m", peers_dir, tmp_path / "nowhere", tpot=False, timeout=60)
+        peers.bench_py("vllm", "/m", peers_dir, tpot=False, timeout=60, site=tmp_path / "nowhere")
     assert len(str(e.value).splitlines()) == 1
     with pytest.raises(TurnoutError, match="no vllmbench.py in"):
         peers.find_peers_dir(str(tmp_path), "vllmbench.py")

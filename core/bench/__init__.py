@@ -11,6 +11,7 @@ from turnout.bench.serve import add_bench_serve_parser
 
 __all__ = [
     "CEILINGS",
+    "COLUMNS",
     "SHAPES",
     "STAGES",
     "Shape",
@@ -24,13 +25,14 @@ __all__ = [
     "provenance",
     "random_model_dir",
     "stages",
+    "table",
     "write_tokenizer",
 ]
 
 _LAZY = {  # name -> (module, its name there)
     **{n: ("turnout.bench.random_models", n) for n in ("SHAPES", "make_random_model", "random_model_dir")},
     "write_tokenizer": ("turnout.bench.random_models", "write_tokenizer"),
-    "provenance": ("turnout.bench.records", "provenance"),
+    **{n: ("turnout.bench.records", n) for n in ("COLUMNS", "provenance", "table")},
     "CEILINGS": ("turnout.bench.roofline", "CEILINGS"),
     "Shape": ("turnout.bench.roofline", "Shape"),
     **{n: ("turnout.bench.profiling", n) for n in ("STAGES", "stages", "memory_reports")},

@@ -12,19 +12,6 @@ from turnout.bench.peers import BENCH_PY_PEERS, HF_ENGINES, PEERS, VLLM_SITE
 from turnout.bench.random_models import RANDOM_MODELS
 from turnout.errors import TurnoutError
 
-COLUMNS = {  # printed per record; over_floor: the engine's time over the run's roofline floor
-    "throughput": "engine run subset output_tokens_per_s ratio_vs_vllm ratio_vs_nano_vllm ratio_vs_peer "
-    "ratio_vs_hf_generate over_floor startup_s".split(),
-    "wide": "engine run num_prompts output_tokens_per_s seconds ratio_vs_vllm ratio_vs_nano_vllm "
-    "ratio_vs_static floor_s over_floor startup_s".split(),
-    "latency": "engine run tpot_ms ttft_ms tpot_ratio_vs_vllm ttft_ratio_vs_vllm tpot_floor_ms "
-    "tpot_over_floor ttft_over_floor startup_s".split(),
-    "prefix": "engine run output_tokens_per_s no_cache_output_tokens_per_s speedup_vs_no_cache "
-    "over_floor no_cache_over_floor startup_s".split(),
-    "structured": "engine structured_output_ratio num_constrained num_completed mean_output_len "
-    "output_tokens_per_s unconstrained_output_tokens_per_s structured_cost over_floor "
-    "unconstrained_over_floor startup_s".split(),
-}
 PLOT_METRIC = {
     "throughput": "output_tokens_per_s",
     "wide": "output_tokens_per_s",
@@ -118,7 +105,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         records.pyplot()  # a missing matplotlib fails now, not after the run
     bench = Bench(args, _peers(args))
     recs, floor = getattr(bench, args.workload)()
-    print(records.table(recs, COLUMNS[args.workload]))
+    print(records.table(recs, records.COLUMNS[args.workload]))
     print(bench.roofline_line(recs))
     path = records.write(recs, args.out or f"benchmarks/results/{args.workload}", args.workload, bench.device)
     print(f"wrote {path}")

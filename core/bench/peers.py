@@ -72,23 +72,19 @@ def _result(cmd: list[str], env: dict[str, str], name: str, timeout: float) -> d
     raise TurnoutError(f"peer {name} failed (exit {p.returncode}): {tail}")
 
 
-def nano_vllm(model_dir: str, peers_dir: Path, tpot: bool, timeout: float) -> dict[str, Any]:
-    """nanobench.py's RESULT: startup_s, and first/repeat tok/s (or tpot_ms with MODE=tpot)."""
-    env = nano_vllm_env()
+def bench_py(
+    engine: str, model_dir: str, peers_dir: Path, tpot: bool, timeout: float, site: str | Path = VLLM_SITE
+) -> dict[str, Any]:
+    """nanobench.py's or vllmbench.py's RESULT: startup_s (vLLM: and version), and first/repeat tok/s, or
+    tpot_ms with MODE=tpot; vLLM with its site folder as its whole PYTHONPATH."""
+    env = vllm_env(site) if engine == "vllm" else nano_vllm_env()
+    env.pop("MODE", None)
     if tpot:
         env["MODE"] = "tpot"
-    cmd = [sys.executable, str(peers_dir / "nanobench.py"), "nanovllm", model_dir]
-    return _result(cmd, env, "nano-vllm", timeout)
-
-
-def vllm(model_dir: str, peers_dir: Path, site: str | Path, tpot: bool, timeout: float) -> dict[str, Any]:
-    """vllmbench.py's RESULT: version, startup_s, and first/repeat tok/s (or tpot_ms with MODE=tpot)."""
-    env = vllm_env(site)
-    if tpot:
-        env["MODE"] = "tpot"
-    else:
-        env.pop("MODE", None)
-    return _result([sys.executable, str(peers_dir / "vllmbench.py"), model_dir], env, "vllm", timeout)
+    args = ["nanovllm"] if engine == "nano-vllm" else []
+    return _result(
+        [sys.executable, str(peers_dir / BENCH_PY_PEERS[engine]), *args, model_dir], env, engine, timeout
+    )
 
 
 def child(
@@ -132,13 +128,6 @@ def wait_for_gpu(used_before: int | None, timeout: float = 120) -> None:
 
 
 # ---- the HF process ----
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _generate(model: Any, prompts: list[list[int]], new: int) -> int:
     """Static batching: left-padded prompts, exactly `new` greedy tokens each; returns the tokens made."""
     import torch
@@ -171,10 +160,14 @@ def _generate_batch(model: Any, prompts: list[list[int]], new: int) -> int:
 
 
 def _timed(fn: Any, *args: Any) -> tuple[float, int]:
-    _sync()
+    """Seconds of fn(*args) between two synchronisations, and what it returned."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
     t = time.perf_counter()
     tokens = fn(*args)
-    _sync()
+    sync()
     return time.perf_counter() - t, tokens
 
 
@@ -196,50 +189,6 @@ def _turnout(engine: str, plan: dict[str, Any]) -> dict[str, Any]:
     if lat := plan.get("latency"):
         res |= workloads.latency(llm, lat["tpot_tokens"], lat["runs"])
     llm.shutdown()
-    return res
-
-
-def _vllm_ttft(model_dir: str, plan: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's offline LLM with its defaults and plan["max_model_len"]: after vllmbench.py's warm-up, per run
-    the time of `generate` over each of its fresh prompts alone, one output token, as turnout's ttft_ms."""
-    import vllm
-    from vllm import LLM, SamplingParams, TokensPrompt
-
-    t0 = time.perf_counter()
-    llm = LLM(model_dir, max_model_len=plan["max_model_len"], seed=0)
-    res: dict[str, Any] = {"engine": "vllm", "version": vllm.__version__,
-                           "startup_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
-    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-    one = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
-    for run, p in plan["latency"]["runs"].items():
-        ttft = {}
-        for q in p["ttft_prompts"]:
-            t = time.perf_counter()
-            llm.generate([TokensPrompt(prompt_token_ids=q)], one, use_tqdm=False)
-            ttft[str(len(q))] = (time.perf_counter() - t) * 1e3
-        res[run] = {"ttft_ms": ttft}
-    return res
-
-
-def _vllm_runs(model_dir: str, plan: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's offline LLM with its defaults and plan["max_model_len"], as vllmbench.py starts it: after its
-    warm-up, each run's requests in one `generate`, timed."""
-    import vllm
-    from vllm import LLM, SamplingParams, TokensPrompt
-
-    t0 = time.perf_counter()
-    llm = LLM(model_dir, max_model_len=plan["max_model_len"], seed=0)
-    res: dict[str, Any] = {"engine": "vllm", "version": vllm.__version__,
-                           "startup_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
-    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-    for run, reqs in plan["runs"].items():
-        prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in reqs]
-        params = [SamplingParams(temperature=r["temperature"], ignore_eos=r["ignore_eos"],
-                                 max_tokens=r["max_tokens"]) for r in reqs]  # fmt: skip
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t
-        res[run] = {"seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
     return res
 
 
@@ -270,24 +219,43 @@ def _fa4_for_nano_vllm() -> None:
     flash_attn.flash_attn_varlen_func, flash_attn.flash_attn_with_kvcache = varlen, kvcache
 
 
-def _nano_vllm_runs(model_dir: str, plan: dict[str, Any]) -> dict[str, Any]:
-    """nano-vllm from NANOVLLM_SRC with CUDA graphs and plan["max_model_len"], as nanobench.py starts it:
-    after its warm-up, each run's requests in one `generate`, timed."""
-    _fa4_for_nano_vllm()
-    sys.path.insert(0, os.environ["NANOVLLM_SRC"])
-    from nanovllm import LLM, SamplingParams
+def _offline(engine: str, model_dir: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's offline LLM with its defaults, or nano-vllm (NANOVLLM_SRC) with CUDA graphs, at
+    plan["max_model_len"] as vllmbench.py and nanobench.py start them; after their warm-up, each run's
+    requests in one timed `generate`, or (vLLM, a latency plan) each TTFT prompt alone, one output token,
+    timed as turnout's ttft_ms."""
+    if engine == "vllm":
+        import vllm
+        from vllm import LLM, SamplingParams, TokensPrompt
 
+        kw, res = {"seed": 0}, {"version": vllm.__version__}
+        prompt, tokens = lambda ids: TokensPrompt(prompt_token_ids=ids), lambda o: len(o.outputs[0].token_ids)
+    else:
+        _fa4_for_nano_vllm()
+        sys.path.insert(0, os.environ["NANOVLLM_SRC"])
+        from nanovllm import LLM, SamplingParams
+
+        kw, res = {"enforce_eager": False}, {}
+        prompt, tokens = lambda ids: ids, lambda o: len(o["token_ids"])
     t0 = time.perf_counter()
-    llm = LLM(model_dir, enforce_eager=False, max_model_len=plan["max_model_len"])
-    res: dict[str, Any] = {"engine": "nano-vllm", "startup_s": round(time.perf_counter() - t0, 2)}
+    llm = LLM(model_dir, max_model_len=plan["max_model_len"], **kw)
+    res |= {"engine": engine, "startup_s": round(time.perf_counter() - t0, 2)}
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-    for run, reqs in plan["runs"].items():
+
+    def timed(prompts: list[list[int]], params: Any) -> tuple[float, list[Any]]:
+        t = time.perf_counter()
+        outs = llm.generate([prompt(p) for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t, outs
+
+    if lat := plan.get("latency"):
+        one = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
+        for run, p in lat["runs"].items():
+            res[run] = {"ttft_ms": {str(len(q)): timed([q], one)[0] * 1e3 for q in p["ttft_prompts"]}}
+    for run, reqs in plan.get("runs", {}).items():
         params = [SamplingParams(temperature=r["temperature"], ignore_eos=r["ignore_eos"],
                                  max_tokens=r["max_tokens"]) for r in reqs]  # fmt: skip
-        t = time.perf_counter()
-        outs = llm.generate([r["prompt"] for r in reqs], params, use_tqdm=False)
-        seconds = time.perf_counter() - t
-        res[run] = {"seconds": seconds, "output_tokens": sum(len(o["token_ids"]) for o in outs)}
+        seconds, outs = timed([r["prompt"] for r in reqs], params)
+        res[run] = {"seconds": seconds, "output_tokens": sum(map(tokens, outs))}
     return res
 
 
@@ -295,10 +263,8 @@ def main(engine: str, model_dir: str, dtype: str, plan_file: str) -> dict[str, A
     plan = json.loads(Path(plan_file).read_text())
     if engine in ("turnout", STATIC):
         return _turnout(engine, plan)
-    if engine == "vllm":
-        return _vllm_ttft(model_dir, plan) if "latency" in plan else _vllm_runs(model_dir, plan)
-    if engine == "nano-vllm":
-        return _nano_vllm_runs(model_dir, plan)
+    if engine in BENCH_PY_PEERS:
+        return _offline(engine, model_dir, plan)
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -44,16 +44,37 @@ BY_WORKLOAD = {
     "wide": ("run", "output_tokens_per_s"),
     "latency": ("run", "tpot_ms", "ttft_ms"),
     "prefix": ("run", "speedup_vs_no_cache"),
-    "structured": (
-        "run",
-        "structured_output_ratio",
-        "num_constrained",
-        "output_tokens_per_s",
-        "unconstrained_output_tokens_per_s",
-        "structured_cost",
-        "mean_output_len",
-    ),
-}
+    "structured": ("run", "structured_output_ratio", "num_constrained", "output_tokens_per_s",
+                   "unconstrained_output_tokens_per_s", "structured_cost", "mean_output_len"),
+}  # fmt: skip
+RUN = {"engine": "engine", "run": "run", "requests": "requests", "output_tokens_per_s": "output tok/s"}
+VS = {"ratio_vs_vllm": "x vLLM", "ratio_vs_nano_vllm": "x nano-vllm", "ratio_vs_static": "x static"}
+TAIL = {"over_floor": "x floor", "prefix_cache_hit_rate": "prefix-cache hits", "startup_s": "start-up (s)"}
+COLUMNS = {  # each workload's table (the CLI's and docs/performance.md's): key -> header
+    "throughput": {**RUN, **VS, "ratio_vs_peer": "x HF generate_batch",
+                   "ratio_vs_hf_generate": "x HF generate", **TAIL},
+    "wide": {**RUN, "seconds": "seconds", **VS, "floor_s": "floor (s)", **TAIL},
+    "latency": {
+        "engine": "engine", "run": "run", "tpot_ms": "TPOT (ms)", "ttft_ms": "TTFT (ms) by prompt",
+        "tpot_ratio_vs_vllm": "TPOT / vLLM's", "ttft_ratio_vs_vllm": "TTFT / vLLM's by prompt",
+        "tpot_ratio_vs_static": "TPOT / static's", "ttft_ratio_vs_static": "TTFT / static's by prompt",
+        "tpot_floor_ms": "TPOT floor (ms)", "tpot_over_floor": "TPOT x floor",
+        "ttft_over_floor": "TTFT x floor by prompt", "startup_s": "start-up (s)",
+    },
+    "prefix": {
+        "run": "run", "output_tokens_per_s": "output tok/s, cache on",
+        "no_cache_output_tokens_per_s": "cache off", "speedup_vs_no_cache": "speedup",
+        "over_floor": "x floor", "no_cache_over_floor": "cache off x floor", "startup_s": "start-up (s)",
+    },
+    "structured": {
+        "structured_output_ratio": "share constrained", "requests": "requests",
+        "num_completed": "grammars completed", "mean_output_len": "mean output len",
+        "output_tokens_per_s": "output tok/s, constrained",
+        "unconstrained_output_tokens_per_s": "unconstrained", "structured_cost": "cost",
+        "over_floor": "x floor", "unconstrained_over_floor": "unconstrained x floor",
+        "startup_s": "start-up (s)",
+    },
+}  # fmt: skip
 ENGINES = ("turnout", "vllm", "nano-vllm", "hf-generate-batch", "hf-generate", "turnout-static")
 
 
@@ -114,16 +135,20 @@ def check(rec: dict[str, Any]) -> None:
         raise TurnoutError(f"record run {rec['run']!r} is not 'first' or 'repeat'")
 
 
-def write(records: list[dict[str, Any]], out: str | Path, workload: str, device: str) -> Path:
-    """out: a .json file, or a folder that gets <UTC date-time>-<device>-<workload>-<attention>[-async].json;
-    a name already taken gets -2, -3, ..., so no run overwrites another's file."""
-    for rec in records:
+def write(
+    records: list[dict[str, Any]] | dict[str, Any], out: str | Path, workload: str, device: str
+) -> Path:
+    """records (turnout bench's, each checked) or one document (bench serve's) to out: a .json file, or a
+    folder that gets <UTC date-time>-<device>-<workload>[-<attention>][-async].json; a name already taken
+    gets -2, -3, ..., so no run overwrites another's file."""
+    for rec in records if isinstance(records, list) else ():
         check(rec)
     path = Path(out)
     if path.suffix != ".json":
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
         slug = re.sub(r"[^a-z0-9]+", "-", device.lower().split("(")[0]).strip("-").removeprefix("nvidia-")
-        cfg = next((r["config"] for r in records if r["engine"] == "turnout"), {})
+        recs = records if isinstance(records, list) else []
+        cfg = next((r["config"] for r in recs if r["engine"] == "turnout"), {})
         tag = "".join(f"-{t}" for t in (cfg.get("attention"), cfg.get("async_scheduling") and "async") if t)
         base, i = path / f"{stamp}-{slug}-{workload}{tag}", 1
         path = Path(f"{base}.json")
@@ -143,9 +168,14 @@ def fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def table(records: list[dict[str, Any]], columns: list[str]) -> str:
-    rows = [columns] + [[fmt(r.get(c)) for c in columns] for r in records]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+def table(records: list[dict[str, Any]], columns: dict[str, str] | None = None) -> str:
+    """The records as aligned text: the columns (key -> header; default the first record's keys) any of
+    them has; requests: its subset or num_prompts."""
+    columns = columns or {k: k for k in (records or [{}])[0]}
+    records = [{**r, "requests": r.get("subset") or r.get("num_prompts")} for r in records]
+    keys = [k for k in columns if any(r.get(k) is not None for r in records)]
+    rows = [[columns[k] for k in keys]] + [[fmt(r.get(k)) for k in keys] for r in records]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(keys))]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows)
 
 

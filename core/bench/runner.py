@@ -21,14 +21,9 @@ WORKLOAD_KEYS = {
     "wide": ("num_prompts", "min_input_len", "max_input_len", "min_output_len", "max_output_len"),
     "latency": ("tpot_tokens", "ttft_lens"),
     "prefix": ("num_prompts", "prefix_len", "suffix_len", "output_len"),
-    "structured": (
-        "num_prompts",
-        "max_input_len",
-        "max_output_len",
-        "json_schema",
-        "structured_output_ratio",
-    ),
-}
+    "structured": ("num_prompts", "max_input_len", "max_output_len", "json_schema",
+                   "structured_output_ratio"),
+}  # fmt: skip
 VS_PEERS = {"vllm": "vllm", "nano_vllm": "nano-vllm", "static": "turnout-static"}  # ratio_vs_<key>: engine
 CHILD_PEERS = ("wide",)  # workloads whose requests vLLM and nano-vllm run here, not their bench.py's
 
@@ -380,10 +375,7 @@ class Bench:
             return res
         lat, a = "latency" in plan, self.args
         d = peers.find_peers_dir(a.peers_dir, peers.BENCH_PY_PEERS[engine])
-        if engine == "vllm":
-            res = peers.vllm(self.model_dir, d, a.vllm_site, lat, a.peer_timeout)
-        else:
-            res = peers.nano_vllm(self.model_dir, d, lat, a.peer_timeout)
+        res = peers.bench_py(engine, self.model_dir, d, lat, a.peer_timeout, a.vllm_site)
         tpot = res.get("tpot_ms")  # MODE=tpot times decode only
         metrics = {run: {"tpot_ms": tpot, "ttft_ms": {}} if lat else {"output_tokens_per_s": res[run]}
                    for run in RUNS}  # fmt: skip

@@ -4,7 +4,7 @@ Requests go to /v1/completions through the official `openai` async client, as to
 Poisson request rate (inf = all at once), optionally capped at --max-concurrency. Reported per rate:
 request and output-token throughput, TTFT, TPOT (per request: (e2e - TTFT) / (tokens - 1)), ITL (gaps
 between chunks) and end-to-end latency at mean, p50 and p99, and the failed count. A JSON record goes to
-benchmarks/results/.
+benchmarks/results/serve/.
 
 Without --url the command starts `turnout serve` itself (the engine flags are serve's) on a free port
 and stops it afterwards. --vs-offline then runs the same workload through LLM.generate in this process,
@@ -25,7 +25,6 @@ import json
 import math
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -36,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from turnout.bench import records
 from turnout.bench.random_models import SHAPES, make_random_model, random_model_dir
-from turnout.bench.records import provenance
 from turnout.errors import TurnoutError
 
 WORKLOADS = {  # name: (num_prompts, input_len, output_len, temperature)
@@ -88,7 +87,7 @@ def add_bench_serve_parser(subparsers: Any) -> None:
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE (TTFT, ITL)")
     p.add_argument("--repeat", type=int, default=1, help="runs per rate (each paired with an offline run)")
     p.add_argument("--vs-offline", action="store_true", help="also run LLM.generate here; report the ratio")
-    p.add_argument("--output", help="JSON record path; default benchmarks/results/<date>-<device>-serve-...")
+    p.add_argument("--output", help="a .json file or a folder (default: benchmarks/results/serve)")
     add_engine_args(p, skip=("seed",))  # --seed is the workload's; the engine seed comes from config or env
     p.set_defaults(fn=run_bench_serve)
 
@@ -211,17 +210,13 @@ def _run(url: str, api_key: str | None, model: str | None, w: Workload, rate: fl
     k = len(parts)
     server_cpu0 = _tree_cpu_s(args.server_pid)
     shares = [Share(url, api_key, model, w, p, 0.0, g, args.stream) for p, g in zip(parts, gates)]
-    if k == 1:
-        shares[0].start = start = time.time()
-        outs = [_client_part(shares[0])]
-    else:
-        with ProcessPoolExecutor(k, mp_context=get_context("spawn")) as pool:
-            for f in [pool.submit(_warm_client) for _ in range(k)]:
-                f.result()
-            start = time.time()
-            for sh in shares:
-                sh.start = start
-            outs = list(pool.map(_client_part, shares))
+    with ProcessPoolExecutor(k, mp_context=get_context("spawn")) as pool:
+        for f in [pool.submit(_warm_client) for _ in range(k)]:
+            f.result()
+        start = time.time()
+        for sh in shares:
+            sh.start = start
+        outs = list(pool.map(_client_part, shares))
     records: list[Record] = [Record()] * len(w.prompts)
     for recs, _, _ in outs:
         for i, r in recs:
@@ -379,20 +374,17 @@ def _stop_server(proc: subprocess.Popen) -> None:
 
 
 def _offline(args: argparse.Namespace, w: Workload, runs: int) -> list[float]:
-    """Output tok/s of LLM.generate on the workload, per run, after nano-vllm's one-prompt warm-up."""
-    from turnout import LLM, SamplingParams
+    """Output tok/s of LLM.generate on the workload, per run, after the bench's warm-up."""
+    from turnout import LLM
+    from turnout.bench import workloads
     from turnout.engine_args import engine_config_from_args
 
     llm = LLM(config=engine_config_from_args(args))
+    reqs = [workloads.Req(p, m, w.temperature) for p, m in zip(w.prompts, w.max_tokens)]
     try:
-        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-        sps = [SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
-        rates = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            llm.generate(w.prompts, sps, use_tqdm=False)
-            rates.append(sum(w.max_tokens) / (time.perf_counter() - t0))
-            print(f"offline LLM.generate: {rates[-1]:.0f} tok/s")
+        workloads.warm_up(llm)
+        rates = [sum(w.max_tokens) / workloads.run(llm, reqs)[0] for _ in range(runs)]
+        print("offline LLM.generate: " + ", ".join(f"{r:.0f}" for r in rates) + " tok/s")
         return rates
     finally:
         llm.shutdown()
@@ -427,8 +419,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     finally:
         if proc is not None:
             _stop_server(proc)
-    model = args.model or runs[0]["model"]
-    record: dict[str, Any] = {"workload": "serve", "engine": "turnout", "model": model, **provenance()}
+    record = {"workload": "serve", "engine": "turnout", "model": args.model or runs[0]["model"]}
+    record |= records.provenance()
     record["config"] = {k: _jsonable(v) for k, v in vars(args).items() if v is not None and k not in SECRET}
     record["results"] = runs
     if args.vs_offline:  # run k of the server against run k offline: both see the same prefix-cache history
@@ -442,9 +434,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                 f"server ({mode}) / offline, mean of {len(pairs)} paired runs: {record[f'ratio_{mode}']:.3f}"
             )
         record["offline_tok_s"] = offline
-    path = Path(args.output or _default_path(record, args))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    tag = "serve-" + args.workload + ("-vs-offline" if args.vs_offline else "")
+    path = records.write(record, args.output or "benchmarks/results/serve", tag, record["device"])
     print(f"wrote {path}")
     return 1 if any(r["failed"] or r["short"] for r in runs) else 0
 
@@ -456,11 +447,3 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, float) and math.isinf(v):
         return "inf"
     return [_jsonable(x) for x in v] if isinstance(v, list | tuple) else v
-
-
-def _default_path(record: dict, args: argparse.Namespace) -> str:
-    device = (
-        "cpu" if record["device"].startswith("cpu") else re.sub(r"[^a-z0-9]+", "-", record["device"].lower())
-    )
-    tag = args.workload + ("-vs-offline" if args.vs_offline else "")
-    return f"benchmarks/results/{record['date'][:10]}-{device.removeprefix('nvidia-')}-serve-{tag}.json"

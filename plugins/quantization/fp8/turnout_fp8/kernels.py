@@ -110,7 +110,7 @@ def _gemm_kernel(
 
 def gemm_tile(m: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for M rows (BLOCK_K is one scale block, 128): among the
-    fastest of bench_fp8.py --sweep on an H200 at the Qwen3-8B shapes up to M = 256 (none faster with
+    fastest of the H200 sweeps in results/fp8/ at the Qwen3-8B shapes up to M = 256 (none faster with
     split K), and a large tile beyond."""
     m_p2 = triton.next_power_of_2(max(m, 16))
     return (m_p2, 64, 4, 4) if m_p2 <= 64 else (64, 64, 4, 4) if m_p2 <= 256 else (128, 128, 8, 3)
@@ -173,7 +173,7 @@ def _gemv_kernel(
 
 def gemv_tiles(m: int, n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps): the accumulator holds M_P2 x BLOCK_N x BLOCK_K floats, at most 8,192
-    (64 a thread) up to 64 rows; at M = 1 and 2 the fastest of bench_fp8.py --sweep on an H200."""
+    (64 a thread) up to 64 rows; at M = 1 and 2 the fastest of the H200 sweeps in results/fp8/."""
     m_p2 = triton.next_power_of_2(m)
     block_k = max(16, 1024 // m_p2)
     return max(1, min(8, 8192 // (m_p2 * block_k))), block_k, 4
@@ -199,7 +199,7 @@ def fp8_gemv(
 
 # The fastest route by rows M, per scale layout: (largest M, route), first match. Every bound is a CUDA-graph
 # capture size, so a batch padded for its graph takes the route its eager run takes (the graph-mode identity
-# tests). From bench_fp8.py --sweep on an H200, summed over the Qwen3-8B linears, each timed inside a CUDA
+# tests). From the H200 sweeps in results/fp8/, summed over the Qwen3-8B linears, each timed inside a CUDA
 # graph over weights beyond L2 (us; bf16 cuBLAS: 120 at M = 1, 110-124 up to 128, 157 at 256): "gemv" 91
 # (channel) / 98 (block) at M = 1; "triton" (fp8_gemm) 98-110 from 4 to 64 rows (channel), 107 at M = 2
 # (block); "cublas" (_scaled_mm) 109 at 128 and 123 at 256 (channel), 92-122 from 4 to 128 (block), and the
