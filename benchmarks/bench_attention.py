@@ -3,10 +3,10 @@
 Decode: batch 1, 32, 256 at context 512 and 4096, one query token per request; reports the KV + Q bytes
 read per second and its share of the H200's ~4.3 TB/s. Prefill: one causal sequence of 4k and 16k tokens;
 reports TFLOP/s (4 * N^2 / 2 * H * D for QK^T and PV) and its share of ~790 TFLOP/s bf16.
-Times forward (KV write + attention) with CUDA events after an L2 flush, median of --iters: eagerly
-(host launch overhead included) and, where the backend's cudagraph_support covers the batch, replayed
-from a CUDA graph (kernel time); rates use the graph time when there is one. build_metadata runs once
-per step in the engine and is timed on its own (meta_ms). Example:
+Times the impl's forward (KV write + attention) with CUDA events after an L2 flush, median of --iters:
+eagerly (host launch overhead included) and, where the backend's cudagraph_support covers the batch,
+replayed from a CUDA graph (kernel time); rates use the graph time when there is one. The builder's build
+runs once per step in the engine and is timed on its own (meta_ms). Example:
   python benchmarks/bench_attention.py --backends triton --json /tmp/attention.json   # suite: attention
 """
 
@@ -90,15 +90,16 @@ def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argpar
         return None
     qlens = [1] * batch if kind == "decode" else [ctx]
     q, k, v, kv_cache, meta = make_step([ctx] * batch, qlens, heads, dtype, bs)
-    be.setup(AttentionSpec(*heads, dtype, bs, args.head_size**-0.5, num_layers=1))
+    spec = AttentionSpec(*heads, dtype, bs, args.head_size**-0.5, num_layers=1)
+    builder, impl = be.make_builder(spec, 0), be.make_impl(spec, spec.layer(0))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    meta.backend_data = be.build_metadata(meta)
+    meta.backend_data = builder.build(meta)
     torch.cuda.synchronize()
     meta_ms = (time.perf_counter() - t0) * 1e3
 
     def fwd() -> torch.Tensor:
-        return be.forward(q, k, v, kv_cache, meta)
+        return impl.forward(q, k, v, kv_cache, meta)
 
     ms = cuda_time_ms(fwd, args.iters, WARMUP)
     S = CudagraphSupport  # one prefill request is a uniform batch

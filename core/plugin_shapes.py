@@ -46,14 +46,17 @@ class Contract:
 
     classes: the hook returns classes, which the core builds (so `__init__` is part of it), not instances.
     optional: methods a component may leave out ("step_async"), and parameters the core passes, by name,
-    only to a method that declares them ("forward.layer").
-    target: the contract of the class a record names by its `target`."""
+    only to a method that declares them ("method.parameter").
+    target: the contract of the class a record names by its `target`.
+    moved: (a method of an earlier API's shape, the field that replaced it, where the method went); a
+    component that defines the method and lacks the field gets that as its one reason."""
 
     label: str
     base: type
     classes: bool = False
     optional: frozenset[str] = frozenset()
     target: Contract | None = None
+    moved: tuple[tuple[str, str, str], ...] = ()
 
     @cached_property
     def methods(self) -> dict[str, Any]:
@@ -77,6 +80,9 @@ class Contract:
         if self.classes and not isinstance(item, type):
             return [f"is {type(item).__name__}, not a class"]
         cls = item if self.classes else type(item)
+        for old, field, where in self.moved:
+            if inspect.getattr_static(cls, old, None) is not None and not hasattr(item, field):
+                return [f"{cls.__name__} defines {old}() and no {field}: {where}"]
         why = self.method_problems(cls.__name__, lambda n: inspect.getattr_static(cls, n, None))
         why += [p for n, h in self.fields.items() for p in _field_problems(item, n, h)]
         if self.target is not None and not why:
@@ -326,9 +332,10 @@ def _ast_signature(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> inspect.Signat
 
 
 CONTRACTS: dict[str, Contract] = {
-    # AttentionBackend.attend calls a forward without `layer` without it
     "turnout_attention_backends": Contract(
-        "attention backend", AttentionBackend, optional=frozenset({"forward.layer"})
+        "attention backend",
+        AttentionBackend,
+        moved=(("forward", "impl_cls", "plugin API 3 moved a layer's forward to an AttentionImpl"),),
     ),
     "turnout_model_architectures": Contract(
         "model architecture", ModelArchitecture, target=Contract("model class", CausalLM)

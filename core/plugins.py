@@ -31,7 +31,7 @@ from turnout.version import PLUGIN_API, __version__
 logger = logging.getLogger("turnout")
 ENTRY_POINT_GROUP = "turnout"
 # The changelog's section on porting a plugin to this plugin API, named by every "incompatible" reason.
-PORTING = "docs/changelog.md, 'Plugin API 2 (turnout 0.2.0)' > 'Porting a plugin from API 1 (turnout 0.1)'"
+PORTING = "docs/changelog.md, 'Plugin API 3 (turnout 0.3.0)' > 'Porting a plugin from API 2 (turnout 0.2)'"
 # What each hook's results are checked with: (hook, component) -> what keeps it from fitting its kind's
 # contract, one phrase naming it, or None. The package installs turnout.plugin_shapes.misfit
 # (set_shape_check), which this layer cannot import: the contracts sit above it.

@@ -1,7 +1,8 @@
 """One conformance suite for every installed attention backend (entry-point group `turnout`).
 
 Each case draws a random paged step (attention_reference.make_case), poisons every cache slot that
-holds no token with NaN, gives the backend the step's AttentionSpec (setup), runs build_metadata + forward,
+holds no token with NaN, has the backend make a metadata builder and the layer's impl for the step's
+AttentionSpec, runs build + forward,
 and checks:
   - the output against a float64 reference by ||out - ref|| / ||ref||, and that it is finite;
   - the cache bit for bit: k, v written exactly at slot_mapping, every other slot (poison included)
@@ -154,10 +155,9 @@ def _run(be: AttentionBackend, batch: str, gqa: int, head: int, dtype: torch.dty
         c = dataclasses.replace(c, scale=layers[0].scale, expected=expected)
     heads = (c.q.shape[1], c.num_kv_heads, head)
     spec = AttentionSpec(*heads, dtype, bs, c.scale, len(layers), layers, kv_dtype)
-    be.setup(spec)
     inputs = [x.clone() for x in (c.q, c.k, c.v)]
-    c.meta.backend_data = be.build_metadata(c.meta)
-    out = be.attend(c.q, c.k, c.v, c.kv_cache, c.meta, run)
+    c.meta.backend_data = be.make_builder(spec, 0).build(c.meta)
+    out = be.make_impl(spec, run).forward(c.q, c.k, c.v, c.kv_cache, c.meta)
     n, m = c.meta.num_actual_tokens, c.meta
     where = f"{be.name} {batch}: {c.kinds}, seq_lens={m.seq_lens.tolist()} cu={m.query_start_loc.tolist()}"
     where += f", scale {c.scale:.4g}" if scale is not None else ""
@@ -313,11 +313,11 @@ def test_mla_latent_cache(be: AttentionBackend, batch: str, dtype: torch.dtype, 
                   decode_first=decode_first, device=DEVICE, **shape)  # fmt: skip
     cache, expected_cache = c.kv_cache[0].clone(), c.expected_cache[0]  # the keys' pages only
     expected = ref_paged_attention(c.q, torch.stack([expected_cache] * 2), c.meta, c.scale, 1)[..., :rank]
-    be.setup(AttentionSpec(heads, 1, head, dtype, bs, c.scale, 1, kv_lora_rank=rank))
-    assert be.kv_cache_shape(cache.shape[0], bs, 1, head) == tuple(cache.shape)
+    spec = AttentionSpec(heads, 1, head, dtype, bs, c.scale, 1, kv_lora_rank=rank)
+    assert be.kv_cache_shape(cache.shape[0], bs, 1, head, rank) == tuple(cache.shape)
     inputs = [x.clone() for x in (c.q, c.k)]
-    c.meta.backend_data = be.build_metadata(c.meta)
-    out = be.attend(c.q, c.k, c.k[..., :rank], cache, c.meta, be.spec.layer(0))
+    c.meta.backend_data = be.make_builder(spec, 0).build(c.meta)
+    out = be.make_impl(spec, spec.layer(0)).forward(c.q, c.k, c.k[..., :rank], cache, c.meta)
     n, m = c.meta.num_actual_tokens, c.meta
     where = f"{be.name} {batch}: {c.kinds}, seq_lens={m.seq_lens.tolist()} cu={m.query_start_loc.tolist()}"
     assert out.shape == (c.q.shape[0], heads, rank) and out.dtype == dtype, where
@@ -366,7 +366,8 @@ def test_cudagraph_replay(be: AttentionBackend) -> None:
     c = make_case(random.Random(4), gqa=4, head_size=128, dtype=torch.bfloat16, block_size=bs, kinds=kinds,
                   pad_tokens=pad, device=DEVICE, **LARGE)  # fmt: skip
     m = c.meta
-    be.setup(AttentionSpec(c.q.shape[1], c.num_kv_heads, 128, torch.bfloat16, bs, c.scale, num_layers=1))
+    spec = AttentionSpec(c.q.shape[1], c.num_kv_heads, 128, torch.bfloat16, bs, c.scale, num_layers=1)
+    impl = be.make_impl(spec, spec.layer(0))
     real = {f: getattr(m, f).clone() for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_table")}
     b, t = m.num_reqs, c.q.shape[0]
     cu = torch.arange(b + 1, device=DEVICE) * (m.num_actual_tokens // b)  # dummy: equal queries, no context
@@ -377,12 +378,12 @@ def test_cudagraph_replay(be: AttentionBackend) -> None:
     m.slot_mapping.fill_(-1)
     host = (m.max_query_len, m.max_seq_len)
     m.max_query_len = int(m.seq_lens.max())  # max_seq_len stays the real one: an upper bound, as in capture
-    m.backend_data = be.build_metadata(m)
+    m.backend_data = be.make_builder(spec, 0).build(m)
     cache0 = c.kv_cache.clone()
-    be.forward(c.q, c.k, c.v, c.kv_cache, m)  # warm-up: compile outside the capture
+    impl.forward(c.q, c.k, c.v, c.kv_cache, m)  # warm-up: compile outside the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = be.forward(c.q, c.k, c.v, c.kv_cache, m)
+        out = impl.forward(c.q, c.k, c.v, c.kv_cache, m)
     for f, x in real.items():
         getattr(m, f).copy_(x)
     m.max_query_len, m.max_seq_len = host

@@ -11,16 +11,17 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from turnout_cpu.backend import BALANCE_MIN_LEN, CPUAttentionBackend
 
-from turnout.attention import AttentionMetadata, AttentionSpec
+from turnout.attention import AttentionImpl, AttentionMetadata, AttentionMetadataBuilder, AttentionSpec
 from turnout.worker.kv_cache import allocate_kv_caches, blocks_in, kv_bytes_per_block
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 9, 3, 64, 16  # the embedded SmolLM2's attention
 
 
-def _backend(dtype: torch.dtype) -> CPUAttentionBackend:
+def _backend(dtype: torch.dtype) -> tuple[AttentionMetadataBuilder, AttentionImpl]:
+    """The CPU backend's builder and layer 0's impl, over the embedded SmolLM2's attention in dtype."""
+    spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, dtype, BLOCK, HEAD_SIZE**-0.5, num_layers=1)
     be = CPUAttentionBackend()
-    be.setup(AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, dtype, BLOCK, HEAD_SIZE**-0.5, num_layers=1))
-    return be
+    return be.make_builder(spec, 0), be.make_impl(spec, spec.layer(0))
 
 
 def _cache(tokens: int, dtype: torch.dtype) -> torch.Tensor:
@@ -39,8 +40,9 @@ def _chunk(be, cache, q, k, v, ctx: int) -> torch.Tensor:
         max_seq_len=seq,
         num_actual_tokens=n,
     )
-    meta.backend_data = be.build_metadata(meta)
-    return be.forward(q, k, v, cache, meta)
+    builder, impl = be
+    meta.backend_data = builder.build(meta)
+    return impl.forward(q, k, v, cache, meta)
 
 
 def _qkv(tokens: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -95,7 +97,6 @@ def test_a_cpu_kv_cache_is_zero_and_costs_no_memory_until_written() -> None:
     engine starts without a memset over all of it."""
     spec = AttentionSpec(HEADS, KV_HEADS, HEAD_SIZE, torch.bfloat16, BLOCK, HEAD_SIZE**-0.5, num_layers=30)
     be = CPUAttentionBackend()
-    be.setup(spec)
     before = _rss_bytes()
     caches = allocate_kv_caches(be, spec, blocks_in(1 << 30, spec), torch.device("cpu"))
     assert _rss_bytes() - before < 64 << 20  # a memset would have taken the whole GiB

@@ -139,11 +139,9 @@ class _Undeclared:
     def turnout_attention_backends(self, platform):
         from turnout_cpu.backend import CPUAttentionBackend
 
-        class Plain(CPUAttentionBackend):  # forward written before per-layer features
+        class Plain(CPUAttentionBackend):
             name = "plain"
-
-            def forward(self, q, k, v, kv_cache, meta):
-                return super().forward(q, k, v, kv_cache, meta)
+            attention_features = frozenset()  # the CPU impl's, serving none
 
         return [Plain()]
 

@@ -334,7 +334,7 @@ def test_decoder_layer_picks_kernels_in_its_layers(monkeypatch: pytest.MonkeyPat
         calls.append(("attention", q.shape[0], q.shape[1], ""))
         return v.repeat_interleave(q.shape[1] // k.shape[1], dim=1).reshape(q.shape[0], -1)
 
-    ctx = ForwardContext(backend=None, meta=None, kv_caches=[], hole=one_token_attention)  # type: ignore[arg-type]
+    ctx = ForwardContext(impls=[], meta=None, kv_caches=[], hole=one_token_attention)  # type: ignore[arg-type]
     pos = torch.tensor([5, 9], device=DEV)
     x = torch.randn(2, 64, device=DEV, dtype=dtype)
     qkv_n, inter = (4 + 2 * 2) * 32, 160

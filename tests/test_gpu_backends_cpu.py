@@ -14,7 +14,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from turnout.attention import LAYER_FEATURES, AttentionContext, AttentionMetadata, CudagraphSupport, store_kv
+from turnout.attention import (
+    LAYER_FEATURES,
+    AttentionContext,
+    AttentionMetadata,
+    AttentionSpec,
+    CudagraphSupport,
+    store_kv,
+)
 from turnout.platform import Platform
 from turnout.plugins import PluginManager
 
@@ -250,12 +257,14 @@ def test_metadata_routes_uniform_decode_and_everything_else(flashinfer, flash_at
         _meta([3, 1], [0, 4], pad=3),
     )
     # FlashInfer routes before it plans (planning needs the library); flash_attn's metadata is all torch
-    for build in (fi_backend.FlashInferMetadata.route, flash_attn.build_metadata):
+    spec = AttentionSpec(4, 2, 64, torch.bfloat16, 16, 0.125, num_layers=1)
+    fa_build = fa_backend.FlashAttnMetadataBuilder(flash_attn, spec).build  # make_builder needs the library
+    for build in (fi_backend.FlashInferMetadata.route, fa_build):
         md = [build(m) for m in (decode, mixed, padded)]
         assert [x.decode for x in md] == [True, False, False]
         assert md[0].store_rows is None and md[2].store_rows.tolist() == [0, 1, 2, 3]
     assert [fi_backend.FlashInferMetadata.route(m).rows for m in (decode, mixed, padded)] == [3, 9, 4]
-    assert flash_attn.build_metadata(mixed).cu_seqlens_k.tolist() == [0, 6, 13, 44]
+    assert fa_build(mixed).cu_seqlens_k.tolist() == [0, 6, 13, 44]
 
 
 def test_cudagraph_level_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

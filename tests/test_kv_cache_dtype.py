@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from turnout import LLM, SamplingParams
-from turnout.attention import AttentionBackend, AttentionContext
+from turnout.attention import AttentionBackend, AttentionContext, AttentionImpl
 from turnout.cli import main
 from turnout.config import EngineConfig
 from turnout.errors import ConfigError, SelectionError
@@ -98,9 +98,7 @@ def test_no_backend_for_the_cache_fails_start_up_in_one_line(
 def test_a_backend_declares_the_kv_dtypes_it_reads() -> None:
     class Plain(AttentionBackend):
         name, device_types, dtypes = "plain", ("cpu",), (torch.float32,)
-
-        def forward(self, q, k, v, kv_cache, meta, layer=None):
-            return q
+        impl_cls = AttentionImpl
 
     ctx = AttentionContext(CPU, torch.float32, 64, 4, 4, 16, kv_cache_dtype="fp8_e4m3")
     assert Plain.kv_cache_dtypes == ("auto",) and Plain().check(ctx) == [

@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from turnout import LLM, SamplingParams
-from turnout.attention import LAYER_FEATURES, AttentionBackend, AttentionLayerSpec, AttentionSpec
+from turnout.attention import (
+    LAYER_FEATURES,
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayerSpec,
+    AttentionSpec,
+)
 from turnout.attention.kv_spec import NULL_BLOCK, FullAttentionSpec, SlidingWindowSpec, kv_cache_config
 from turnout.engine.block_manager import BlockManager
 from turnout.engine.request import Request
@@ -278,13 +284,9 @@ def test_gemma3_like_kv_memory_at_32k_is_under_a_third_of_full_attention() -> No
     """Bytes a 32k-token request holds, through the sizing the engine uses (groups, tensors, the backend's
     layout): at most 0.3x full attention in every layer, decoding and in 2,048-token chunks; and the
     same pool holds a request that many times longer."""
-    from turnout_cpu.backend import CPUAttentionBackend
-
-    be = CPUAttentionBackend()
     sizes = {}
     for window in (1024, None):
         spec = _gemma3_like(window)
-        be.setup(spec)
         config = kv_cache_config([spec.kv_cache_specs()])
         sizes[window] = [kv_cache.kv_bytes_for_tokens(spec, config, 32768, c) for c in (None, 2048)]
         blocks = int((1 << 33) // kv_cache.kv_bytes_per_block(spec, config.group_size))
@@ -372,5 +374,5 @@ def test_backends_declare_the_specs_they_serve() -> None:
     assert FlashInferBackend.kv_cache_specs == FlashAttnBackend.kv_cache_specs == ("full",)
     with pytest.raises(TypeError, match="unknown kv_cache_specs"):
         type("Bad", (AttentionBackend,), {"name": "bad", "device_types": ("cpu",), "dtypes": (torch.float32,),
-                                          "kv_cache_specs": ("latent",), "forward": lambda *a: None,
+                                          "kv_cache_specs": ("latent",), "impl_cls": AttentionImpl,
                                           "attention_features": frozenset(LAYER_FEATURES)})  # fmt: skip

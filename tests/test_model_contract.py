@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from turnout import LLM, SamplingParams, TurnoutError, hookimpl
-from turnout.attention import AttentionBackend, AttentionLayerSpec, AttentionSpec
+from turnout.attention import AttentionBackend, AttentionImpl, AttentionLayerSpec, AttentionSpec
 from turnout.models import CausalLM, ModelArchitecture
 
 from tiny_models import hf_greedy, make_tiny_model, write_tokenizer
@@ -70,28 +70,34 @@ def test_third_party_model_plugin_generates_like_hf(
 
 
 class _Recording:
-    """A CPU backend that logs what the runner tells it, in order."""
+    """A CPU backend that logs what the runner has it make and do, in order."""
 
     def __init__(self) -> None:
-        from turnout_cpu.backend import CPUAttentionBackend
+        from turnout_cpu.backend import CPUAttentionBackend, CPUMetadataBuilder
 
         events: list[tuple] = []
         self.events = events
 
+        class Builder(CPUMetadataBuilder):
+            def build(self, meta):
+                events.append(("build", self.group))
+                return super().build(meta)
+
         class Recording(CPUAttentionBackend):
             name = "recording"
+            builder_cls = Builder
 
-            def setup(self, spec: AttentionSpec) -> None:
-                events.append(("setup", spec))
-                super().setup(spec)
+            def make_impl(self, spec: AttentionSpec, layer: AttentionLayerSpec):
+                events.append(("make_impl", spec, layer))
+                return super().make_impl(spec, layer)
+
+            def make_builder(self, spec: AttentionSpec, group: int = 0):
+                events.append(("make_builder", spec, group))
+                return super().make_builder(spec, group)
 
             def kv_cache_shape(self, *args: int) -> tuple:
                 events.append(("kv_cache_shape",))
                 return super().kv_cache_shape(*args)
-
-            def build_metadata(self, meta):
-                events.append(("build_metadata",))
-                return super().build_metadata(meta)
 
         self.cls = Recording
 
@@ -123,52 +129,23 @@ def test_a_model_declares_the_parallelism_it_supports(tmp_path, example_model, t
         LLM(str(tiny_llama), enable_expert_parallel=True)
 
 
-def test_backend_gets_its_spec_once_before_kv_sizing(tiny_qwen3, register_plugin) -> None:
+def test_backend_makes_each_layers_impl_and_the_groups_builder_before_kv_sizing(
+    tiny_qwen3, register_plugin
+) -> None:
     rec = _Recording()
     register_plugin(rec, "recording")
     prompts = _prompts(2, 3, 3, 20)
     llm = LLM(str(tiny_qwen3), cpu_kv_cache_bytes=1 << 22, block_size=4, attention_backend="recording")
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    setups = [e for e in rec.events if e[0] == "setup"]
-    assert rec.events[0] == setups[0] and len(setups) == 1
+    names = [e[0] for e in rec.events]
     # tiny_qwen3: 4 query heads, 1 KV head of 16, 2 plain layers, a float32 checkpoint on the CPU
     plain = tuple(AttentionLayerSpec(i, 16**-0.5) for i in range(2))
-    assert setups[0][1] == AttentionSpec(4, 1, 16, torch.float32, 4, 16**-0.5, num_layers=2, layers=plain)
-    assert ("kv_cache_shape",) in rec.events and ("build_metadata",) in rec.events
+    spec = AttentionSpec(4, 1, 16, torch.float32, 4, 16**-0.5, num_layers=2, layers=plain)
+    assert rec.events[:2] == [("make_impl", spec, plain[0]), ("make_impl", spec, plain[1])]
+    assert names.count("make_impl") == 2 and ("make_builder", spec, 0) in rec.events
+    assert names.index("make_builder") < names.index("kv_cache_shape") < names.index("build")
+    assert {e[1] for e in rec.events if e[0] == "build"} == {0}  # one KV-cache group
     assert [o.token_ids for o in outs] == hf_greedy(tiny_qwen3, prompts, GREEDY.max_tokens)
-
-
-class _BeforeLayerFeatures:
-    """A backend whose forward takes no `layer` (plugin API 2 as first written), counting its calls."""
-
-    calls = 0
-
-    @hookimpl
-    def turnout_attention_backends(self, platform):
-        from turnout_cpu.backend import CPUAttentionBackend
-
-        owner = self
-
-        class Old(CPUAttentionBackend):
-            name = "old"
-
-            def forward(self, q, k, v, kv_cache, meta):
-                owner.calls += 1
-                return super().forward(q, k, v, kv_cache, meta)
-
-        return [Old()]
-
-
-def test_a_backend_written_before_layer_features_still_serves(tiny_llama, register_plugin) -> None:
-    """Its forward is called without `layer`, and it declares no attention_features (inheriting the CPU
-    backend's would claim what its forward cannot see)."""
-    old = _BeforeLayerFeatures()
-    register_plugin(old, "old")
-    prompts = _prompts(3, 2, 3, 20)
-    llm = LLM(str(tiny_llama), cpu_kv_cache_bytes=1 << 22, attention_backend="old")
-    assert llm.engine.selection.attention_backend.attention_features == frozenset()
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert old.calls > 0 and [o.token_ids for o in outs] == hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
 
 
 def test_spec_counts_heads_per_rank_and_layers_per_stage(tmp_path) -> None:
@@ -239,9 +216,7 @@ def test_backend_must_declare_where_it_runs() -> None:
 
         class Quiet(AttentionBackend):
             name = "quiet"
-
-            def forward(self, q, k, v, kv_cache, meta):
-                return q
+            impl_cls = AttentionImpl
 
 
 def test_the_guide_shows_the_example_model_plugin_verbatim() -> None:

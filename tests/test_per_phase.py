@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from turnout import LLM, SamplingParams
-from turnout.attention import AttentionMetadata, CudagraphSupport
+from turnout.attention import AttentionMetadata, AttentionSpec, CudagraphSupport
 from turnout.attention.per_phase import PerPhaseBackend, phase_support
 from turnout.config import EngineConfig
 from turnout.errors import ConfigError, SelectionError
@@ -21,7 +21,7 @@ PERMUTED = """
 class BlocksFirst(NaiveBackend):
     name = "blocks_first"
 
-    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size, kv_lora_rank=None):
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
 
 
@@ -75,9 +75,11 @@ def test_each_step_goes_to_its_phase(naive, tiny_llama):
         table = torch.zeros(len(query_lens), 2, dtype=torch.int32)
         return AttentionMetadata(torch.arange(t), qsl, lens, table, max(query_lens), int(lens.max()), t)
 
-    assert backend.half(meta([1, 1, 1])).name == "cpu"
-    assert backend.half(meta([1, 5, 1])).name == "naive"
-    assert backend.half(meta([7])).name == "naive"
+    spec = AttentionSpec(4, 2, 8, torch.float32, 16, 8**-0.5, num_layers=1)
+    builder, impl = backend.make_builder(spec, 0), backend.make_impl(spec, spec.layer(0))
+    assert type(builder.build(meta([1, 1, 1]))).__name__ == "CPUMetadata"  # cpu's builder
+    assert builder.build(meta([1, 5, 1])) is None and builder.build(meta([7])) is None  # naive's: all rows
+    assert (impl.decode.backend.name, impl.mixed.backend.name) == ("cpu", "naive")
 
 
 def test_explain_names_both_halves(naive, tiny_llama, capsys):
@@ -99,7 +101,7 @@ class BlocksFirstPrefiller(Prefiller):
     name = "blocks_first_prefiller"
     mixed_priority = 60
 
-    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size):
+    def kv_cache_shape(self, num_blocks, block_size, num_kv_heads, head_size, kv_lora_rank=None):
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
 
 

@@ -2,10 +2,11 @@
 "incompatible" (named with the changelog section), pinned or not, and it never reaches an engine.
 
 For every kind, one installed plugin (pinning no version, as `dependencies = ["turnout"]` does) returns a
-component of plugin API 2's shape, which loads, and one of another shape, which does not. Where the contract
-changed from API 1 (the attention backend's forward, the executor's sampling) the other shape is API 1's;
-where it did not (models, graph policies) or the kind came with API 2 (tool parsers, structured outputs,
-quantization), it is the shape vLLM gives the same component, as a plugin ported from vLLM would have it.
+component of this plugin API's shape, which loads, and one of another shape, which does not. Where the
+contract changed (API 3: the attention backend in three parts; API 2: the executor's sampling) the other
+shape is the earlier API's; where it did not (models, graph policies) or the kind came with API 2 (tool
+parsers, structured outputs, quantization), it is the shape vLLM gives the same component, as a plugin
+ported from vLLM would have it.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ OTHER = {  # kind: (hook, component name, module source, class module source or 
         "turnout_attention_backends",
         "hidden_sdpa",
         HEAD + "from turnout.attention import AttentionBackend\n\n"
-        "class HiddenSDPABackend(AttentionBackend):\n"
+        "class HiddenSDPABackend(AttentionBackend):  # plugin API 2's: one class that attends\n"
         "    name = 'hidden_sdpa'\n"
         "    priority = 100  # above every bundled backend: 'auto' would take it, were it offered\n"
         "    device_types = ('cpu', 'cuda')\n"
         "    dtypes = (torch.float32, torch.bfloat16)\n\n"
-        "    def forward(self, layer, q, k, v, kv_cache, meta):  # plugin API 1's first shape\n"
+        "    def build_metadata(self, meta):\n"
+        "        return None\n\n"
+        "    def forward(self, q, k, v, kv_cache, meta, layer=None):\n"
         "        raise RuntimeError('hidden_sdpa ran')\n\n"
         "@turnout.hookimpl\n"
         "def turnout_attention_backends(platform):\n"
@@ -130,8 +133,8 @@ OTHER = {  # kind: (hook, component name, module source, class module source or 
     ),
 }
 MISFIT = {  # kind: what the listing says does not fit
-    "attention": "attention backend 'hidden_sdpa': HiddenSDPABackend.forward(layer, q, k, v, kv_cache, meta) "
-    "cannot take the call forward(q, k, v, kv_cache, meta)",
+    "attention": "attention backend 'hidden_sdpa': HiddenSDPABackend defines forward() and no impl_cls: "
+    "plugin API 3 moved a layer's forward to an AttentionImpl",
     "model": "model architecture 'OldForCausalLM': OldForCausalLM.compute_logits(hidden_states, "
     "sampling_metadata) cannot take the call compute_logits(hidden); OldForCausalLM.forward(input_ids, "
     "positions, kv_caches, attn_metadata) cannot take the call forward(input_ids, positions)",
@@ -146,7 +149,7 @@ MISFIT = {  # kind: what the listing says does not fit
     "compile(); OldGrammarBackend does not implement matcher()",
     "quantization": "quantization method 'old_quant': OldQuant does not implement linear_method()",
 }
-API2 = {  # kind: (component name, module source, class module source or None)
+CURRENT = {  # kind: (component name, module source, class module source or None), of this API's shape
     "attention": ("naive", naive_backend_source(), None),
     "model": (
         "NewForCausalLM",
@@ -222,12 +225,23 @@ API2 = {  # kind: (component name, module source, class module source or None)
         None,
     ),
 }
-EXTRA = {  # more plugins of another shape: API 1's backend pinned to API 2, and one split by lifetime
+EXTRA = {  # more plugins of another shape: API 2's backend pinned to API 3, API 1's, and vLLM's split
     "turnout_fake_pinned": (
-        "turnout>=0.2,<0.3",
+        "turnout>=0.3,<0.4",
         OTHER["attention"][2].replace("hidden_sdpa", "pinned_sdpa"),
-        "attention backend 'pinned_sdpa': HiddenSDPABackend.forward(layer, q, k, v, kv_cache, meta) cannot "
-        "take the call forward(q, k, v, kv_cache, meta)",
+        "attention backend 'pinned_sdpa': HiddenSDPABackend defines forward() and no impl_cls: plugin API 3 "
+        "moved a layer's forward to an AttentionImpl",
+    ),
+    "turnout_fake_api1": (
+        "turnout",
+        OTHER["attention"][2]
+        .replace("hidden_sdpa", "api1_sdpa")
+        .replace(
+            "forward(self, q, k, v, kv_cache, meta, layer=None)",
+            "forward(self, layer, q, k, v, kv_cache, meta)",
+        ),
+        "attention backend 'api1_sdpa': HiddenSDPABackend defines forward() and no impl_cls: plugin API 3 "
+        "moved a layer's forward to an AttentionImpl",
     ),
     "turnout_fake_split": (
         "turnout",
@@ -241,7 +255,7 @@ EXTRA = {  # more plugins of another shape: API 1's backend pinned to API 2, and
         "@turnout.hookimpl\n"
         "def turnout_attention_backends(platform):\n"
         "    return [SplitBackend()]\n",
-        "attention backend 'split': SplitBackend does not implement forward()",
+        "attention backend 'split': declares no impl_cls",
     ),
 }
 BY_NAME = {  # kind: the command that names the other shape's component
@@ -277,7 +291,7 @@ def installed(tmp_path_factory):
     root = tmp_path_factory.mktemp("dists")
     for kind, (_, _, source, cls_source) in OTHER.items():
         _write(root, f"turnout_fake_{kind}_other", source, cls_source)
-    for kind, (_, source, cls_source) in API2.items():
+    for kind, (_, source, cls_source) in CURRENT.items():
         _write(root, f"turnout_fake_{kind}_api2", source, cls_source)
     for module, (requires, source, _) in EXTRA.items():
         _write(root, module, source, None, requires)
@@ -309,21 +323,21 @@ def test_every_kind_is_checked_and_covered_here():
     components = specs - {"turnout_env_vars"}
     assert set(CONTRACTS) == components
     assert {hook for hook, *_ in OTHER.values()} == components
-    assert set(API2) == set(MISFIT) == set(BY_NAME) == set(OTHER)
+    assert set(CURRENT) == set(MISFIT) == set(BY_NAME) == set(OTHER)
 
 
 @pytest.mark.parametrize("kind", OTHER)
-def test_another_apis_shape_is_incompatible_and_api_2s_loads(kind, installed, listing):
+def test_another_apis_shape_is_incompatible_and_this_apis_loads(kind, installed, listing):
     hook, name, _, cls_source = OTHER[kind]
-    other, api2 = listing[f"turnout_fake_{kind}_other"], listing[f"turnout_fake_{kind}_api2"]
+    other, current = listing[f"turnout_fake_{kind}_other"], listing[f"turnout_fake_{kind}_api2"]
     assert other.status == "incompatible"
     assert other.error == (
         f"written for another plugin API than {PLUGIN_API}: {MISFIT[kind]}; "
         f"what changed, and how to port it: {plugins.PORTING}"
     )
-    assert api2.status == "loaded" and api2.hooks == [hook]
+    assert current.status == "loaded" and current.hooks == [hook]
     offered = {item.name for r in installed.call_each(hook, platform=_platform()) for item in r.value or []}
-    assert API2[kind][0] in offered and name not in offered
+    assert CURRENT[kind][0] in offered and name not in offered
     assert (name, other.name) in {(n, p) for n, p, _ in installed.withheld_offers(hook)}
     assert f"turnout_fake_{kind}_other_cls" not in sys.modules  # a target is read, never imported
 
@@ -380,11 +394,12 @@ def test_no_withheld_component_reaches_a_running_engine(installed, tiny_llama, c
 
 
 def test_the_check_predicts_the_core_calls_failure(installed):
-    """What the check reports is the TypeError the core's own call raises: the attention layer's call of a
-    backend of API 1's shape, and the engine's step call of an executor of API 1's shape."""
+    """What the check reports is the error the core's own call raises: the model runner's making of a
+    layer's impl from a backend of API 2's shape, and the engine's step call of an executor of API 1's
+    shape."""
     backend = importlib.import_module("turnout_fake_attention_other").HiddenSDPABackend()
-    with pytest.raises(TypeError, match="multiple values for argument 'layer'"):
-        backend.attend("q", "k", "v", "kv_cache", "meta", layer="layer")
+    with pytest.raises(AttributeError, match="impl_cls"):
+        backend.make_impl("spec", "layer")
     namespace: dict = {}
     exec(OTHER["executor"][3], namespace)  # the class module, never imported as a module
     with pytest.raises(TypeError, match="takes 2 positional arguments but 3 were given"):

@@ -58,9 +58,9 @@ def test_a_plugin_for_another_api_is_listed_incompatible_not_imported(on_path):
     import turnout
 
     raises = "raise RuntimeError('imported')\n"
-    make_dist(on_path, "turnout-fake-old", "turnout_fake_old", raises, requires="turnout<0.2")
+    make_dist(on_path, "turnout-fake-old", "turnout_fake_old", raises, requires="turnout<0.3")
     make_dist(
-        on_path, "turnout-fake-ok", "turnout_fake_ok", naive_backend_source(), requires="turnout>=0.2,<0.3"
+        on_path, "turnout-fake-ok", "turnout_fake_ok", naive_backend_source(), requires="turnout>=0.3,<0.4"
     )
     pm = PluginManager()
     pm.load_entry_points()
@@ -68,7 +68,7 @@ def test_a_plugin_for_another_api_is_listed_incompatible_not_imported(on_path):
     old = info["turnout_fake_old"]
     assert old.status == "incompatible" and "turnout_fake_old" not in sys.modules
     assert old.error == (
-        f"needs turnout<0.2, and this is turnout {turnout.__version__} (plugin API {turnout.PLUGIN_API}); "
+        f"needs turnout<0.3, and this is turnout {turnout.__version__} (plugin API {turnout.PLUGIN_API}); "
         f"what changed, and how to port it: {PORTING}"
     )
     assert info["turnout_fake_ok"].status == "loaded"

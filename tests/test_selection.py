@@ -255,7 +255,7 @@ def test_data_parallel_on_cuda_needs_an_executor_with_processes_of_its_own(plugi
 
 
 class _PlainBackend:
-    """A backend written before per-layer features: its forward takes no `layer`, so it declares none."""
+    """A backend that declares no per-layer features."""
 
     @hookimpl
     def turnout_attention_backends(self, platform):
@@ -263,9 +263,7 @@ class _PlainBackend:
 
         class Plain(CPUAttentionBackend):
             name = "plain"
-
-            def forward(self, q, k, v, kv_cache, meta):
-                return super().forward(q, k, v, kv_cache, meta)
+            attention_features = frozenset()  # the CPU impl's, serving none
 
         return [Plain()]
 

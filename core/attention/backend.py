@@ -1,7 +1,10 @@
-"""Attention backends: capabilities for selection, a paged KV layout, and forward.
-
-A backend's life on one worker: `check(ctx)` during selection; `setup(spec)` once, after the model is built
-and before the KV cache is sized; then per step `build_metadata(meta)` once and `forward` once per layer.
+"""Attention backends in three parts, by lifetime (vLLM's AttentionBackend, AttentionMetadataBuilder and
+AttentionImpl):
+  - AttentionBackend: what it serves, declared as data, and `check(ctx)` during selection; no state of a
+    step or a layer;
+  - AttentionMetadataBuilder: one per KV-cache group on a worker (`backend.make_builder(spec, group)`); per
+    step `build(meta)` once, its result stored in meta.backend_data; it owns the group's CUDA-graph buffers;
+  - AttentionImpl: one per attention layer (`backend.make_impl(spec, layer)`); `forward` once per step.
 
 Shapes (T = tokens in the step, B = requests in the step, H / Hkv / D from the AttentionSpec):
   q: [T, H, D]                         k, v: [T, Hkv, D]
@@ -30,7 +33,6 @@ v is k[..., :kv_lora_rank], the values, which the cache does not hold apart: kv_
 from __future__ import annotations
 
 import enum
-import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -108,7 +110,7 @@ LAYER_FEATURES = ("scale", "sliding_window", "logits_soft_cap")
 
 @dataclass(frozen=True)
 class AttentionLayerSpec:
-    """One attention layer's own features, handed to the backend's forward as `layer`.
+    """One attention layer's own features, which its AttentionImpl is made with (make_impl).
 
     sliding_window: a query at position p attends to keys in (p - sliding_window, p], its own included
     (HF's and vLLM's convention); None attends to every earlier key. logits_soft_cap: each score s (after the
@@ -161,8 +163,9 @@ class AttentionContext:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What the attention layers on this rank run, given to the chosen backend once by `setup`. Every layer
-    shares one KV cache shape; `layers` holds what each sets for itself (AttentionLayerSpec)."""
+    """What the attention layers on this rank run, given to every builder and implementation the backend
+    makes. Every layer shares one KV cache shape; `layers` holds what each sets for itself
+    (AttentionLayerSpec)."""
 
     num_heads: int  # query heads on this rank: the model's / tensor_parallel_size
     num_kv_heads: int  # KV heads on this rank: the model's / tensor_parallel_size, at least 1 (replicated)
@@ -232,7 +235,7 @@ class AttentionMetadata:
     max_seq_len: int
     num_actual_tokens: int  # T without graph padding
     num_decode_tokens: int = 0  # leading rows that run exactly one token
-    backend_data: Any = None  # what the backend's build_metadata returned for this step
+    backend_data: Any = None  # what the group's AttentionMetadataBuilder.build returned for this step
 
     @property
     def num_reqs(self) -> int:
@@ -250,40 +253,80 @@ class AttentionMetadata:
         return self.max_query_len == 1 and self.num_actual_tokens == self.num_reqs
 
 
+class AttentionMetadataBuilder:
+    """One KV-cache group's per-step preparation on one worker: the backend makes one per group
+    (make_builder), so two groups never share its state. The base builds nothing."""
+
+    def __init__(self, backend: AttentionBackend, spec: AttentionSpec, group: int = 0) -> None:
+        self.backend, self.spec, self.group = backend, spec, group
+
+    def build(self, meta: AttentionMetadata) -> Any:
+        """Once per step, before the group's layers run: plan kernels, precompute indices. The model runner
+        stores the result in meta.backend_data, which every layer of the group reads.
+
+        For FULL CUDA graphs the runner calls it on static metadata buffers before capture and again
+        before every replay: whatever tensors the layers read must then be updated in place, not replaced."""
+        return None
+
+    def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
+        """Called once before any FULL capture: size static buffers for the largest batch and block table."""
+
+
+class AttentionImpl:
+    """One attention layer's computation, made by the backend for that layer (make_impl); it computes from
+    its arguments and the step's backend_data and keeps no state across steps."""
+
+    def __init__(self, backend: AttentionBackend, spec: AttentionSpec, layer: AttentionLayerSpec) -> None:
+        self.backend, self.spec, self.layer = backend, spec, layer
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # this layer's, kv_cache_shape(...)
+        meta: AttentionMetadata,  # of the layer's KV-cache group, backend_data built by its builder
+    ) -> torch.Tensor:
+        """Write k, v into kv_cache at meta.slot_mapping (skipping -1), quantized with the layer's k_scale and
+        v_scale where the cache is FP8 (see the module docstring), then attend as self.layer says: its
+        scale, and its sliding window and soft-cap where the backend declares them (attention_features).
+        Returns [T, H, spec.v_head_size] (D; under MLA kv_lora_rank, and only k is written); must not modify
+        q, k or v."""
+        raise NotImplementedError
+
+
 class AttentionBackend:
-    """Base class. A subclass declares name, device_types and dtypes (there are no defaults: a backend that
-    forgot them would be refused on some platform without saying why) and implements forward."""
+    """Base class: what a backend serves, as data, and the parts it makes. A subclass declares name,
+    device_types and dtypes (there are no defaults: a backend that forgot them would be refused on some
+    platform without saying why) and impl_cls; builder_cls where its layers read per-step metadata."""
 
     name: ClassVar[str]
     priority: ClassVar[int] = 0
     # the rank for mixed and prefill steps under "auto"; None: priority. Where the valid backend it ranks
-    # first is not the one priority ranks first, and the two can share one KV cache, "auto" runs that
+    # first is not the one priority ranks first, and the two can share one KV cache, "auto" composes that
     # pair per phase (attention.per_phase): priority's for uniform-decode steps, this one's for the rest
     mixed_priority: ClassVar[int | None] = None
-    device_types: ClassVar[tuple[str, ...]]  # e.g. ("cuda",), ("cpu", "cuda")
+    device_types: ClassVar[tuple[str, ...]]  # e.g. ("cpu", "cuda")
     dtypes: ClassVar[tuple[torch.dtype, ...]]  # the CPU runs float32 unless it has native bfloat16
     head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any head size
     block_size_multiple: ClassVar[int] = 1  # block_size must be a multiple of this
     preferred_block_size: int = 16  # block_size where the config leaves it unset; a multiple of the above
     min_capability: ClassVar[tuple[int, int] | None] = None  # CUDA compute capability
     cudagraph_support: ClassVar[CudagraphSupport] = CudagraphSupport.NEVER
-    # the LAYER_FEATURES forward serves: a model whose layers use another is refused by selection
+    # the LAYER_FEATURES the impls serve: a model whose layers use another is refused by selection
     attention_features: ClassVar[frozenset[str]] = frozenset()
-    # the KV_CACHE_DTYPES names whose cache forward reads and writes ("fp8" covers its alias "fp8_e4m3")
+    # the KV_CACHE_DTYPES names whose cache the impls read and write ("fp8" covers its alias "fp8_e4m3")
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
-    # the KV_CACHE_SPEC_KINDS forward serves. "sliding_window": a layer with a window reads only the blocks
-    # in it, each group's block_table holding NULL_BLOCK for the blocks freed before it; build_metadata is
-    # called once a step for each KV-cache group, and its results must not share state
+    # the KV_CACHE_SPEC_KINDS the impls serve. "sliding_window": a layer with a window reads only the blocks
+    # in it, each group's block_table holding NULL_BLOCK for the blocks freed before it
     kv_cache_specs: ClassVar[tuple[str, ...]] = ("full",)
-
-    _spec: AttentionSpec | None = None
-    _takes_layer: ClassVar[bool] = True  # forward takes `layer`; False for a forward written before it
+    builder_cls: ClassVar[type[AttentionMetadataBuilder]] = AttentionMetadataBuilder
+    impl_cls: ClassVar[type[AttentionImpl]]  # a layer's forward
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._takes_layer = "layer" in inspect.signature(cls.forward).parameters
-        if cls.forward is AttentionBackend.forward:
-            return  # an intermediate base class
+        if not hasattr(cls, "impl_cls") and cls.make_impl is AttentionBackend.make_impl:
+            return  # an intermediate base class, or one of another plugin API's shape (plugin_shapes)
         missing = [a for a in ("name", "device_types", "dtypes") if not hasattr(cls, a)]
         if missing:
             raise TypeError(
@@ -303,13 +346,6 @@ class AttentionBackend:
                 f"attention backend {cls.__name__}: unknown kv_cache_specs {sorted(unknown)}; "
                 f"declare some of {', '.join(KV_CACHE_SPEC_KINDS)}"
             )
-        if cls.attention_features and not cls._takes_layer:
-            if "attention_features" in vars(cls):
-                raise TypeError(
-                    f"attention backend {cls.__name__} declares attention_features, so its forward must take "
-                    "`layer` (forward(q, k, v, kv_cache, meta, layer))"
-                )
-            cls.attention_features = frozenset()  # a forward that never sees the layer serves none
 
     def import_error(self) -> str | None:
         """Import the heavy library; return why it is unusable, or None. Called only when checked."""
@@ -356,67 +392,25 @@ class AttentionBackend:
             reasons.append(err)
         return reasons
 
-    def setup(self, spec: AttentionSpec) -> None:
-        """Called once per worker before the KV cache is sized, the first build_metadata and the first
-        forward. Override to allocate or plan what depends on shapes, and call super().setup(spec). A later
-        call with another spec replaces it (tests reuse one backend for many shapes)."""
-        self._spec = spec
-
-    @property
-    def spec(self) -> AttentionSpec:
-        """The AttentionSpec setup() was given (heads, head size, dtype, per-layer features); RuntimeError
-        before setup."""
-        if self._spec is None:
-            raise RuntimeError(f"attention backend {self.name}: setup(spec) must be called before any step")
-        return self._spec
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
+    def kv_cache_shape(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        kv_lora_rank: int | None = None,
+    ) -> tuple:
         """Shape of one layer's KV cache tensor, in spec.cache_dtype: num_blocks pages of the layer's
-        KVCacheSpec (page_size_bytes each, which sizes the cache). Keys, then values; after setup with a
-        spec of kv_lora_rank (multi-head latent attention), the one latent vector a token."""
-        if self._spec is not None and self._spec.kv_lora_rank:
+        KVCacheSpec (page_size_bytes each, which sizes the cache). Keys, then values; under multi-head latent
+        attention (kv_lora_rank set), the one latent vector a token."""
+        if kv_lora_rank:
             return (num_blocks, block_size, num_kv_heads, head_size)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
-    def build_metadata(self, meta: AttentionMetadata) -> Any:
-        """Once per step, before the forward: plan kernels, precompute indices. Stored in backend_data.
+    def make_builder(self, spec: AttentionSpec, group: int = 0) -> AttentionMetadataBuilder:
+        """The metadata builder of KV-cache group `group` on a worker whose layers run spec; one per group."""
+        return self.builder_cls(self, spec, group)
 
-        For FULL CUDA graphs the runner calls it on static metadata buffers before capture and again
-        before every replay: whatever tensors forward reads must then be updated in place, not replaced."""
-        return None
-
-    def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
-        """Called once before any FULL capture: size static buffers for the largest batch and block table."""
-
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
-        kv_cache: torch.Tensor,  # this layer's, kv_cache_shape(...)
-        meta: AttentionMetadata,
-        layer: AttentionLayerSpec | None = None,
-    ) -> torch.Tensor:
-        """Write k, v into kv_cache at meta.slot_mapping (skipping -1), quantized with the layer's k_scale and
-        v_scale where the cache is FP8 (see the module docstring), then attend as `layer` says: its
-        scale, and its sliding window and soft-cap where attention_features declares them; None (a direct
-        call, as a benchmark makes) means spec.layer(0). Returns [T, H, spec.v_head_size] (D; under MLA
-        kv_lora_rank, and only k is written); must not modify q, k or v.
-
-        A forward without the `layer` parameter (plugin API 2 before per-layer features) is still called,
-        without it: it attends with spec.scale and declares no attention_features."""
-        raise NotImplementedError
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        layer: AttentionLayerSpec,
-    ) -> torch.Tensor:
-        """One layer's attention as the core calls it: forward, given `layer` where it takes it."""
-        if self._takes_layer:
-            return self.forward(q, k, v, kv_cache, meta, layer=layer)
-        return self.forward(q, k, v, kv_cache, meta)
+    def make_impl(self, spec: AttentionSpec, layer: AttentionLayerSpec) -> AttentionImpl:
+        """The implementation of one attention layer (spec.layer(i) of the layers spec runs)."""
+        return self.impl_cls(self, spec, layer)

@@ -1,5 +1,5 @@
 """The KV write of the default layout, in plain torch, for backends whose attention library does not write
-the cache itself. Per step: rows = valid_rows(meta.slot_mapping) in build_metadata (it syncs once); per
+the cache itself. Per step: rows = valid_rows(meta.slot_mapping) in a builder's build (it syncs once); per
 layer: store_kv(kv_cache, k, v, meta.slot_mapping, rows, capturing) before attending."""
 
 from __future__ import annotations

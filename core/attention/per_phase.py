@@ -3,9 +3,10 @@
 The attention twin of FULL_AND_PIECEWISE's (decode, mixed) pair. A step whose every request runs one
 token (max_query_len == 1: eager decode steps and the FULL uniform-decode graphs, which are captured with
 it) goes to `decode`; prefill, chunked-prefill and mixed steps (and the PIECEWISE graphs' eager holes) go
-to `mixed`. Both halves read and write one KV cache, so they must declare the same kv_cache_shape, and
-block_size must suit both. Graph support is per phase: FULL on uniform decode follows `decode`'s level,
-FULL on mixed batches needs `mixed` at ALWAYS.
+to `mixed`. PerPhaseBackend composes the two: its builder is both halves' builders, of which the step's
+phase picks one, and each layer's impl holds both halves' impls. Both halves read and write one KV cache,
+so they must declare the same kv_cache_shape, and block_size must suit both. Graph support is per phase:
+FULL on uniform decode follows `decode`'s level, FULL on mixed batches needs `mixed` at ALWAYS.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import torch
 from turnout.attention.backend import (
     AttentionBackend,
     AttentionContext,
+    AttentionImpl,
     AttentionLayerSpec,
     AttentionMetadata,
+    AttentionMetadataBuilder,
     AttentionSpec,
     CudagraphSupport,
 )
@@ -46,8 +49,47 @@ def phase_support(decode: CudagraphSupport, mixed: CudagraphSupport) -> Cudagrap
     return CudagraphSupport.UNIFORM_DECODE
 
 
+def decode_step(meta: AttentionMetadata) -> bool:
+    """Whether a step is `decode`'s: every request runs one token."""
+    return meta.max_query_len == 1
+
+
+class PerPhaseBuilder(AttentionMetadataBuilder):
+    """Both halves' builders of one KV-cache group; a step is built by its phase's."""
+
+    def __init__(self, decode: AttentionMetadataBuilder, mixed: AttentionMetadataBuilder) -> None:
+        super().__init__(decode.backend, decode.spec, decode.group)
+        self.decode, self.mixed = decode, mixed
+
+    def build(self, meta: AttentionMetadata) -> Any:
+        return (self.decode if decode_step(meta) else self.mixed).build(meta)
+
+    def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
+        for b in (self.decode, self.mixed):
+            b.prepare_cudagraphs(max_num_reqs, max_blocks_per_req)
+
+
+class PerPhaseImpl(AttentionImpl):
+    """Both halves' impls of one layer; a step runs its phase's, on the backend_data its builder made."""
+
+    def __init__(self, decode: AttentionImpl, mixed: AttentionImpl) -> None:
+        super().__init__(decode.backend, decode.spec, decode.layer)
+        self.decode, self.mixed = decode, mixed
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return (self.decode if decode_step(meta) else self.mixed).forward(q, k, v, kv_cache, meta)
+
+
 class PerPhaseBackend(AttentionBackend):
-    """`decode` serves uniform-decode steps, `mixed` every other step, over one shared KV cache."""
+    """`decode` serves uniform-decode steps, `mixed` every other step, over one shared KV cache: a
+    composition of two backends, named "decode+mixed", that declares what both serve."""
 
     name = "decode+mixed"  # set per instance
     device_types = ()
@@ -75,6 +117,7 @@ class PerPhaseBackend(AttentionBackend):
         return self.block_size_multiple
 
     def halves(self) -> tuple[tuple[str, AttentionBackend], ...]:
+        """(phase, backend) of both halves: ("decode", decode), ("mixed", mixed)."""
         return ("decode", self.decode), ("mixed", self.mixed)
 
     def check(self, ctx: AttentionContext) -> list[str]:
@@ -89,7 +132,10 @@ class PerPhaseBackend(AttentionBackend):
         block = ctx.block_size or self.preferred_block_size
         if block % self.block_size_multiple:
             return []  # the base check reports the block size
-        shapes = [b.kv_cache_shape(3, block, ctx.num_kv_heads, ctx.head_size) for _, b in self.halves()]
+        shapes = [
+            b.kv_cache_shape(3, block, ctx.num_kv_heads, ctx.head_size, ctx.kv_lora_rank)
+            for _, b in self.halves()
+        ]
         if shapes[0] != shapes[1]:
             return [
                 f"KV-cache layouts differ: {self.decode.name} {tuple(shapes[0])}, "
@@ -100,32 +146,18 @@ class PerPhaseBackend(AttentionBackend):
     def import_error(self) -> str | None:
         return self.decode.import_error() or self.mixed.import_error()
 
-    def setup(self, spec: AttentionSpec) -> None:
-        super().setup(spec)
-        for _, b in self.halves():
-            b.setup(spec)
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
-        return self.decode.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-
-    def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
-        for _, b in self.halves():
-            b.prepare_cudagraphs(max_num_reqs, max_blocks_per_req)
-
-    def half(self, meta: AttentionMetadata) -> AttentionBackend:
-        """The backend that serves this step."""
-        return self.decode if meta.max_query_len == 1 else self.mixed
-
-    def build_metadata(self, meta: AttentionMetadata) -> Any:
-        return self.half(meta).build_metadata(meta)
-
-    def forward(
+    def kv_cache_shape(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        layer: AttentionLayerSpec | None = None,
-    ) -> torch.Tensor:
-        return self.half(meta).attend(q, k, v, kv_cache, meta, layer or self.spec.layer(0))
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        kv_lora_rank: int | None = None,
+    ) -> tuple:
+        return self.decode.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, kv_lora_rank)
+
+    def make_builder(self, spec: AttentionSpec, group: int = 0) -> PerPhaseBuilder:
+        return PerPhaseBuilder(self.decode.make_builder(spec, group), self.mixed.make_builder(spec, group))
+
+    def make_impl(self, spec: AttentionSpec, layer: AttentionLayerSpec) -> PerPhaseImpl:
+        return PerPhaseImpl(self.decode.make_impl(spec, layer), self.mixed.make_impl(spec, layer))

@@ -30,8 +30,8 @@ STAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "forward": ("runner", ("_forward",)),  # an eager forward; graph replays do not pass here
     "model": ("model", ("forward",)),  # the model module's forward, inside "forward" and graph captures
     "logits": ("model", ("compute_logits",)),
-    "attention_metadata": ("backend", ("build_metadata",)),
-    "attention": ("backend", ("forward",)),
+    "attention_metadata": ("builder", ("build",)),  # each KV-cache group's, once a step
+    "attention": ("impl", ("forward",)),
     "sample": ("runner", ("sample_tokens", "sample_tokens_async")),
     "sampler": ("sampler", ("forward",)),
     "get": ("output", ("get",)),  # a step's sampled tokens to the host (async: the wait for them)
@@ -64,7 +64,8 @@ def _parts(llm: Any) -> dict[str, Callable[[], type]]:
         "scheduler": lambda: type(engine.scheduler),
         "runner": lambda: type(runner()),
         "model": lambda: type(runner().model),
-        "backend": lambda: type(runner().backend),
+        "builder": lambda: type(runner().builders[0]),
+        "impl": lambda: type(runner().impls[0]),
         "sampler": lambda: type(runner().sampler),
         "output": lambda: AsyncModelRunnerOutput,
     }

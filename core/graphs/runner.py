@@ -2,8 +2,8 @@
 
 FULL: the whole forward, attention included, is one graph per (size, uniform-decode) key. Every input
 lives in a static buffer (input_ids, positions, query_start_loc, seq_lens, and a slot_mapping and
-block_table per KV-cache group); replay copies the step's values in, then the backend's build_metadata
-refreshes its own buffers in place, once per group.
+block_table per KV-cache group); replay copies the step's values in, then each group's metadata builder
+refreshes its own buffers in place (build).
 
 PIECEWISE: the forward is cut at every attention call. While capturing, the Attention layer hands its
 q, k, v to `hole`, which copies them into shared input buffers (the copy is the graph's last node), ends
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from turnout.attention.backend import AttentionBackend, AttentionMetadata
+from turnout.attention.backend import AttentionImpl, AttentionMetadata, AttentionMetadataBuilder
 from turnout.errors import TurnoutError
 from turnout.graphs.dispatcher import Dispatch, GraphDispatcher
 from turnout.graphs.modes import RuntimeMode
@@ -60,7 +60,8 @@ class GraphRunner:
     def __init__(
         self,
         model: nn.Module,
-        backend: AttentionBackend,
+        impls: list[AttentionImpl],
+        builders: list[AttentionMetadataBuilder],
         kv_caches: list[torch.Tensor],
         dispatcher: GraphDispatcher,
         max_num_seqs: int,
@@ -68,7 +69,8 @@ class GraphRunner:
         max_model_len: int,
         layer_groups: list[int] | None = None,
     ) -> None:
-        self.model, self.backend, self.kv_caches, self.dispatcher = model, backend, kv_caches, dispatcher
+        self.model, self.kv_caches, self.dispatcher = model, kv_caches, dispatcher
+        self.impls, self.builders = impls, builders  # by layer_idx; by KV-cache group
         self.max_model_len = max_model_len
         self.layer_groups = layer_groups or [0] * len(kv_caches)  # each layer's KV-cache group
         groups = max(self.layer_groups) + 1
@@ -90,7 +92,8 @@ class GraphRunner:
         self.attn_in: list[torch.Tensor] = []  # q, k, v [N, heads, D], shared by every hole
         self.attn_out: torch.Tensor | None = None  # [N, H * D], shared by every hole
         self.stream = torch.cuda.Stream(dev)
-        backend.prepare_cudagraphs(self.max_reqs, max_blocks_per_seq)
+        for builder in builders:
+            builder.prepare_cudagraphs(self.max_reqs, max_blocks_per_seq)
 
     # ---- capture ----
     def capture(self) -> None:
@@ -149,9 +152,9 @@ class GraphRunner:
 
     def _context(self, metas: tuple[AttentionMetadata, ...], hole=None) -> ForwardContext:
         """The forward context over metas, each group's backend_data built first."""
-        for meta in metas:
-            meta.backend_data = self.backend.build_metadata(meta)
-        return ForwardContext(self.backend, metas[0], self.kv_caches, hole, metas if len(metas) > 1 else ())
+        for builder, meta in zip(self.builders, metas):
+            meta.backend_data = builder.build(meta)
+        return ForwardContext(self.impls, metas[0], self.kv_caches, hole, metas if len(metas) > 1 else ())
 
     def _run_model(self, n: int) -> torch.Tensor:
         return self.model(self.input_ids[:n], self.positions[:n])
@@ -175,9 +178,8 @@ class GraphRunner:
             pw.graphs[-1].capture_end()
             pw.holes.append(_Hole(layer_idx, q, k, v))
             out = self._attn_out(n, q.shape[1] * v.shape[2], q)  # H x the values' head size
-            layer = self.backend.spec.layer(layer_idx)
             meta = metas[self.layer_groups[layer_idx]]
-            out.copy_(self.backend.attend(q, k, v, self.kv_caches[layer_idx], meta, layer).reshape(n, -1))
+            out.copy_(self.impls[layer_idx].forward(q, k, v, self.kv_caches[layer_idx], meta).reshape(n, -1))
             pw.graphs.append(torch.cuda.CUDAGraph())
             pw.graphs[-1].capture_begin(pool=self.pool)
             return out
@@ -227,7 +229,7 @@ class GraphRunner:
             full = self.full[(n, d.uniform_decode)]
             for g, (static, meta) in enumerate(zip(full.metas, metas)):
                 self._fill_full_meta(static, meta, d.uniform_decode, shared=g == 0)
-                static.backend_data = self.backend.build_metadata(static)
+                static.backend_data = self.builders[g].build(static)
             full.graph.replay()
             return full.output[:t]
         pw = self.piecewise[n]
@@ -238,9 +240,9 @@ class GraphRunner:
         for graph, h in zip(pw.graphs, pw.holes + [None]):
             graph.replay()
             if h is not None:
-                layer, cache = self.backend.spec.layer(h.layer_idx), self.kv_caches[h.layer_idx]
+                impl, cache = self.impls[h.layer_idx], self.kv_caches[h.layer_idx]
                 meta = step_metas[self.layer_groups[h.layer_idx]]
-                o = self.backend.attend(h.q[:t], h.k[:t], h.v[:t], cache, meta, layer)
+                o = impl.forward(h.q[:t], h.k[:t], h.v[:t], cache, meta)
                 self.attn_out[:t].copy_(o.reshape(t, -1))
         return pw.output[:t]
 

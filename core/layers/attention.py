@@ -14,16 +14,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turnout.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata, AttentionSpec
+from turnout.attention.backend import AttentionImpl, AttentionLayerSpec, AttentionMetadata, AttentionSpec
 from turnout.errors import TurnoutError
 
 
 @dataclass
 class ForwardContext:
-    """What the Attention layers of one forward read: the backend, the step's metadata of KV-cache group 0
-    (`meta`) and of every group (`metas`, empty where there is one group), and each layer's KV cache."""
+    """What the Attention layers of one forward read: each layer's AttentionImpl, the step's metadata of
+    KV-cache group 0 (`meta`) and of every group (`metas`, empty where there is one group), and each layer's
+    KV cache."""
 
-    backend: AttentionBackend
+    impls: list[AttentionImpl]  # one per Attention layer of this rank, indexed by its layer_idx
     meta: AttentionMetadata
     kv_caches: list[torch.Tensor]  # one per Attention layer of this rank, indexed by its layer_idx
     # set while piecewise CUDA graphs are captured: attention becomes a hole between two graphs
@@ -95,7 +96,7 @@ class Attention(nn.Module):
         # an FP8 KV cache's scales of this layer: vLLM's 1.0 unless a loader sets the checkpoint's
         self.k_scale, self.v_scale = 1.0, 1.0
         self.layer_idx: int | None = None  # set by bind_attention_layers: this layer's KV cache
-        self.layer_spec: AttentionLayerSpec | None = None  # likewise: what the backend's forward gets
+        self.layer_spec: AttentionLayerSpec | None = None  # likewise: what its AttentionImpl is made with
         self.kv_cache_group = 0  # set by bind_kv_cache_groups: whose block table this layer reads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -105,7 +106,7 @@ class Attention(nn.Module):
         if ctx.hole is not None:
             return ctx.hole(self.layer_idx, q, k, v)
         meta = ctx.group_meta(self.kv_cache_group)
-        out = ctx.backend.attend(q, k, v, ctx.kv_caches[self.layer_idx], meta, self.layer_spec)
+        out = ctx.impls[self.layer_idx].forward(q, k, v, ctx.kv_caches[self.layer_idx], meta)
         return out.reshape(q.shape[0], -1)
 
 

@@ -53,7 +53,9 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """num_tensors zeroed tensors of spec.cache_dtype (None: one per attention layer, kv_caches[i] for the
     layer with layer_idx i), each of the backend's kv_cache_shape, which must hold num_blocks pages."""
-    shape = backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    shape = backend.kv_cache_shape(
+        num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, spec.kv_lora_rank
+    )
     if math.prod(shape) * spec.cache_dtype.itemsize != num_blocks * page_size_bytes(spec):
         raise TurnoutError(
             f"attention backend {backend.name}'s kv_cache_shape {shape} for {num_blocks} blocks is not "

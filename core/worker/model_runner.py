@@ -1,8 +1,9 @@
 """Turns a SchedulerOutput into tensors, runs the model, samples.
 
-At start-up it builds the model (a turnout.models.CausalLM), numbers its Attention layers and gives the
-chosen backend their AttentionSpec before anything is sized or run; the engine then sets the KV-cache
-groups (set_kv_cache_config), which say whose block table each layer reads and which KV tensor it uses.
+At start-up it builds the model (a turnout.models.CausalLM), numbers its Attention layers and has the
+chosen backend make each one's AttentionImpl before anything is sized or run; the engine then sets the
+KV-cache groups (set_kv_cache_config), which say whose block table each layer reads and which KV tensor it
+uses, and each group gets its own AttentionMetadataBuilder.
 Per step it builds input_ids, positions, query_start_loc (cu_seqlens), seq_lens and, per KV-cache group,
 the block table and slot_mapping, publishes them to the Attention layers through forward_context, and keeps
 the logits of the rows that sample until sample_tokens.
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from turnout import quantization
-from turnout.attention.backend import AttentionBackend, AttentionMetadata
+from turnout.attention.backend import AttentionBackend, AttentionMetadata, AttentionMetadataBuilder
 from turnout.attention.kv_spec import KVCacheConfig, KVCacheSpec, kv_cache_config
 from turnout.config import EngineConfig
 from turnout.distributed import get_parallel_state, pp_recv, pp_send
@@ -84,7 +85,9 @@ class ModelRunner:
         self.model = self._load_model()
         self.attn_spec = bind_attention_layers(self.model, self.dtype, self.block_size, config.kv_cache_dtype)
         self._check_layer_features()
-        self.backend.setup(self.attn_spec)
+        spec = self.attn_spec
+        self.impls = [self.backend.make_impl(spec, spec.layer(i)) for i in range(spec.num_layers)]
+        self.builders: list[AttentionMetadataBuilder] = []  # by KV-cache group: set_kv_cache_config
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []  # by layer_idx; layers of different groups share tensors
@@ -184,6 +187,7 @@ class ModelRunner:
             block_table.BlockTables(g, s.num_skipped_blocks if s.frees_blocks else None)
             for g, s in enumerate(config.specs)
         ]
+        self.builders = [self.backend.make_builder(self.attn_spec, g) for g in range(len(config.specs))]
 
     @property
     def num_kv_tensors(self) -> int:
@@ -249,7 +253,7 @@ class ModelRunner:
         sizes = [s for s in sizes if s <= cfg.max_num_batched_tokens]
         max_len = min(cfg.max_model_len or self.info.max_position_embeddings, num_blocks * self.block_size)
         self.graphs = GraphRunner(
-            self.model, self.backend, self.kv_caches, GraphDispatcher(policy, sizes, mixed_max),
+            self.model, self.impls, self.builders, self.kv_caches, GraphDispatcher(policy, sizes, mixed_max),
             cfg.max_num_seqs, block_table.blocks_for(max_len, self.block_size), max_len, self.layer_groups,
         )  # fmt: skip
         self.graphs.capture()
@@ -313,8 +317,7 @@ class ModelRunner:
         d = self.graphs.dispatcher.dispatch([len(r.token_ids) for r in out.requests]) if self.graphs else None
         if d is not None and d.mode is not RuntimeMode.NONE:
             if d.mode is RuntimeMode.PIECEWISE:  # attention runs eagerly in the holes
-                for meta in inp.group_metas:
-                    meta.backend_data = self.backend.build_metadata(meta)
+                self._build(inp)
             hidden = self.graphs.run(d, inp.input_ids, inp.positions, inp.group_metas)
         else:
             hidden = self._forward(inp)
@@ -322,11 +325,15 @@ class ModelRunner:
         if inp.sample_reqs:
             self._pending = (self.model.compute_logits(hidden[inp.logits_indices]), inp.sample_reqs)
 
+    def _build(self, inp: StepInputs) -> None:
+        """Each KV-cache group's backend_data for this step, by the group's builder."""
+        for builder, meta in zip(self.builders, inp.group_metas):
+            meta.backend_data = builder.build(meta)
+
     def _forward(self, inp: StepInputs, intermediate: torch.Tensor | None = None) -> torch.Tensor:
         """Eager forward: [T, hidden], or [2, T, hidden] on a non-last pipeline stage."""
-        for meta in inp.group_metas:
-            meta.backend_data = self.backend.build_metadata(meta)
-        with forward_context(ForwardContext(self.backend, inp.meta, self.kv_caches, metas=inp.metas)):
+        self._build(inp)
+        with forward_context(ForwardContext(self.impls, inp.meta, self.kv_caches, metas=inp.metas)):
             return self.model(inp.input_ids, inp.positions, intermediate)
 
     def _execute_pipeline(self, out: SchedulerOutput) -> None:

@@ -1,8 +1,9 @@
 """A third-party attention backend: per request, gather the paged keys and run explicit softmax.
 
-Slow and simple on purpose; it shows the whole contract: declare capabilities, find the valid KV rows once
-per step (build_metadata), write the KV cache through slot_mapping with turnout's store_kv, and attend
-causally over the cached context as the layer says (its scale, sliding window and logit soft-cap).
+Slow and simple on purpose; it shows the whole contract (plugin API 3) in its three parts: the backend
+declares capabilities; its metadata builder finds the valid KV rows once per step; its impl, one per layer,
+writes the KV cache through slot_mapping with turnout's store_kv and attends causally over the cached
+context as its layer says (scale, sliding window and logit soft-cap).
 """
 
 import torch
@@ -11,23 +12,23 @@ import turnout
 from turnout.attention import (
     LAYER_FEATURES,
     AttentionBackend,
-    AttentionLayerSpec,
+    AttentionImpl,
     AttentionMetadata,
+    AttentionMetadataBuilder,
     store_kv,
     valid_rows,
 )
 
 
-class NaiveBackend(AttentionBackend):
-    name = "naive"
-    priority = -10  # never chosen by "auto" over the built-ins; pick it with attention_backend = "naive"
-    device_types = ("cpu", "cuda")
-    dtypes = (torch.float32, torch.bfloat16, torch.float16)  # the CPU runs float32 unless it has bf16
-    attention_features = frozenset(LAYER_FEATURES)  # per-layer scale, sliding_window, logits_soft_cap
-    kv_cache_specs = ("full", "sliding_window")  # blocks freed out of a window read as masked keys
+class NaiveBuilder(AttentionMetadataBuilder):
+    """Once a step for each KV-cache group: the token rows whose k, v go into the cache."""
 
-    def build_metadata(self, meta: AttentionMetadata) -> torch.Tensor | None:
+    def build(self, meta: AttentionMetadata) -> torch.Tensor | None:
         return valid_rows(meta.slot_mapping)  # [n] rows with a slot, or None when every row has one
+
+
+class NaiveImpl(AttentionImpl):
+    """One layer: explicit softmax over each request's gathered keys."""
 
     def forward(
         self,
@@ -35,10 +36,9 @@ class NaiveBackend(AttentionBackend):
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
-        meta: AttentionMetadata,
-        layer: AttentionLayerSpec | None = None,  # None: a direct call, for layer 0
+        meta: AttentionMetadata,  # backend_data: what NaiveBuilder.build returned
     ) -> torch.Tensor:
-        layer = layer or self.spec.layer(0)
+        layer = self.layer
         store_kv(kv_cache, k, v, meta.slot_mapping, meta.backend_data, capturing=False)
         hkv, d = kv_cache.shape[-2:]
         out = torch.zeros_like(q)
@@ -60,6 +60,19 @@ class NaiveBackend(AttentionBackend):
             scores.masked_fill_(hidden, float("-inf"))
             out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals.float()).to(q.dtype)
         return out
+
+
+class NaiveBackend(AttentionBackend):
+    """What the naive backend serves, and its two parts."""
+
+    name = "naive"
+    priority = -10  # never chosen by "auto" over the built-ins; pick it with attention_backend = "naive"
+    device_types = ("cpu", "cuda")
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)  # the CPU runs float32 unless it has bf16
+    attention_features = frozenset(LAYER_FEATURES)  # per-layer scale, sliding_window, logits_soft_cap
+    kv_cache_specs = ("full", "sliding_window")  # blocks freed out of a window read as masked keys
+    builder_cls = NaiveBuilder
+    impl_cls = NaiveImpl
 
 
 @turnout.hookimpl

@@ -7,8 +7,8 @@ time, as [1, H, q_len, D] so that SDPA takes its flash kernel (3-D inputs get th
 hit, an earlier chunk) over the cache with a causal mask offset by that context, in slices of rows whose
 keys end on the kernel's key tiles. That gives the bits of a fresh prompt ending where the chunk ends, so a
 prefix hit changes no output. The same slicing balances a fresh prompt's heads over the kernel's threads
-(see _causal). All indices and masks are built once per step in build_metadata, from the metadata and the
-spec.
+(see _causal). All indices and masks are built once per step by CPUMetadataBuilder, from the metadata and
+the spec; CPUAttentionImpl runs one layer on them.
 
 A layer with a sliding window or a logit soft-cap runs explicit matmuls instead (SDPA cannot cap scores):
 decode rows batched as above, with the window narrowing the length mask; prefill rows in slices of
@@ -35,8 +35,10 @@ from turnout import Priority
 from turnout.attention import (
     LAYER_FEATURES,
     AttentionBackend,
+    AttentionImpl,
     AttentionLayerSpec,
     AttentionMetadata,
+    AttentionMetadataBuilder,
     CudagraphSupport,
     dequantize_kv,
     quantize_kv,
@@ -85,17 +87,11 @@ class CPUMetadata:
         return self.windowed[window]
 
 
-class CPUAttentionBackend(AttentionBackend):
-    name = "cpu"
-    priority = Priority.DEFAULT
-    device_types = ("cpu",)
-    dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    cudagraph_support = CudagraphSupport.NEVER
-    attention_features = frozenset(LAYER_FEATURES)
-    kv_cache_dtypes = ("auto", "fp8")
-    kv_cache_specs = ("full", "sliding_window", "mla")  # a window reads only its blocks: nulled ones never
+class CPUMetadataBuilder(AttentionMetadataBuilder):
+    """One KV-cache group's CPUMetadata a step."""
 
-    def build_metadata(self, meta: AttentionMetadata) -> CPUMetadata:
+    def build(self, meta: AttentionMetadata) -> CPUMetadata:
+        """The step's decode rows, gathered, and its prefill rows, one by one (module docstring)."""
         qsl = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
         decode_rows, prefills = [], []
@@ -119,6 +115,10 @@ class CPUAttentionBackend(AttentionBackend):
             **_decode_slots(blocks, lens, self.spec.block_size),
         )
 
+
+class CPUAttentionImpl(AttentionImpl):
+    """One layer's attention over the step's CPUMetadata."""
+
     def forward(
         self,
         q: torch.Tensor,
@@ -126,10 +126,9 @@ class CPUAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        layer: AttentionLayerSpec | None = None,
     ) -> torch.Tensor:
         md: CPUMetadata = meta.backend_data
-        layer = layer or self.spec.layer(0)
+        layer = self.layer
         plain = layer.sliding_window is None and layer.logits_soft_cap is None
         self._store(kv_cache, k, v, meta, md, layer)
         out = q.new_zeros(*q.shape[:2], v.shape[-1])
@@ -168,6 +167,21 @@ class CPUAttentionBackend(AttentionBackend):
             k, v = quantize_kv(k, layer.k_scale, cache_dtype), quantize_kv(v, layer.v_scale, cache_dtype)
         for page, x in zip(_pages(kv_cache, self.spec.kv_lora_rank), (k, v)):  # MLA: k alone
             _bytes(page).view(-1, *page.shape[-2:]).index_copy_(0, slots, _bytes(x))
+
+
+class CPUAttentionBackend(AttentionBackend):
+    """Paged attention with torch's SDPA and matmuls on the CPU (module docstring)."""
+
+    name = "cpu"
+    priority = Priority.DEFAULT
+    device_types = ("cpu",)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    cudagraph_support = CudagraphSupport.NEVER
+    attention_features = frozenset(LAYER_FEATURES)
+    kv_cache_dtypes = ("auto", "fp8")
+    kv_cache_specs = ("full", "sliding_window", "mla")  # a window reads only its blocks: nulled ones never
+    builder_cls = CPUMetadataBuilder
+    impl_cls = CPUAttentionImpl
 
 
 def _decode(

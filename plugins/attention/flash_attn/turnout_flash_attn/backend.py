@@ -39,8 +39,10 @@ from turnout.attention import (
     LAYER_FEATURES,
     AttentionBackend,
     AttentionContext,
+    AttentionImpl,
     AttentionLayerSpec,
     AttentionMetadata,
+    AttentionMetadataBuilder,
     AttentionSpec,
     CudagraphSupport,
     store_kv,
@@ -162,7 +164,93 @@ def _cu_seqlens(seq_lens: torch.Tensor) -> torch.Tensor:
     return F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))  # [B + 1]
 
 
+class FlashAttnMetadataBuilder(AttentionMetadataBuilder):
+    """One KV-cache group's FlashAttnMetadata a step."""
+
+    def build(self, meta: AttentionMetadata) -> FlashAttnMetadata:
+        """The rows to store, the call FA2 takes, and FA2's cu_seqlens_k."""
+        rows = valid_rows(meta.slot_mapping)
+        return FlashAttnMetadata(rows, meta.uniform_decode, _cu_seqlens(meta.seq_lens))
+
+
+class FlashAttnImpl(AttentionImpl):
+    """One layer: writes its KV cache, then one FA4 call, or FA2's decode or varlen call."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_size]
+        k: torch.Tensor,  # [T, num_kv_heads, head_size]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        md: FlashAttnMetadata = meta.backend_data
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        store_kv(kv_cache, k, v, meta.slot_mapping, md.store_rows, capturing)
+        kc, vc = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
+        if self.backend.probe.path == "fa4":
+            return self._fa4(q, kc, vc, meta, self.layer)
+        if md.decode:
+            return self._fa2_decode(q, kc, vc, meta)
+        return self._fa2_varlen(q, kc, vc, meta, md, capturing)
+
+    def _fa4(
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        meta: AttentionMetadata,
+        layer: AttentionLayerSpec,
+    ) -> torch.Tensor:
+        """Any batch in one call; lengths and pages are read on the device. FA4's window (left, right) keeps
+        keys in [p - left, p + right]: a sliding window W is (W - 1, 0)."""
+        window = (layer.sliding_window - 1, 0) if layer.sliding_window else (None, None)
+        out = self.backend.probe.varlen(
+            q, kc, vc, cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,
+            page_table=meta.block_table, softmax_scale=layer.scale, causal=True,
+            window_size=window, softcap=layer.logits_soft_cap or 0.0,
+        )  # fmt: skip
+        return out[0] if isinstance(out, tuple) else out  # (out, lse)
+
+    def _fa2_decode(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Uniform decode: one query token per request, rows [0, B) of q."""
+        b = meta.num_reqs
+        o = self.backend.probe.kvcache(
+            q[:b].unsqueeze(1), kc, vc, cache_seqlens=meta.seq_lens, block_table=meta.block_table,
+            softmax_scale=self.spec.scale, causal=True,
+        ).squeeze(1)  # fmt: skip
+        if b == q.shape[0]:
+            return o
+        out = q.new_zeros(q.shape)
+        out[:b] = o
+        return out
+
+    def _fa2_varlen(
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        meta: AttentionMetadata,
+        md: FlashAttnMetadata,
+        capturing: bool,
+    ) -> torch.Tensor:
+        """Any other batch. While capturing, bounds that hold for any batch of these shapes; lengths come
+        from the device."""
+        cu_k = _cu_seqlens(meta.seq_lens) if capturing else md.cu_seqlens_k
+        max_k = meta.block_table.shape[1] * kc.shape[1] if capturing else meta.max_seq_len
+        # max_seqlen_q == 1 would make FA2 pack GQA heads by reshaping q to [B, ...], which needs T == B;
+        # 2 is a valid bound for any batch.
+        return self.backend.probe.varlen(
+            q, kc, vc, meta.query_start_loc, cu_k, max(meta.max_query_len, 2), max_k,
+            softmax_scale=self.spec.scale, causal=True, block_table=meta.block_table,
+        )  # fmt: skip
+
+
 class FlashAttnBackend(AttentionBackend):
+    """Paged attention with FlashAttention 4 or 2, whichever the probe found (module docstring)."""
+
     name = "flash_attn"
     priority = Priority.THIRD  # the order per platform: turnout.Priority
     device_types = ("cuda",)
@@ -172,6 +260,8 @@ class FlashAttnBackend(AttentionBackend):
     # FA4 attends with each layer's scale, window and soft-cap, one block table per KV-cache group; FA2 with
     # spec.scale alone over full-attention groups (set in __init__)
     attention_features = frozenset(LAYER_FEATURES)
+    builder_cls = FlashAttnMetadataBuilder
+    impl_cls = FlashAttnImpl
 
     def __init__(self, platform: Platform | None = None, found: Probe | None = None) -> None:
         """found: the library to drive; by default probed here, once, on a CUDA platform."""
@@ -201,83 +291,14 @@ class FlashAttnBackend(AttentionBackend):
             reasons += path_reasons(self.probe.path, ctx)
         return reasons
 
-    def setup(self, spec: AttentionSpec) -> None:
+    def make_builder(self, spec: AttentionSpec, group: int = 0) -> AttentionMetadataBuilder:
+        self._require_library()
+        return super().make_builder(spec, group)
+
+    def make_impl(self, spec: AttentionSpec, layer: AttentionLayerSpec) -> AttentionImpl:
+        self._require_library()
+        return super().make_impl(spec, layer)
+
+    def _require_library(self) -> None:
         if self.probe.path is None:
             raise RuntimeError(f"flash_attn backend cannot run: {self.probe.error}")
-        super().setup(spec)
-
-    def build_metadata(self, meta: AttentionMetadata) -> FlashAttnMetadata:
-        rows = valid_rows(meta.slot_mapping)
-        return FlashAttnMetadata(rows, meta.uniform_decode, _cu_seqlens(meta.seq_lens))
-
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, num_heads, head_size]
-        k: torch.Tensor,  # [T, num_kv_heads, head_size]
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
-        meta: AttentionMetadata,
-        layer: AttentionLayerSpec | None = None,
-    ) -> torch.Tensor:
-        md: FlashAttnMetadata = meta.backend_data
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        store_kv(kv_cache, k, v, meta.slot_mapping, md.store_rows, capturing)
-        kc, vc = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
-        if self.probe.path == "fa4":
-            return self._fa4(q, kc, vc, meta, layer or self.spec.layer(0))
-        if md.decode:
-            return self._fa2_decode(q, kc, vc, meta)
-        return self._fa2_varlen(q, kc, vc, meta, md, capturing)
-
-    def _fa4(
-        self,
-        q: torch.Tensor,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
-        meta: AttentionMetadata,
-        layer: AttentionLayerSpec,
-    ) -> torch.Tensor:
-        """Any batch in one call; lengths and pages are read on the device. FA4's window (left, right) keeps
-        keys in [p - left, p + right]: a sliding window W is (W - 1, 0)."""
-        window = (layer.sliding_window - 1, 0) if layer.sliding_window else (None, None)
-        out = self.probe.varlen(
-            q, kc, vc, cu_seqlens_q=meta.query_start_loc, seqused_k=meta.seq_lens,
-            page_table=meta.block_table, softmax_scale=layer.scale, causal=True,
-            window_size=window, softcap=layer.logits_soft_cap or 0.0,
-        )  # fmt: skip
-        return out[0] if isinstance(out, tuple) else out  # (out, lse)
-
-    def _fa2_decode(
-        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Uniform decode: one query token per request, rows [0, B) of q."""
-        b = meta.num_reqs
-        o = self.probe.kvcache(
-            q[:b].unsqueeze(1), kc, vc, cache_seqlens=meta.seq_lens, block_table=meta.block_table,
-            softmax_scale=self.spec.scale, causal=True,
-        ).squeeze(1)  # fmt: skip
-        if b == q.shape[0]:
-            return o
-        out = q.new_zeros(q.shape)
-        out[:b] = o
-        return out
-
-    def _fa2_varlen(
-        self,
-        q: torch.Tensor,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
-        meta: AttentionMetadata,
-        md: FlashAttnMetadata,
-        capturing: bool,
-    ) -> torch.Tensor:
-        """Any other batch. While capturing, bounds that hold for any batch of these shapes; lengths come
-        from the device."""
-        cu_k = _cu_seqlens(meta.seq_lens) if capturing else md.cu_seqlens_k
-        max_k = meta.block_table.shape[1] * kc.shape[1] if capturing else meta.max_seq_len
-        # max_seqlen_q == 1 would make FA2 pack GQA heads by reshaping q to [B, ...], which needs T == B;
-        # 2 is a valid bound for any batch.
-        return self.probe.varlen(
-            q, kc, vc, meta.query_start_loc, cu_k, max(meta.max_query_len, 2), max_k,
-            softmax_scale=self.spec.scale, causal=True, block_table=meta.block_table,
-        )  # fmt: skip

@@ -4,10 +4,10 @@ KV layout: the default [2, num_blocks, block_size, num_kv_heads, head_size]; (kv
 FlashInfer's NHD (k_cache, v_cache) tuple with one page per block, so any block size is a page size. k and v
 are written through slot_mapping in torch (slot -1 writes nowhere) before attention.
 
-One plan per step, not per layer. A plan needs the head counts, head size, dtype, scale and block size:
-the AttentionSpec that setup() receives before the first step. build_metadata turns seq_lens / block_table
-into FlashInfer's paged indices (kv_indptr, kv_indices, kv_last_page_len: vectorised, fixed shapes) and
-plans one wrapper:
+One plan per step and KV-cache group, not per layer. A plan needs the head counts, head size, dtype, scale
+and block size: the AttentionSpec the group's FlashInferMetadataBuilder is made with. Its build turns
+seq_lens / block_table into FlashInfer's paged indices (kv_indptr, kv_indices, kv_last_page_len:
+vectorised, fixed shapes) and plans one of the builder's wrappers, which FlashInferImpl runs for each layer:
   - uniform decode (every request runs one token): a BatchDecodeWithPagedKVCacheWrapper per batch size, made
     in CUDA-graph mode on fixed index buffers, with tensor cores, FA2 kernels and split-KV off. Its plan
     depends on the batch size alone: lengths and page ids are read on the device.
@@ -15,18 +15,18 @@ plans one wrapper:
     BatchPrefillWithPagedKVCacheWrapper, causal, over every request. Its kernels are FlashInfer's FA2 ones
     too, so prefill and decode share one JIT module per (dtype, head size);
     TURNOUT_FLASHINFER_PREFILL_BACKEND=auto picks FA3 on SM90 instead (faster prefill, a second JIT module).
-All wrappers share one 512 MiB float workspace.
+A builder's wrappers share its one 512 MiB float workspace.
 
 CUDA graphs (UNIFORM_DECODE). Capturing a uniform-decode batch needs:
   1. static metadata tensors (slot_mapping, query_start_loc, seq_lens, block_table of a fixed width) that are
      refilled in place before each replay, with num_reqs == tokens == the captured size (padding tokens are
      padding requests: slot -1, any seq_len >= 0);
-  2. prepare_cudagraphs(max_blocks_per_req) once, so the decode wrappers' page-index buffers fit the widest
-     block_table; then per captured size build_metadata on the static tensors and one eager forward (JIT
-     compile) before torch.cuda.graph(...);
+  2. the builder's prepare_cudagraphs(max_blocks_per_req) once, so the decode wrappers' page-index buffers
+     fit the widest block_table; then per captured size build on the static tensors and one eager forward
+     (JIT compile) before torch.cuda.graph(...);
   3. nothing per replay: the first attention layer in the graph recomputes the paged indices from seq_lens /
-     block_table into the wrapper's fixed buffers. Calling build_metadata before a replay also works (it
-     re-plans the same buffers with the same schedule).
+     block_table into the wrapper's fixed buffers. Calling build before a replay also works (it re-plans
+     the same buffers with the same schedule).
 Mixed batches cannot be captured (planning reads lengths on the host): trying raises.
 TURNOUT_FLASHINFER_CUDAGRAPH=NEVER turns graphs around FlashInfer off (PIECEWISE then runs it eagerly in
 the holes).
@@ -43,7 +43,10 @@ import torch
 from turnout import Priority
 from turnout.attention import (
     AttentionBackend,
+    AttentionImpl,
     AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionSpec,
     CudagraphSupport,
     store_kv,
     valid_rows,
@@ -86,7 +89,7 @@ class FlashInferMetadata:
     decode: bool  # uniform decode: the static decode wrapper; otherwise the prefill wrapper
     rows: int  # query rows the wrapper runs: num_reqs (decode) or num_actual_tokens
     store_rows: torch.Tensor | None  # [n] token rows with a slot >= 0; None when every slot is valid
-    wrapper: Any = None  # planned for this step by build_metadata
+    wrapper: Any = None  # planned for this step by the builder
     static: _StaticDecode | None = None
     refreshed: bool = False  # the current capture already recomputes the static page indices
 
@@ -117,40 +120,16 @@ def paged_indices(
     return indptr, indices[: b * w], last
 
 
-class FlashInferBackend(AttentionBackend):
-    name = "flashinfer"
-    priority = Priority.SECOND  # the order per platform: turnout.Priority
-    mixed_priority = Priority.THIRD
-    device_types = ("cuda",)
-    dtypes = (torch.float16, torch.bfloat16)
-    head_sizes = (64, 128, 256)  # FA3's static_assert (hopper/prefill_sm90.cuh); FA2 builds these too
-    block_size_multiple = 1  # a block is a page; FlashInfer takes any page size
-    min_capability = (8, 0)
-    cudagraph_support = CudagraphSupport.UNIFORM_DECODE  # static decode buffers (module docstring)
-    # none: one plan per step for every layer, at spec.scale, without a window or soft-cap
-    attention_features = frozenset()
+class FlashInferMetadataBuilder(AttentionMetadataBuilder):
+    """One KV-cache group's wrappers, their workspace and fixed page-index buffers; plans one a step."""
 
-    def __init__(self) -> None:
-        self.cudagraph_support = CudagraphSupport.from_env(CUDAGRAPH, self.cudagraph_support)
+    def __init__(self, backend: AttentionBackend, spec: AttentionSpec, group: int = 0) -> None:
+        super().__init__(backend, spec, group)
         self._workspace: torch.Tensor | None = None
         self._prefill: Any = None
         self._decode: dict[int, _StaticDecode] = {}  # batch size -> wrapper
         self._retired: list[_StaticDecode] = []  # replaced, but a captured graph still reads their buffers
         self._graph_width = 0
-
-    def import_error(self) -> str | None:
-        try:
-            fi = _flashinfer()
-        except ModuleNotFoundError as e:
-            if e.name == "flashinfer":
-                return "flashinfer is not installed (pip install flashinfer-python)"
-            return f"cannot import flashinfer: {e}"
-        except Exception as e:  # the JIT toolchain or a CUDA library failing to load
-            return f"cannot import flashinfer: {type(e).__name__}: {e}"
-        version = getattr(fi, "__version__", "0")
-        if _version(version) < MIN_VERSION:
-            return f"flashinfer {version} is too old (needs >= %d.%d)" % MIN_VERSION
-        return None
 
     def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
         """Before capturing: size the decode wrappers' page-index buffers for block tables this wide."""
@@ -159,7 +138,8 @@ class FlashInferBackend(AttentionBackend):
             if st.indices.numel() < b * max_blocks_per_req and not st.captured:
                 del self._decode[b]
 
-    def build_metadata(self, meta: AttentionMetadata) -> FlashInferMetadata:
+    def build(self, meta: AttentionMetadata) -> FlashInferMetadata:
+        """The step's paged indices, and the wrapper that serves it planned on them."""
         md = FlashInferMetadata.route(meta)
         spec = self.spec
         indptr, indices, last = paged_indices(meta.seq_lens, meta.block_table, spec.block_size)
@@ -173,33 +153,6 @@ class FlashInferBackend(AttentionBackend):
             md.wrapper = self._prefill_wrapper(indptr.device)
             md.wrapper.plan(meta.query_start_loc, indptr, indices, last, *shape, causal=True, **kw)
         return md
-
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, num_heads, head_size]
-        k: torch.Tensor,  # [T, num_kv_heads, head_size]
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        md: FlashInferMetadata = meta.backend_data
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        store_kv(kv_cache, k, v, meta.slot_mapping, md.store_rows, capturing)
-        if capturing:
-            if md.static is None:
-                raise RuntimeError("flashinfer: only uniform-decode batches can be captured (UNIFORM_DECODE)")
-            md.static.captured = True
-            if not md.refreshed:
-                md.static.refresh(meta, self.spec.block_size)
-                md.refreshed = True
-        else:
-            md.refreshed = False
-        n = md.rows
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        md.wrapper.run(q[:n], (kv_cache[0], kv_cache[1]), out=out[:n])
-        if n < q.shape[0]:  # graph padding
-            out[n:].zero_()
-        return out
 
     def _float_workspace(self, device: torch.device) -> torch.Tensor:
         if self._workspace is None:
@@ -246,3 +199,69 @@ class FlashInferBackend(AttentionBackend):
         st = _StaticDecode(wrapper, indptr, indices, last)
         self._decode[b] = st
         return st
+
+
+class FlashInferImpl(AttentionImpl):
+    """One layer: writes its KV cache, then runs the wrapper its group's builder planned for the step."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_size]
+        k: torch.Tensor,  # [T, num_kv_heads, head_size]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        meta: AttentionMetadata,  # backend_data: the FlashInferMetadata the group's builder planned
+    ) -> torch.Tensor:
+        md: FlashInferMetadata = meta.backend_data
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        store_kv(kv_cache, k, v, meta.slot_mapping, md.store_rows, capturing)
+        if capturing:
+            if md.static is None:
+                raise RuntimeError("flashinfer: only uniform-decode batches can be captured (UNIFORM_DECODE)")
+            md.static.captured = True
+            if not md.refreshed:
+                md.static.refresh(meta, self.spec.block_size)
+                md.refreshed = True
+        else:
+            md.refreshed = False
+        n = md.rows
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        md.wrapper.run(q[:n], (kv_cache[0], kv_cache[1]), out=out[:n])
+        if n < q.shape[0]:  # graph padding
+            out[n:].zero_()
+        return out
+
+
+class FlashInferBackend(AttentionBackend):
+    """Paged attention through FlashInfer's batch wrappers (module docstring)."""
+
+    name = "flashinfer"
+    priority = Priority.SECOND  # the order per platform: turnout.Priority
+    mixed_priority = Priority.THIRD
+    device_types = ("cuda",)
+    dtypes = (torch.float16, torch.bfloat16)
+    head_sizes = (64, 128, 256)  # FA3's static_assert (hopper/prefill_sm90.cuh); FA2 builds these too
+    block_size_multiple = 1  # a block is a page; FlashInfer takes any page size
+    min_capability = (8, 0)
+    cudagraph_support = CudagraphSupport.UNIFORM_DECODE  # static decode buffers (module docstring)
+    # none: one plan per step for every layer, at spec.scale, without a window or soft-cap
+    attention_features = frozenset()
+    builder_cls = FlashInferMetadataBuilder
+    impl_cls = FlashInferImpl
+
+    def __init__(self) -> None:
+        self.cudagraph_support = CudagraphSupport.from_env(CUDAGRAPH, self.cudagraph_support)
+
+    def import_error(self) -> str | None:
+        try:
+            fi = _flashinfer()
+        except ModuleNotFoundError as e:
+            if e.name == "flashinfer":
+                return "flashinfer is not installed (pip install flashinfer-python)"
+            return f"cannot import flashinfer: {e}"
+        except Exception as e:  # the JIT toolchain or a CUDA library failing to load
+            return f"cannot import flashinfer: {type(e).__name__}: {e}"
+        version = getattr(fi, "__version__", "0")
+        if _version(version) < MIN_VERSION:
+            return f"flashinfer {version} is too old (needs >= %d.%d)" % MIN_VERSION
+        return None

@@ -7,6 +7,7 @@ import, the kernels run in Triton's interpreter, so the backend also serves the 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -16,8 +17,10 @@ from turnout.attention import (
     LAYER_FEATURES,
     AttentionBackend,
     AttentionContext,
-    AttentionLayerSpec,
+    AttentionImpl,
     AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionSpec,
     CudagraphSupport,
 )
 
@@ -31,7 +34,61 @@ def _kernels() -> ModuleType:
     return kernels
 
 
+@dataclass
+class TritonMetadata:
+    """What every layer of a KV-cache group reads in a step, beyond AttentionMetadata."""
+
+    split_counts: torch.Tensor  # the decode kernel's counters (kernels.split_counts), the builder's
+
+
+class TritonMetadataBuilder(AttentionMetadataBuilder):
+    """One KV-cache group's decode split counters: one buffer for every layer of the group and every step,
+    sized for the largest batch the graphs capture. A larger batch gets a larger buffer; those before it stay
+    allocated, since a captured graph keeps the address it captured."""
+
+    def __init__(self, backend: AttentionBackend, spec: AttentionSpec, group: int = 0) -> None:
+        super().__init__(backend, spec, group)
+        self._max_reqs = 0
+        self._counts: list[torch.Tensor] = []
+
+    def build(self, meta: AttentionMetadata) -> TritonMetadata:
+        """The counters, for this step's batch; the kernels read everything else on the device."""
+        n = max(meta.num_reqs, self._max_reqs) * self.spec.num_kv_heads
+        if not self._counts or self._counts[-1].numel() < n:
+            self._counts.append(_kernels().split_counts(n, meta.seq_lens.device))
+        return TritonMetadata(self._counts[-1])
+
+    def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
+        self._max_reqs = max_num_reqs
+
+
+class TritonAttentionImpl(AttentionImpl):
+    """One layer's paged attention: one kernels.paged_attention call with the layer's features."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_size]
+        k: torch.Tensor,  # [T, num_kv_heads, head_size]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]; MLA: no leading 2
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        kn, layer = _kernels(), self.layer
+        # A captured graph replays with other lengths: the model runner captures with max_seq_len at its
+        # largest (max_model_len), and any split count that covers the lengths gives the same bits.
+        splits = kn.num_splits(meta.max_seq_len)
+        lens = (meta.query_start_loc, meta.seq_lens, meta.block_table)
+        counts = meta.backend_data.split_counts
+        return kn.paged_attention(
+            q, k, v, kv_cache, meta.slot_mapping, *lens, layer.scale, meta.max_query_len, splits, counts,
+            sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap,
+            k_scale=layer.k_scale, v_scale=layer.v_scale, kv_lora_rank=self.spec.kv_lora_rank,
+        )  # fmt: skip
+
+
 class TritonAttentionBackend(AttentionBackend):
+    """Paged attention with this package's Triton kernels, for any batch (module docstring)."""
+
     name = "triton"
     priority = Priority.FIRST  # the order per platform: turnout.Priority
     mixed_priority = Priority.SECOND
@@ -52,14 +109,14 @@ class TritonAttentionBackend(AttentionBackend):
     kv_cache_dtypes = ("auto", "fp8")  # FP8: e4m3 stores, tiles read as stored * scale (kernels.py)
     # a window reads only its blocks (nulled ones never); "mla": the latent layout of kernels.py
     kv_cache_specs = ("full", "sliding_window", "mla")
+    builder_cls = TritonMetadataBuilder
+    impl_cls = TritonAttentionImpl
 
     def __init__(self) -> None:
         if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter runs every kernel on the host
             self.device_types = ("cuda", "cpu")
             self.min_capability = None
             self.priority = self.mixed_priority = Priority.TESTING  # never preferred over a native backend
-        self._max_reqs = 0
-        self._counts: list[torch.Tensor] = []  # the decode kernel's split counters, see _split_counts
 
     def import_error(self) -> str | None:
         try:
@@ -80,37 +137,3 @@ class TritonAttentionBackend(AttentionBackend):
         elif ctx.head_size > MAX_HEAD_SIZE:
             reasons.insert(0, f"head size {ctx.head_size} unsupported (at most {MAX_HEAD_SIZE})")
         return reasons
-
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, num_heads, head_size]
-        k: torch.Tensor,  # [T, num_kv_heads, head_size]
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]; MLA: no leading 2
-        meta: AttentionMetadata,
-        layer: AttentionLayerSpec | None = None,
-    ) -> torch.Tensor:
-        kn = _kernels()
-        layer = layer or self.spec.layer(0)
-        # A captured graph replays with other lengths: the model runner captures with max_seq_len at its
-        # largest (max_model_len), and any split count that covers the lengths gives the same bits.
-        splits = kn.num_splits(meta.max_seq_len)
-        lens = (meta.query_start_loc, meta.seq_lens, meta.block_table)
-        counts = self._split_counts(meta.num_reqs, q.device)
-        return kn.paged_attention(
-            q, k, v, kv_cache, meta.slot_mapping, *lens, layer.scale, meta.max_query_len, splits, counts,
-            sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap,
-            k_scale=layer.k_scale, v_scale=layer.v_scale, kv_lora_rank=self.spec.kv_lora_rank,
-        )  # fmt: skip
-
-    def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
-        self._max_reqs = max_num_reqs
-
-    def _split_counts(self, num_reqs: int, device: torch.device) -> torch.Tensor:
-        """The decode kernel's counters (kernels.split_counts): one buffer for every layer and step, sized
-        for the largest batch the graphs capture. A larger batch gets a larger buffer; those before it stay
-        allocated, since a captured graph keeps the address it captured."""
-        n = max(num_reqs, self._max_reqs) * self.spec.num_kv_heads
-        if not self._counts or self._counts[-1].numel() < n:
-            self._counts.append(_kernels().split_counts(n, device))
-        return self._counts[-1]
