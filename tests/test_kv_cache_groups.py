@@ -290,11 +290,16 @@ def test_gemma3_like_kv_memory_at_32k_is_under_a_third_of_full_attention() -> No
         config = kv_cache_config([spec.kv_cache_specs()])
         sizes[window] = [kv_cache.kv_bytes_for_tokens(spec, config, 32768, c) for c in (None, 2048)]
         blocks = int((1 << 33) // kv_cache.kv_bytes_per_block(spec, config.group_size))
-        sizes[window].append(config.max_tokens(blocks, 2048))
-    (decode, chunked, longest), (full_decode, full_chunked, full_longest) = sizes[1024], sizes[None]
+        sizes[window] += [config.max_tokens(blocks, 2048), config.max_concurrency(blocks, 32768, 2048)]
+    (decode, chunked, longest, fit), (full_decode, full_chunked, full_longest, full_fit) = (
+        sizes[1024],
+        sizes[None],
+    )
     assert full_decode == full_chunked == 48 * 2 * 32768 * 8 * 256 * 2  # 48 layers of K and V in bf16
     assert decode <= 0.3 * full_decode and chunked <= 0.3 * full_chunked, (decode, chunked, full_decode)
     assert longest >= 3 * full_longest, (longest, full_longest)
+    # full attention: every layer holds ceil(32768 / 16) blocks; each block id spans the 48 layers' tensors
+    assert full_fit == blocks / (32768 // 16) and fit >= 3 * full_fit, (fit, full_fit)
 
 
 def test_groups_share_tensors_slot_wise() -> None:

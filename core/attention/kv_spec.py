@@ -171,6 +171,12 @@ class KVCacheConfig:
             )
         return lo
 
+    def max_concurrency(self, num_blocks: int, num_tokens: int, max_num_batched_tokens: int) -> float:
+        """How many requests of num_tokens tokens num_blocks pool blocks hold at once (vLLM's "maximum
+        concurrency"): the usable blocks over the blocks one such request holds at most."""
+        usable = num_blocks - self.uses_null_block
+        return usable / self.blocks_for_tokens(num_tokens, max_num_batched_tokens)
+
     def describe(self) -> list[str]:
         """One line a group: its spec and how many layers it has."""
         return [

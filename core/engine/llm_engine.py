@@ -167,11 +167,14 @@ class LLMEngine:
         groups = "; ".join(self.kv_cache_config.describe())
         # a block id over every stage of one tensor-parallel rank, a token's share
         per_block = sum(self.executor.collective_rpc("kv_bytes_per_block")[:: cfg.tensor_parallel_size])
+        concurrency = self.kv_cache_config.max_concurrency(
+            num_blocks, self.max_model_len, cfg.max_num_batched_tokens
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d bytes a token a rank) = %d tokens a request in %s; "
-            "max_model_len %d; %s",
+            "max_model_len %d, maximum concurrency for %d tokens a request: %.2fx; %s",
             num_blocks, cfg.block_size, per_block // cfg.block_size, capacity,
-            self.selection.kv_cache_description(), self.max_model_len, groups,
+            self.selection.kv_cache_description(), self.max_model_len, self.max_model_len, concurrency, groups,
         )  # fmt: skip
         self.num_blocks = num_blocks
         self.scheduler = self._new_scheduler()
