@@ -7,7 +7,6 @@ import importlib.metadata as md
 import json
 import re
 import statistics
-import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,23 +68,6 @@ def version(name: str) -> str | None:
         return md.version(name)
     except md.PackageNotFoundError:
         return None
-
-
-def sync() -> None:
-    """Waits for the current CUDA device's work, where there is one."""
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds of fn() between two synchronisations."""
-    sync()
-    t = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t
 
 
 # ---- torch.profiler traces ----

@@ -35,20 +35,20 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from turnout.bench import CEILINGS, SHAPES, Shape, make_random_model, random_model_dir, stages, table
+from turnout.bench import (
+    CEILINGS,
+    SHAPES,
+    Shape,
+    make_random_model,
+    random_model_dir,
+    stages,
+    sync,
+    table,
+    timed,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (  # noqa: E402
-    Span,
-    assign,
-    busy_us,
-    kernel_spans,
-    label_ranges,
-    short,
-    sync,
-    timed,
-    write_json,
-)
+from common import Span, assign, busy_us, kernel_spans, label_ranges, short, write_json  # noqa: E402
 
 LM_HEAD, SAMPLE = "step_lm_head", "step_sample"  # record_function labels
 # first match wins, on the lower-cased name: turnout_triton's, FlashInfer's, FlashAttention's kernels (FA4's
@@ -184,7 +184,7 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
             unit()
         ctx = a.context + a.warmup + n_timed  # keys per request in the profiled steps
         tokens, kv_reads, pairs = batch, batch * ctx, batch * ctx
-    wall = timed(lambda: [unit() for _ in range(n_timed)]) / n_timed * 1e6
+    wall = timed(lambda: [unit() for _ in range(n_timed)])[0] / n_timed * 1e6
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     host = labelled(llm, HOST_STAGES, synced=False) if a.gaps else nullcontext()
     with (
@@ -192,7 +192,7 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
         host,
         profile(activities=acts) as prof,
     ):
-        prof_wall = timed(lambda: [unit() for _ in range(n_prof)]) / n_prof * 1e6
+        prof_wall = timed(lambda: [unit() for _ in range(n_prof)])[0] / n_prof * 1e6
     if phase != "prefill":
         for r in reqs:
             engine.abort(r.req_id)

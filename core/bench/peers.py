@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from turnout.bench.workloads import timed
 from turnout.errors import TurnoutError
 
 HF_ENGINES = ("hf-generate-batch", "hf-generate")
@@ -159,18 +160,6 @@ def _generate_batch(model: Any, prompts: list[list[int]], new: int) -> int:
     return sum(len(o.generated_tokens) for o in outs.values())
 
 
-def _timed(fn: Any, *args: Any) -> tuple[float, int]:
-    """Seconds of fn(*args) between two synchronisations, and what it returned."""
-    import torch
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
-    sync()
-    t = time.perf_counter()
-    tokens = fn(*args)
-    sync()
-    return time.perf_counter() - t, tokens
-
-
 def _turnout(engine: str, plan: dict[str, Any]) -> dict[str, Any]:
     """turnout with plan["config"] in a process of its own (the prefix workload's engine without caching,
     turnout-static), over plan["runs"] or plan["latency"]; its selection as the bench records it."""
@@ -242,7 +231,7 @@ def _offline(engine: str, model_dir: str, plan: dict[str, Any]) -> dict[str, Any
     res |= {"engine": engine, "startup_s": round(time.perf_counter() - t0, 2)}
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
 
-    def timed(prompts: list[list[int]], params: Any) -> tuple[float, list[Any]]:
+    def generate(prompts: list[list[int]], params: Any) -> tuple[float, list[Any]]:
         t = time.perf_counter()
         outs = llm.generate([prompt(p) for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - t, outs
@@ -250,11 +239,11 @@ def _offline(engine: str, model_dir: str, plan: dict[str, Any]) -> dict[str, Any
     if lat := plan.get("latency"):
         one = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
         for run, p in lat["runs"].items():
-            res[run] = {"ttft_ms": {str(len(q)): timed([q], one)[0] * 1e3 for q in p["ttft_prompts"]}}
+            res[run] = {"ttft_ms": {str(len(q)): generate([q], one)[0] * 1e3 for q in p["ttft_prompts"]}}
     for run, reqs in plan.get("runs", {}).items():
         params = [SamplingParams(temperature=r["temperature"], ignore_eos=r["ignore_eos"],
                                  max_tokens=r["max_tokens"]) for r in reqs]  # fmt: skip
-        seconds, outs = timed([r["prompt"] for r in reqs], params)
+        seconds, outs = generate([r["prompt"] for r in reqs], params)
         res[run] = {"seconds": seconds, "output_tokens": sum(map(tokens, outs))}
     return res
 
@@ -276,13 +265,13 @@ def main(engine: str, model_dir: str, dtype: str, plan_file: str) -> dict[str, A
     with torch.no_grad():
         fn(model, [[1, 2, 3, 4]], 4)  # warm-up
         for run, reqs in plan.get("runs", {}).items():  # one output length: what static batching runs
-            seconds, tokens = _timed(fn, model, [r["prompt"] for r in reqs], reqs[0]["max_tokens"])
+            seconds, tokens = timed(fn, model, [r["prompt"] for r in reqs], reqs[0]["max_tokens"])
             res[run] = {"seconds": seconds, "output_tokens": tokens}
         if lat := plan.get("latency"):  # batch 1
             for run, p in lat["runs"].items():
-                t_long, _ = _timed(fn, model, [p["tpot_prompt"]], lat["tpot_tokens"] + 1)
-                t_short, _ = _timed(fn, model, [p["tpot_prompt"]], 1)
-                ttft = {str(len(q)): _timed(fn, model, [q], 1)[0] * 1e3 for q in p["ttft_prompts"]}
+                t_long, _ = timed(fn, model, [p["tpot_prompt"]], lat["tpot_tokens"] + 1)
+                t_short, _ = timed(fn, model, [p["tpot_prompt"]], 1)
+                ttft = {str(len(q)): timed(fn, model, [q], 1)[0] * 1e3 for q in p["ttft_prompts"]}
                 res[run] = {"tpot_ms": (t_long - t_short) / lat["tpot_tokens"] * 1e3, "ttft_ms": ttft}
     return res
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,23 @@ def shapes(reqs: list[Req], cached: int = 0) -> list[tuple[int, int, int]]:
 
 
 # ---- timed turnout runs ----
+def sync() -> None:
+    """Waits for the current CUDA device's work, where there is one."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    """Seconds of fn(*args) between two synchronisations, and what it returned."""
+    sync()
+    t = time.perf_counter()
+    out = fn(*args)
+    sync()
+    return time.perf_counter() - t, out
+
+
 def generate(llm: Any, reqs: list[Req]) -> tuple[float, list[Any]]:
     """Seconds for llm.generate over reqs, and its RequestOutputs in their order."""
     from turnout import SamplingParams
