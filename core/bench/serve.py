@@ -61,9 +61,7 @@ def add_bench_serve_parser(subparsers: Any) -> None:
 
     p = subparsers.add_parser("serve", help="load an OpenAI-compatible server; TTFT, TPOT, ITL, throughput")
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="model folder for the server this starts")
-    p.add_argument(
-        "--random-model", choices=sorted(SHAPES), help="serve a random-weight checkpoint of this shape"
-    )
+    p.add_argument("--random-model", choices=sorted(SHAPES), help="serve a random-weight checkpoint of it")
     p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000; default: start one here")
     p.add_argument("--api-key", help="the server's --api-key")
     p.add_argument("--request-model", help="the 'model' to send; default: the server's first model")
@@ -74,15 +72,11 @@ def add_bench_serve_parser(subparsers: Any) -> None:
     p.add_argument("--max-token-id", type=int, default=10000, help="prompt token ids lie in [0, this]")
     p.add_argument("--temperature", type=float, help="random: 0, nanovllm: 0.6")
     p.add_argument("--seed", dest="workload_seed", type=int, default=0, help="seed of the workload's draws")
-    p.add_argument(
-        "--request-rate", type=float, nargs="+", default=[math.inf], help="requests/s, Poisson; inf = at once"
-    )
+    p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], help="per s, Poisson; inf")
     p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    cores = max(1, min(8, (os.cpu_count() or 1) // 2))
     p.add_argument(
-        "--client-processes",
-        type=int,
-        default=max(1, min(8, (os.cpu_count() or 1) // 2)),
-        help="processes the requests are dealt over, one openai client each; default: cores / 2, at most 8",
+        "--client-processes", type=int, default=cores, help="each an openai client; cores / 2, <= 8"
     )
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE (TTFT, ITL)")
     p.add_argument("--repeat", type=int, default=1, help="runs per rate (each paired with an offline run)")
@@ -103,9 +97,7 @@ class Workload:
         n, inp, out, temp = WORKLOADS[args.workload]
         n, inp, out = args.num_prompts or n, args.input_len or inp, args.output_len or out
         temp = temp if args.temperature is None else args.temperature
-        rng = random.Random(
-            args.workload_seed
-        )  # nano-vllm's order of draws: all prompts, then all output lengths
+        rng = random.Random(args.workload_seed)  # nano-vllm's order: all prompts, then all output lengths
         prompts = [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(*inp))] for _ in range(n)]
         return cls(prompts, [rng.randint(*out) for _ in range(n)], temp)
 
@@ -122,17 +114,12 @@ class Record:
 
 async def _one(client: Any, model: str, w: Workload, i: int, stream: bool) -> Record:
     rec, t0 = Record(), time.perf_counter()
-    kw: dict[str, Any] = dict(
-        model=model, prompt=w.prompts[i], max_tokens=w.max_tokens[i], temperature=w.temperature,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    kw: dict[str, Any] = dict(model=model, prompt=w.prompts[i], max_tokens=w.max_tokens[i],
+                              temperature=w.temperature, extra_body={"ignore_eos": True})  # fmt: skip
     try:
         if stream:
-            last = t0
-            chunks = await client.completions.create(
-                **kw, stream=True, stream_options={"include_usage": True}
-            )
-            async for chunk in chunks:
+            last, usage = t0, {"include_usage": True}
+            async for chunk in await client.completions.create(**kw, stream=True, stream_options=usage):
                 now = time.perf_counter()
                 if chunk.choices:
                     if rec.ttft is None:
@@ -173,9 +160,8 @@ async def _client(s: Share) -> tuple[list[tuple[int, Record]], float, float]:
     import openai
 
     cpu0 = time.process_time()
-    client = openai.AsyncOpenAI(
-        base_url=f"{s.url}/v1", api_key=s.api_key or "none", max_retries=0, timeout=3600
-    )
+    key = s.api_key or "none"
+    client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0, timeout=3600)
     gate = asyncio.Semaphore(s.concurrency)
 
     async def send(i: int, at: float) -> tuple[int, Record]:
@@ -272,13 +258,9 @@ def _pct(values: list[float]) -> dict[str, float | None]:
     import numpy as np
 
     if not values:
-        return {"mean_ms": None, "p50_ms": None, "p99_ms": None}
+        return dict.fromkeys(("mean_ms", "p50_ms", "p99_ms"))
     a = np.asarray(values) * 1e3
-    return {
-        "mean_ms": float(a.mean()),
-        "p50_ms": float(np.percentile(a, 50)),
-        "p99_ms": float(np.percentile(a, 99)),
-    }
+    return {"mean_ms": float(a.mean()), **{f"p{q}_ms": float(np.percentile(a, q)) for q in (50, 99)}}
 
 
 def _summary(records: list[Record], w: Workload, duration: float, rate: float, model: str) -> dict:
@@ -299,12 +281,10 @@ def _summary(records: list[Record], w: Workload, duration: float, rate: float, m
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "max_tokens_throughput": sum(m for m, r in zip(w.max_tokens, records) if r.ok) / duration,
     }
-    tpots = [
-        (r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1
-    ]
+    streamed = [r for r in ok if r.ttft is not None]
     for name, vals in (
-        ("ttft", [r.ttft for r in ok if r.ttft is not None]),
-        ("tpot", tpots),
+        ("ttft", [r.ttft for r in streamed]),
+        ("tpot", [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in streamed if r.output_tokens > 1]),
         ("itl", [x for r in ok for x in r.itl]),
         ("e2e", [r.e2e for r in ok]),
     ):
@@ -327,12 +307,9 @@ def _print(res: dict) -> None:
 def _engine_argv(args: argparse.Namespace) -> list[str]:
     from turnout.config import EngineConfig
 
-    argv = []
-    if args.config:
-        argv += ["--config", args.config]
+    argv = ["--config", args.config] if args.config else []
     for name in EngineConfig.model_fields:
-        value = getattr(args, name, None)
-        flag = "--" + name.replace("_", "-")
+        value, flag = getattr(args, name, None), "--" + name.replace("_", "-")
         if value is None or name == "seed":
             continue
         if isinstance(value, bool):
@@ -429,10 +406,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             r["offline_output_throughput"], r["vs_offline"] = off, r["max_tokens_throughput"] / off
         for mode in ("no-stream", "stream"):
             pairs = [r for r in runs if r["mode"] == mode]
-            record[f"ratio_{mode}"] = sum(r["vs_offline"] for r in pairs) / len(pairs)
-            print(
-                f"server ({mode}) / offline, mean of {len(pairs)} paired runs: {record[f'ratio_{mode}']:.3f}"
-            )
+            ratio = record[f"ratio_{mode}"] = sum(r["vs_offline"] for r in pairs) / len(pairs)
+            print(f"server ({mode}) / offline, mean of {len(pairs)} paired runs: {ratio:.3f}")
         record["offline_tok_s"] = offline
     tag = "serve-" + args.workload + ("-vs-offline" if args.vs_offline else "")
     path = records.write(record, args.output or "benchmarks/results/serve", tag, record["device"])
