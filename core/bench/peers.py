@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from turnout.bench import workloads
 from turnout.bench.workloads import timed
 from turnout.errors import TurnoutError
 
@@ -164,7 +165,6 @@ def _turnout(engine: str, plan: dict[str, Any]) -> dict[str, Any]:
     """turnout with plan["config"] in a process of its own (the prefix workload's engine without caching,
     turnout-static), over plan["runs"] or plan["latency"]; its selection as the bench records it."""
     from turnout import LLM
-    from turnout.bench import workloads
     from turnout.config import EngineConfig
 
     t0 = time.perf_counter()
@@ -267,12 +267,10 @@ def main(engine: str, model_dir: str, dtype: str, plan_file: str) -> dict[str, A
         for run, reqs in plan.get("runs", {}).items():  # one output length: what static batching runs
             seconds, tokens = timed(fn, model, [r["prompt"] for r in reqs], reqs[0]["max_tokens"])
             res[run] = {"seconds": seconds, "output_tokens": tokens}
-        if lat := plan.get("latency"):  # batch 1
-            for run, p in lat["runs"].items():
-                t_long, _ = timed(fn, model, [p["tpot_prompt"]], lat["tpot_tokens"] + 1)
-                t_short, _ = timed(fn, model, [p["tpot_prompt"]], 1)
-                ttft = {str(len(q)): timed(fn, model, [q], 1)[0] * 1e3 for q in p["ttft_prompts"]}
-                res[run] = {"tpot_ms": (t_long - t_short) / lat["tpot_tokens"] * 1e3, "ttft_ms": ttft}
+        if lat := plan.get("latency"):
+            res |= workloads.latency(
+                None, lat["tpot_tokens"], lat["runs"], lambda p, n: timed(fn, model, [p], n)[0]
+            )
     return res
 
 

@@ -232,24 +232,19 @@ def selection(llm: Any) -> dict[str, Any]:
     }
 
 
-def latency(llm: Any, tpot_tokens: int, plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per run of plan ({run: {"tpot_prompt", "ttft_prompts"}}): tpot_ms, and ttft_ms by prompt length."""
+def latency(
+    llm: Any, tpot_tokens: int, plan: dict[str, Any], seconds: Callable[[list[int], int], float] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Per run of plan ({run: {"tpot_prompt", "ttft_prompts"}}), at batch 1: tpot_ms, the decode time per
+    token ((time for 1 + n outputs - time for 1 output) / n, n = tpot_tokens, over one prompt; nanobench.py's
+    MODE=tpot uses 32 tokens), and ttft_ms by prompt length, each prompt's time as a 1-token request (fresh
+    prompts: no prefix-cache hit). seconds(prompt, max_tokens) times one request: llm's by default."""
+
+    def ms(prompt: list[int], max_tokens: int) -> float:
+        return 1e3 * (seconds(prompt, max_tokens) if seconds else run(llm, [Req(prompt, max_tokens)])[0])
+
     return {
-        run: {"tpot_ms": tpot_ms(llm, tpot_tokens, p["tpot_prompt"]),
-              "ttft_ms": {str(len(q)): ttft_ms(llm, q) for q in p["ttft_prompts"]}}
-        for run, p in plan.items()
+        r: {"tpot_ms": (ms(p["tpot_prompt"], tpot_tokens + 1) - ms(p["tpot_prompt"], 1)) / tpot_tokens,
+            "ttft_ms": {str(len(q)): ms(q, 1) for q in p["ttft_prompts"]}}
+        for r, p in plan.items()
     }  # fmt: skip
-
-
-def tpot_ms(llm: Any, tokens: int, prompt: list[int]) -> float:
-    """Batch-1 decode time per token: (time for 1 + tokens outputs - time for 1 output) / tokens, over one
-    prompt (nanobench.py's MODE=tpot uses 32 tokens)."""
-    t_long, _ = run(llm, [Req(prompt, tokens + 1)])
-    t_short, _ = run(llm, [Req(prompt, 1)])
-    return (t_long - t_short) / tokens * 1e3
-
-
-def ttft_ms(llm: Any, prompt: list[int]) -> float:
-    """Time to the first token of one prompt, as a 1-token request; pass a fresh prompt for no cache hit."""
-    seconds, _ = run(llm, [Req(prompt, 1)])
-    return seconds * 1e3
