@@ -12,17 +12,8 @@ from turnout.bench.peers import BENCH_PY_PEERS, HF_ENGINES, PEERS, VLLM_SITE
 from turnout.bench.random_models import RANDOM_MODELS
 from turnout.errors import TurnoutError
 
-PLOT_METRIC = {
-    "throughput": "output_tokens_per_s",
-    "wide": "output_tokens_per_s",
-    "latency": "tpot_ms",
-    "prefix": "output_tokens_per_s",
-    "structured": "structured_cost",
-}
-SELF_COMPARED = {  # workloads that compare turnout with itself, and what with
-    "prefix": "caching off",
-    "structured": "unconstrained",
-}
+PLOT_METRIC = {"latency": "tpot_ms", "structured": "structured_cost"}  # the others: output_tokens_per_s
+SELF_COMPARED = {"prefix": "caching off", "structured": "unconstrained"}  # turnout against itself, and how
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -38,13 +29,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
         "(-fp8: HF's block-scaled FP8 of it; -fp8-dynamic: compressed-tensors per-channel FP8)",
     )
     g.add_argument("--peers", default="", help=f"comma-separated, run side by side: {', '.join(PEERS)}")
+    g.add_argument("--peers-dir", help="nanobench.py's and vllmbench.py's folder (../shared/peers, or .peer)")
     g.add_argument(
-        "--peers-dir", help="folder of nanobench.py and vllmbench.py (default: ../shared/peers, or .peer)"
-    )
-    g.add_argument(
-        "--vllm-site",
-        default=VLLM_SITE,
-        help=f"the folder that holds vllm, the vllm peer's whole PYTHONPATH (default: {VLLM_SITE})",
+        "--vllm-site", default=VLLM_SITE, help=f"vllm's folder, the vllm peer's PYTHONPATH ({VLLM_SITE})"
     )
     g.add_argument("--peer-timeout", type=float, default=900, help="seconds one peer may run")
     g.add_argument("--cold-cache", action="store_true", help="a fresh, empty Triton kernel cache")
@@ -110,7 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     path = records.write(recs, args.out or f"benchmarks/results/{args.workload}", args.workload, bench.device)
     print(f"wrote {path}")
     if args.plot:
-        records.plot(recs, PLOT_METRIC[args.workload], args.plot, floor)
+        records.plot(recs, PLOT_METRIC.get(args.workload, "output_tokens_per_s"), args.plot, floor)
         print(f"wrote {args.plot}")
     return 1 if bench.failed else 0
 
