@@ -32,11 +32,8 @@ REPO = Path(__file__).resolve().parents[2]
 def find_peers_dir(explicit: str | None, runner: str = "nanobench.py") -> Path:
     """--peers-dir, else the first of ../shared/peers, shared/peers, .peer beside the repository that holds
     the runner."""
-    tries = (
-        [Path(explicit)]
-        if explicit
-        else [REPO.parent / "shared/peers", REPO / "shared/peers", REPO / ".peer"]
-    )
+    default = [REPO.parent / "shared/peers", REPO / "shared/peers", REPO / ".peer"]
+    tries = [Path(explicit)] if explicit else default
     for d in tries:
         if (d / runner).is_file():
             return d
@@ -81,12 +78,10 @@ def bench_py(
     tpot_ms with MODE=tpot; vLLM with its site folder as its whole PYTHONPATH."""
     env = vllm_env(site) if engine == "vllm" else nano_vllm_env()
     env.pop("MODE", None)
-    if tpot:
-        env["MODE"] = "tpot"
+    env |= {"MODE": "tpot"} if tpot else {}
     args = ["nanovllm"] if engine == "nano-vllm" else []
-    return _result(
-        [sys.executable, str(peers_dir / BENCH_PY_PEERS[engine]), *args, model_dir], env, engine, timeout
-    )
+    cmd = [sys.executable, str(peers_dir / BENCH_PY_PEERS[engine]), *args, model_dir]
+    return _result(cmd, env, engine, timeout)
 
 
 def child(
