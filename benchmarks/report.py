@@ -107,13 +107,8 @@ def bench_section(suite: str) -> list[str]:
     seen, out = set(), []
     for path, recs in files(suite):
         ours = next((r for r in recs if r["engine"] == "turnout"), recs[0])
-        engines = tuple(sorted({r["engine"] for r in recs}))
-        key = (
-            ours["model"],
-            settings(ours["config"]),
-            engines,
-            ours["config"].get("engine", {}).get("tuned"),
-        )
+        cfg, engines = ours["config"], tuple(sorted({r["engine"] for r in recs}))
+        key = (ours["model"], settings(cfg), engines, cfg.get("engine", {}).get("tuned"))
         if key in seen or not isinstance(recs, list):
             continue
         seen.add(key)
@@ -358,15 +353,6 @@ def render() -> str:
 
 
 # ---- README's headline block ----
-def pick_peers(docs: list[tuple[Path, Doc]]) -> list[tuple[Path, Doc]]:
-    """The runs whose records include a peer with a repeat TPOT, newest first."""
-
-    def peer(r: dict[str, Any]) -> bool:
-        return r["engine"] != "turnout" and r.get("run") == "repeat" and bool(r.get("tpot_ms"))
-
-    return [(p, d) for p, d in docs if any(peer(r) for r in d)]
-
-
 def headline() -> list[str]:
     """About ten lines: the newest figure of each kind, each with its file."""
     lines = []
@@ -402,8 +388,12 @@ def headline() -> list[str]:
                 fig = (
                     f"TPOT {num(rep.get('tpot_ms'))} ms, TTFT {_ttft(rep.get('ttft_ms'))} ms by prompt length"
                 )
-                same = [d for d in docs if d[1][0]["model"] == first.get("model")]
-                for ppath, precs in pick_peers(same)[:1]:  # the newest run of this model beside a peer
+
+                def timed(r: dict[str, Any]) -> bool:  # a peer's repeat with a TPOT
+                    return r["engine"] != "turnout" and r.get("run") == "repeat" and bool(r.get("tpot_ms"))
+
+                same = [d for d in docs if d[1][0]["model"] == first.get("model") and any(map(timed, d[1]))]
+                for ppath, precs in same[:1]:  # the newest run of this model beside a peer
                     mine = next(r for r in precs if r["engine"] == "turnout" and r["run"] == "repeat")
                     peer = next(r for r in precs if r["engine"] != "turnout" and r["run"] == "repeat")
                     if ppath != path:
@@ -431,10 +421,9 @@ def headline() -> list[str]:
                      f"{num(r['turnout_tok_s'])} tok/s, {r['speedup']:.2f}x HF transformers in float32, "
                      f"{same['speedup']:.2f}x in bf16 ({cite(path, '')})")  # fmt: skip
     for path, doc in files("graphs"):
-        best = min(
-            (r for r in doc["results"] if r.get("tpot_ms_b1")), key=lambda r: r["tpot_ms_b1"], default=None
-        )
-        eager = next((r for r in doc["results"] if r.get("mode") == "NONE" and r.get("tpot_ms_b1")), None)
+        b1 = [r for r in doc["results"] if r.get("tpot_ms_b1")]
+        best = min(b1, key=lambda r: r["tpot_ms_b1"], default=None)
+        eager = next((r for r in b1 if r.get("mode") == "NONE"), None)
         if best and eager:
             lines.append(f"- CUDA graphs on {doc['device']}, batch-1 decode: {best['backend']} "
                          f"{best['mode']} {best['tpot_ms_b1']:.2f} ms a token against "
@@ -446,9 +435,8 @@ def headline() -> list[str]:
             got = ", ".join(
                 f"{r['backend']} {r['passed']} passed, {r['failed']} failed" for r in doc["results"]
             )
-            lines.append(
-                f"- Attention conformance on {doc['device'].split(' (')[0]}: {got} ({cite(path, '')})"
-            )
+            device = doc["device"].split(" (")[0]
+            lines.append(f"- Attention conformance on {device}: {got} ({cite(path, '')})")
             break
     return lines
 
