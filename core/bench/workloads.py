@@ -13,15 +13,9 @@ from typing import Any
 from turnout.errors import TurnoutError
 
 # The structured workload's default: every field required and no string bounded, so outputs run long.
-JSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer"},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-        "text": {"type": "string"},
-    },
-    "required": ["id", "tags", "text"],
-}
+JSON_SCHEMA = {"type": "object", "properties": {
+    "id": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+    "text": {"type": "string"}}, "required": ["id", "tags", "text"]}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -73,10 +67,8 @@ def prefix(
     """num_prompts requests that share one random prefix, each with its own random suffix."""
     rng = random.Random(seed)
     shared = [rng.randint(0, 10000) for _ in range(prefix_len)]
-    return [
-        Req(shared + [rng.randint(0, 10000) for _ in range(suffix_len)], output_len, 0.0)
-        for _ in range(num_prompts)
-    ]
+    return [Req(shared + [rng.randint(0, 10000) for _ in range(suffix_len)], output_len, 0.0)
+            for _ in range(num_prompts)]  # fmt: skip
 
 
 def constrained_ids(n: int, ratio: float) -> list[int]:
@@ -181,11 +173,8 @@ def generate(llm: Any, reqs: list[Req]) -> tuple[float, list[Any]]:
     from turnout.structured_outputs import StructuredOutputsParams
 
     held = [None if r.json_schema is None else StructuredOutputsParams(json=r.json_schema) for r in reqs]
-    params = [
-        SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos,
-                       structured_outputs=so)
-        for r, so in zip(reqs, held)
-    ]  # fmt: skip
+    params = [SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos,
+                             structured_outputs=so) for r, so in zip(reqs, held)]  # fmt: skip
     t = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
     seconds = time.perf_counter() - t
