@@ -95,9 +95,8 @@ def commit() -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        return git("rev-parse", "--short", "HEAD") + (
-            "-dirty" if git("status", "--porcelain", "-uno") else ""
-        )
+        dirty = "-dirty" if git("status", "--porcelain", "-uno") else ""
+        return git("rev-parse", "--short", "HEAD") + dirty
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -194,16 +193,12 @@ def plot(records: list[dict[str, Any]], metric: str, path: str | Path, floor: fl
     """Bars of one metric per engine and run, with the roofline floor as a line where it is known."""
     plt = pyplot()
     rows = [r for r in records if r.get(metric) is not None]
-    labels = [
-        f"{r['engine']}\n{r['run']}"
-        + (f"\n{r['subset']} req" if r.get("subset") else "")
-        + (f"\n{r['structured_output_ratio']:g} held" if "structured_output_ratio" in r else "")
-        for r in rows
-    ]
+    labels = [f"{r['engine']}\n{r['run']}" + (f"\n{r['subset']} req" if r.get("subset") else "")
+              + (f"\n{r['structured_output_ratio']:g} held" if "structured_output_ratio" in r else "")
+              for r in rows]  # fmt: skip
     fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(rows)), 4))
-    ax.bar(
-        labels, [r[metric] for r in rows], color=["C0" if r["engine"] == "turnout" else "C7" for r in rows]
-    )
+    colors = ["C0" if r["engine"] == "turnout" else "C7" for r in rows]
+    ax.bar(labels, [r[metric] for r in rows], color=colors)
     if floor:
         ax.axhline(floor, color="C3", linestyle="--", label=f"roofline {fmt(floor)}")
         ax.legend()
