@@ -35,17 +35,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from turnout.bench import (
-    CEILINGS,
-    SHAPES,
-    Shape,
-    make_random_model,
-    random_model_dir,
-    stages,
-    sync,
-    table,
-    timed,
-)
+from turnout.bench import CEILINGS, SHAPES, Shape, random_model, stages, sync, table, timed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import Span, assign, busy_us, kernel_spans, label_ranges, short, write_json  # noqa: E402
@@ -306,7 +296,7 @@ def main() -> None:
             extra["cublas_error"] = traceback.format_exc().strip().splitlines()[-1]
         write_json(out, results, args, **extra)
     max_len = max(args.prefill_len, args.context + args.warmup + args.steps + args.prof_steps + 512) + 1024
-    path = make_random_model(random_model_dir(args.random_model), args.random_model)
+    path = random_model(args.random_model)
     shape = Shape.from_checkpoint(path, 2)
     batches = [int(p.removeprefix("decode")) for p in phases if p.startswith("decode")]
     kw = {"max_num_seqs": max(batches)} if max(batches, default=0) > 256 else {}

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from turnout.bench import records
-from turnout.bench.random_models import SHAPES, make_random_model, random_model_dir
+from turnout.bench.random_models import SHAPES, random_model
 from turnout.errors import TurnoutError
 
 WORKLOADS = {  # name: (num_prompts, input_len, output_len, temperature)
@@ -378,7 +378,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if args.random_model:
         if args.model:
             raise TurnoutError(f"two models given ({args.model} and --random-model); pass one")
-        args.model = str(make_random_model(random_model_dir(args.random_model), args.random_model))
+        args.model = str(random_model(args.random_model))
     w = Workload.make(args)
     proc, url = (None, args.url.rstrip("/")) if args.url else _start_server(args, len(w.prompts))
     args.server_pid = proc.pid if proc is not None else None
