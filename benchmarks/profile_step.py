@@ -56,9 +56,8 @@ H200 = CEILINGS["H200"]
 CUBLAS_M = (1, 256)  # rows of the linears --cublas times
 # --gaps: each host stage of turnout.bench.STAGES profiled, as its record_function label; a gap goes to the
 # latest-starting range that covers its midpoint, the innermost stage
-HOST_STAGES = {"add_request": "host:add_request", "schedule": "host:schedule", "update": "host:update",
-               "prepare": "host:prepare", "attention_metadata": "host:attention_metadata",
-               "model": "host:forward", "attention": "host:attention", "sample": "host:sample"}  # fmt: skip
+HOST_STAGES = {s: f"host:{s}" for s in ("add_request", "schedule", "update", "prepare", "attention_metadata",
+                                        "attention", "sample")} | {"model": "host:forward"}  # fmt: skip
 
 
 def bucket_of(name: str) -> str:
@@ -70,14 +69,14 @@ def labelled(llm, labels: dict[str, str], synced: bool):
     """While the block runs, each stage of labels runs inside a record_function range of its label, between
     two synchronisations where synced."""
 
+    wait = sync if synced else lambda: None
+
     @contextmanager
     def ranged(label: str) -> Iterator[None]:
-        if synced:
-            sync()
+        wait()
         with record_function(label):
             yield
-            if synced:
-                sync()
+            wait()
 
     return stages(llm, lambda name, args: ranged(labels[name]), labels)
 
@@ -176,12 +175,9 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
         tokens, kv_reads, pairs = batch, batch * ctx, batch * ctx
     wall = timed(lambda: [unit() for _ in range(n_timed)])[0] / n_timed * 1e6
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    heads = labelled(llm, {"logits": LM_HEAD, "sampler": SAMPLE}, synced=True)
     host = labelled(llm, HOST_STAGES, synced=False) if a.gaps else nullcontext()
-    with (
-        labelled(llm, {"logits": LM_HEAD, "sampler": SAMPLE}, synced=True),
-        host,
-        profile(activities=acts) as prof,
-    ):
+    with heads, host, profile(activities=acts) as prof:
         prof_wall = timed(lambda: [unit() for _ in range(n_prof)])[0] / n_prof * 1e6
     if phase != "prefill":
         for r in reqs:
@@ -252,10 +248,8 @@ def report(results: list[dict], extra: dict) -> None:
         for key in ("buckets", "top", "idle_by_stage", "longest_idle"):
             if key in r:
                 print("\n" + table(r[key]))
-    keys = ("wall_us", "profiled_wall_us", "busy_us", "idle_us", "kernel_us", "floor_us")
-    print(
-        "\n" + table([{"phase": r["phase"], **{k: r[k] for k in keys}} for r in results if "error" not in r])
-    )
+    keys = ("phase", "wall_us", "profiled_wall_us", "busy_us", "idle_us", "kernel_us", "floor_us")
+    print("\n" + table([{k: r[k] for k in keys} for r in results if "error" not in r]))
     if "cublas_error" in extra:
         print(f"\n== linears: FAILED {extra['cublas_error']}")
     if "cublas" in extra:
