@@ -8,7 +8,6 @@ hand: a table whose records are missing says which suite would write them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import write_generated  # noqa: E402
 from suites import ABOUT, RETIRED  # noqa: E402
 
 from turnout.bench import COLUMNS  # noqa: E402
@@ -487,18 +487,7 @@ def with_headline(readme: str) -> str:
     return head + start + "\n" + "\n".join(headline()) + "\n" + end + rest.split(end, 1)[1]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if either file is not up to date")
-    args = ap.parse_args()
-    perf, readme = render(), with_headline(README.read_text())
-    if args.check:
-        return 0 if PERF.is_file() and PERF.read_text() == perf and README.read_text() == readme else 1
-    PERF.write_text(perf)
-    README.write_text(readme)
-    print(f"wrote {PERF} and the headline block of {README}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(
+        write_generated({PERF: render(), README: with_headline(README.read_text())}, __doc__.splitlines()[0])
+    )
