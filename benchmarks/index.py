@@ -49,10 +49,8 @@ def render() -> str:
         "`python benchmarks/run.py SUITE` writes new ones (the suites are in `benchmarks/suites.py`), and "
         "`python benchmarks/report.py` turns them into [docs/performance.md](../../docs/performance.md).",
     ]
-    folders = sorted(
-        (d for d in RESULTS.iterdir() if d.is_dir()), key=lambda d: (d.name not in SUITES, d.name)
-    )
-    for folder in folders:
+    folders = [d for d in RESULTS.iterdir() if d.is_dir()]
+    for folder in sorted(folders, key=lambda d: (d.name not in SUITES, d.name)):
         files = sorted(folder.iterdir(), reverse=True)
         if not files:
             continue

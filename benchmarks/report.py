@@ -356,11 +356,8 @@ def render() -> str:
 def headline() -> list[str]:
     """About ten lines: the newest figure of each kind, each with its file."""
     lines = []
-    for suite, what in (
-        ("throughput", "Throughput (nano-vllm's bench)"),
-        ("latency", "Latency at batch 1"),
-        ("prefix", "Prefix caching"),
-    ):
+    for suite, what in (("throughput", "Throughput (nano-vllm's bench)"), ("latency", "Latency at batch 1"),
+                        ("prefix", "Prefix caching")):  # fmt: skip
         docs = files(suite)  # runs beside vLLM have their own line (vllm_headline) where there are others
         docs = [d for d in docs if not any(r["engine"] == "vllm" for r in d[1])] or docs
         if suite == "latency":  # the newest run of a commit as it stands (an A/B run carries a note)
@@ -385,9 +382,8 @@ def headline() -> list[str]:
                     fig += (f"; {sub[1]['ratio_vs_peer']:.1f}x HF `generate_batch` on {sub[1]['subset']} "
                             f"requests{where}")  # fmt: skip
             elif suite == "latency":
-                fig = (
-                    f"TPOT {num(rep.get('tpot_ms'))} ms, TTFT {_ttft(rep.get('ttft_ms'))} ms by prompt length"
-                )
+                ttft = _ttft(rep.get("ttft_ms"))
+                fig = f"TPOT {num(rep.get('tpot_ms'))} ms, TTFT {ttft} ms by prompt length"
 
                 def timed(r: dict[str, Any]) -> bool:  # a peer's repeat with a TPOT
                     return r["engine"] != "turnout" and r.get("run") == "repeat" and bool(r.get("tpot_ms"))
@@ -431,10 +427,8 @@ def headline() -> list[str]:
                          f"({cite(path, '')})")  # fmt: skip
             break
     for path, doc in files("conformance"):
-        if len(doc["results"]) > 1 and "test_attention_conformance" in doc.get("command", ""):
-            got = ", ".join(
-                f"{r['backend']} {r['passed']} passed, {r['failed']} failed" for r in doc["results"]
-            )
+        if len(rs := doc["results"]) > 1 and "test_attention_conformance" in doc.get("command", ""):
+            got = ", ".join(f"{r['backend']} {r['passed']} passed, {r['failed']} failed" for r in rs)
             device = doc["device"].split(" (")[0]
             lines.append(f"- Attention conformance on {device}: {got} ({cite(path, '')})")
             break
@@ -466,9 +460,7 @@ def vllm_headline() -> list[str]:
             first = next((r for r in recs if r["engine"] == "turnout" and r["run"] == "first"), {})
             got = [f"TPOT {first['tpot_ratio_vs_vllm']:.2f}x"] if first.get("tpot_ratio_vs_vllm") else []
             if ttft := first.get("ttft_ratio_vs_vllm"):
-                got.append(
-                    "TTFT " + ", ".join(f"{v:.2f}x at {n}" for n, v in ttft.items()) + " prompt tokens"
-                )
+                got.append(f"TTFT {', '.join(f'{v:.2f}x at {n}' for n, v in ttft.items())} prompt tokens")
             if got:
                 figs.append(f"time over vLLM's on the first run (below 1 is faster): {', '.join(got)} "
                             f"({cite(path, '')})")  # fmt: skip
@@ -488,6 +480,5 @@ def with_headline(readme: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(
-        write_generated({PERF: render(), README: with_headline(README.read_text())}, __doc__.splitlines()[0])
-    )
+    texts = {PERF: render(), README: with_headline(README.read_text())}
+    sys.exit(write_generated(texts, __doc__.splitlines()[0]))
