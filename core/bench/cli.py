@@ -22,12 +22,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
 
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("bench")
-    g.add_argument(
-        "--random-model",
-        choices=RANDOM_MODELS,
-        help="make (once, in the turnout cache) a random-weight bf16 checkpoint of this real shape "
-        "(-fp8: HF's block-scaled FP8 of it; -fp8-dynamic: compressed-tensors per-channel FP8)",
-    )
+    g.add_argument("--random-model", choices=RANDOM_MODELS, help="make (once, in the turnout cache) a "
+                   "random-weight bf16 checkpoint of this real shape (-fp8: HF's block-scaled FP8 of it; "
+                   "-fp8-dynamic: compressed-tensors per-channel FP8)")  # fmt: skip
     g.add_argument("--peers", default="", help=f"comma-separated, run side by side: {', '.join(PEERS)}")
     g.add_argument("--peers-dir", help="nanobench.py's and vllmbench.py's folder (../shared/peers, or .peer)")
     g.add_argument(
@@ -56,13 +53,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     w.add_argument("--max-output-len", type=int, default=512)
     lat = workloads_.add_parser("latency", parents=[common], help="batch-1 TPOT, and TTFT by prompt length")
     lat.add_argument("--tpot-tokens", type=int, default=256, help="decode steps timed for TPOT")
-    lat.add_argument(
-        "--ttft-lens",
-        type=lambda s: [int(x) for x in s.split(",")],
-        default=[512, 4096, 16384, 32768],
-        metavar="N,N",
-        help="prompt lengths for TTFT (those over max_model_len are skipped, with a note)",
-    )
+    lat.add_argument("--ttft-lens", type=lambda s: [int(x) for x in s.split(",")], metavar="N,N",
+                     default=[512, 4096, 16384, 32768], help="prompt lengths for TTFT (those over "
+                     "max_model_len are skipped, with a note)")  # fmt: skip
     pre = workloads_.add_parser("prefix", parents=[common], help="a shared prefix, prefix caching on vs off")
     pre.add_argument("--num-prompts", type=int, default=256)
     pre.add_argument("--prefix-len", type=int, default=2000, help="tokens every request shares")
@@ -73,13 +66,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     )
     _nano_vllm_requests(so)
     so.add_argument("--json-schema", metavar="FILE", help="a JSON Schema (default: an id, tags and a text)")
-    so.add_argument(
-        "--structured-output-ratio",
-        type=_ratios,
-        default=[1.0, 0.25],
-        metavar="R,R",
-        help="the share of requests held to the schema, one run pair each (default: 1,0.25)",
-    )
+    so.add_argument("--structured-output-ratio", type=_ratios, default=[1.0, 0.25], metavar="R,R", help="the "
+                    "share of requests held to the schema, one run pair each (default: 1,0.25)")  # fmt: skip
     for p in (t, w, lat, pre, so):
         p.set_defaults(fn=cmd_bench)
     return workloads_
@@ -118,10 +106,8 @@ def _peers(args: argparse.Namespace) -> list[str]:
         if w == "throughput" and (
             args.input or (args.num_prompts, args.max_input_len, args.max_output_len) != (256, 1024, 1024)
         ):
-            raise TurnoutError(
-                f"{p} runs {whose} bench.py workload only; drop --input, --num-prompts and "
-                "the length options, or the peer"
-            )
+            raise TurnoutError(f"{p} runs {whose} bench.py workload only; drop --input, --num-prompts and "
+                               "the length options, or the peer")  # fmt: skip
         if w == "latency" and args.tpot_tokens != 256:
             raise TurnoutError(f"{p}'s TPOT is over 256 tokens; drop --tpot-tokens or the peer")
     return peers
@@ -130,10 +116,8 @@ def _peers(args: argparse.Namespace) -> list[str]:
 def _check_wide(args: argparse.Namespace, peers: list[str]) -> None:
     """The wide workload's lengths form ranges, and its peers run any requests (HF's run one length)."""
     if hf := [p for p in peers if p in HF_ENGINES]:
-        raise TurnoutError(
-            f"{hf[0]} runs the throughput workload's subset only; wide runs beside "
-            "vllm, nano-vllm and turnout-static"
-        )
+        raise TurnoutError(f"{hf[0]} runs the throughput workload's subset only; wide runs beside vllm, "
+                           "nano-vllm and turnout-static")  # fmt: skip
     for what in ("input", "output"):
         lo, hi = getattr(args, f"min_{what}_len"), getattr(args, f"max_{what}_len")
         if not 1 <= lo <= hi:
