@@ -37,10 +37,8 @@ def find_peers_dir(explicit: str | None, runner: str = "nanobench.py") -> Path:
     for d in tries:
         if (d / runner).is_file():
             return d
-    raise TurnoutError(
-        f"no {runner} in {', '.join(map(str, tries))}; pass --peers-dir DIR "
-        "(../shared/peers/README.md says what it needs)"
-    )
+    raise TurnoutError(f"no {runner} in {', '.join(map(str, tries))}; pass --peers-dir DIR "
+                       "(../shared/peers/README.md says what it needs)")  # fmt: skip
 
 
 def vllm_env(site: str | Path) -> dict[str, str]:
@@ -48,9 +46,8 @@ def vllm_env(site: str | Path) -> dict[str, str]:
     which the folders on turnout's PYTHONPATH would shadow."""
     site = Path(site)
     if not (site / "vllm").is_dir():
-        raise TurnoutError(
-            f"vllm peer: no vllm/ in {site}; pass --vllm-site DIR (../shared/peers/fetch-vllm.sh builds it)"
-        )
+        raise TurnoutError(f"vllm peer: no vllm/ in {site}; pass --vllm-site DIR "
+                           "(../shared/peers/fetch-vllm.sh builds it)")  # fmt: skip
     return {**os.environ, "PYTHONPATH": str(site)}
 
 
@@ -263,9 +260,8 @@ def main(engine: str, model_dir: str, dtype: str, plan_file: str) -> dict[str, A
             seconds, tokens = timed(fn, model, [r["prompt"] for r in reqs], reqs[0]["max_tokens"])
             res[run] = {"seconds": seconds, "output_tokens": tokens}
         if lat := plan.get("latency"):
-            res |= workloads.latency(
-                None, lat["tpot_tokens"], lat["runs"], lambda p, n: timed(fn, model, [p], n)[0]
-            )
+            one = lambda p, n: timed(fn, model, [p], n)[0]  # seconds of one request
+            res |= workloads.latency(None, lat["tpot_tokens"], lat["runs"], one)
     return res
 
 

@@ -222,9 +222,8 @@ class Bench:
         else:
             reqs = workloads.throughput(a.num_prompts, a.max_input_len, a.max_output_len)
         sub = reqs if wide else workloads.subset(reqs, a.peer_subset, a.peer_output_len)
-        res = self.run_peers(
-            {"runs": dict.fromkeys(RUNS, workloads.as_json(sub)), "all": workloads.as_json(reqs)}
-        )
+        runs = dict.fromkeys(RUNS, workloads.as_json(sub))
+        res = self.run_peers({"runs": runs, "all": workloads.as_json(reqs)})
         llm = self.start()
         floors = self.run_floors(reqs)
         sub_floors = floors if wide else self.run_floors(sub)
@@ -320,10 +319,8 @@ class Bench:
         """--json-schema's schema, or the built-in one; TurnoutError where a ratio constrains no request."""
         a = self.args
         if none := [r for r in a.structured_output_ratio if round(r * a.num_prompts) == 0]:
-            raise TurnoutError(
-                f"--structured-output-ratio {none[0]} constrains none of {a.num_prompts} requests; "
-                "raise it or --num-prompts"
-            )
+            raise TurnoutError(f"--structured-output-ratio {none[0]} constrains none of {a.num_prompts} "
+                               "requests; raise it or --num-prompts")  # fmt: skip
         return workloads.json_schema(a.json_schema) if a.json_schema else workloads.JSON_SCHEMA
 
     # ---- peers ----

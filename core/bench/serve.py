@@ -75,9 +75,9 @@ def add_bench_serve_parser(subparsers: Any) -> None:
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], help="per s, Poisson; inf")
     p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     cores = max(1, min(8, (os.cpu_count() or 1) // 2))
-    p.add_argument(
-        "--client-processes", type=int, default=cores, help="each an openai client; cores / 2, <= 8"
-    )
+    p.add_argument("--client-processes", type=int, default=cores,
+                   help="processes the requests are dealt over, one openai client each; default: cores / 2, "
+                   "at most 8")  # fmt: skip
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE (TTFT, ITL)")
     p.add_argument("--repeat", type=int, default=1, help="runs per rate (each paired with an offline run)")
     p.add_argument("--vs-offline", action="store_true", help="also run LLM.generate here; report the ratio")

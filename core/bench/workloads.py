@@ -117,9 +117,8 @@ def from_jsonl(
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise TurnoutError(
-            f'--input {path}: {e.strerror}; pass a JSONL file of {{"prompt": ...}} lines'
-        ) from None
+        raise TurnoutError(f"--input {path}: {e.strerror}; "
+                           'pass a JSONL file of {"prompt": ...} lines') from None  # fmt: skip
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -127,9 +126,8 @@ def from_jsonl(
             row = json.loads(line)
             prompt = row["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise TurnoutError(
-                f'{path}:{n} needs a JSON object with a "prompt" (text or token ids)'
-            ) from None
+            raise TurnoutError(f"{path}:{n} needs a JSON object "
+                               'with a "prompt" (text or token ids)') from None  # fmt: skip
         if isinstance(prompt, str) and tokenizer is None:
             raise TurnoutError(f"{path}:{n}: text prompts need a tokenizer, but {tokenizer_problem}")
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
