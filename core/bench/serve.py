@@ -175,7 +175,7 @@ async def _client(s: Share) -> tuple[list[tuple[int, Record]], float, float]:
     return records, end, time.process_time() - cpu0
 
 
-def _warm_client() -> None:
+def _warm_client(_: int) -> None:
     import openai  # noqa: F401 - a spawned client pays its imports before the clock starts
 
     time.sleep(0.5)  # held, so that each warm-up lands on a process of its own
@@ -193,28 +193,19 @@ def _run(url: str, api_key: str | None, model: str | None, w: Workload, rate: fl
         offsets.append(at)
         at += rng.expovariate(rate) if math.isfinite(rate) else 0.0
     parts, gates = deal(offsets, args.client_processes, args.max_concurrency)
-    k = len(parts)
-    server_cpu0 = _tree_cpu_s(args.server_pid)
-    shares = [Share(url, api_key, model, w, p, 0.0, g, args.stream) for p, g in zip(parts, gates)]
+    k, server_cpu0 = len(parts), _tree_cpu_s(args.server_pid)
     with ProcessPoolExecutor(k, mp_context=get_context("spawn")) as pool:
-        for f in [pool.submit(_warm_client) for _ in range(k)]:
-            f.result()
+        list(pool.map(_warm_client, range(k)))
         start = time.time()
-        for sh in shares:
-            sh.start = start
+        shares = [Share(url, api_key, model, w, p, start, g, args.stream) for p, g in zip(parts, gates)]
         outs = list(pool.map(_client_part, shares))
-    records: list[Record] = [Record()] * len(w.prompts)
-    for recs, _, _ in outs:
-        for i, r in recs:
-            records[i] = r
+    records = [r for _, r in sorted(x for recs, _, _ in outs for x in recs)]  # every request was dealt once
     duration = max(end for _, end, _ in outs) - start
     res = _summary(records, w, duration, rate, model)
-    res["client_processes"] = k
-    res["client_cpu_s"] = sum(cpu for _, _, cpu in outs)
+    res |= {"client_processes": k, "client_cpu_s": sum(cpu for _, _, cpu in outs)}
     if args.server_pid:
-        res["server_cpu_s"] = {
-            name: after - server_cpu0.get(name, 0.0) for name, after in _tree_cpu_s(args.server_pid).items()
-        }
+        after = _tree_cpu_s(args.server_pid)
+        res["server_cpu_s"] = {name: s - server_cpu0.get(name, 0.0) for name, s in after.items()}
     return res
 
 
