@@ -168,15 +168,12 @@ class Bench:
     ) -> list[dict[str, Any]]:
         """Each peer's record of each run, with its distance from that run's floor (floors: by run, or the
         latency floors)."""
-        out = []
+        out, floors, lat = [], floors or {}, self.args.workload == "latency"
         for engine, res in results.items():
             cfg = self.peer_config(engine, res)
             for run in RUNS:
-                m = res[run]
-                if self.args.workload == "latency":
-                    near = vs_latency_floor(m, floors or {})
-                else:
-                    near = vs_floor(m.get("output_tokens_per_s"), (floors or {}).get(run))
+                m, tok_s = res[run], res[run].get("output_tokens_per_s")
+                near = vs_latency_floor(m, floors) if lat else vs_floor(tok_s, floors.get(run))
                 out.append(self.record(engine, run, cfg, startup_s=res["startup_s"], **extra, **m, **near))
         return out
 
