@@ -1,20 +1,12 @@
 """`turnout bench serve`: load on an OpenAI-compatible server, in the spirit of vLLM's `bench serve`.
 
-Requests go to /v1/completions through the official `openai` async client, as token-id prompts, at a
-Poisson request rate (inf = all at once), optionally capped at --max-concurrency. Reported per rate:
-request and output-token throughput, TTFT, TPOT (per request: (e2e - TTFT) / (tokens - 1)), ITL (gaps
-between chunks) and end-to-end latency at mean, p50 and p99, and the failed count. A JSON record goes to
-benchmarks/results/serve/.
-
-Without --url the command starts `turnout serve` itself (the engine flags are serve's) on a free port
-and stops it afterwards. --vs-offline then runs the same workload through LLM.generate in this process,
-as many times as the server ran it (non-streamed, then streamed), and pairs run k with run k, so that both
-sides meet the same prefix-cache state. It reports server / offline output throughput per pair, both counted
-as nano-vllm counts them: the sum of max_tokens over the wall time (ignore_eos makes every request produce
-all of them).
-
---workload nanovllm is nano-vllm's bench.py: 256 requests, prompt and output lengths uniform in
-[100, 1024], token ids uniform in [0, 10000], temperature 0.6, ignore_eos, seed 0.
+Token-id prompts go to /v1/completions through the `openai` async client at a Poisson request rate (inf: all
+at once). Per rate: request and token throughput, TTFT, TPOT ((e2e - TTFT) / (tokens - 1) per request), ITL
+(gaps between chunks) and end-to-end latency at mean, p50 and p99, and the failed count; a JSON record goes
+to benchmarks/results/serve/. Without --url the command starts `turnout serve` itself (the engine flags are
+serve's). --vs-offline then runs the same workload through LLM.generate here as many times as the server
+ran it (non-streamed, then streamed) and pairs run k with run k, so that both meet the same prefix-cache
+state; both sides count output tokens as nano-vllm does, max_tokens over the wall time (ignore_eos).
 """
 
 from __future__ import annotations
@@ -41,7 +33,7 @@ from turnout.errors import TurnoutError
 
 WORKLOADS = {  # name: (num_prompts, input_len, output_len, temperature)
     "random": (200, (1024, 1024), (128, 128), 0.0),
-    "nanovllm": (256, (100, 1024), (100, 1024), 0.6),
+    "nanovllm": (256, (100, 1024), (100, 1024), 0.6),  # nano-vllm's bench.py, with the default ids and seed
 }
 
 
