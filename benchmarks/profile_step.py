@@ -1,19 +1,14 @@
 """Where an engine step's time goes, by kernel bucket (torch.profiler), at a model shape, phase by phase.
 
-Batch-1 and batch-256 decode and a long prefill; with --cublas, cuBLAS against turnout's GEMV at the linears.
-
   python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,prefill --cublas
 
-One engine (turnout.LLM, default selection) runs the phases through LLMEngine.step. decodeN: N requests
-of --context random tokens run until all decode, then --warmup steps, --steps timed (host clock between two
-synchronisations) and --prof-steps profiled. prefill: one request of
---prefill-len tokens and max_tokens 1 at a time, --prefill-reps timed and as many profiled. Prompts are
-distinct (no prefix-cache hits). While profiled, the LM head (model.compute_logits) and the sampler run
-between two synchronisations in record_function ranges: kernels that start there are "lm_head" and
-"sampling", the rest go by name. busy = the union of kernel spans per step; idle = wall - busy (host gaps;
-PDL-overlapped kernels sum past busy); floor = max(bytes, FLOPs) of the step at the H200's ceilings.
---gaps: while profiled, the host stages run in record_function ranges too (HOST_STAGES), and each interval
-with no kernel running goes to the innermost stage the host was in at its midpoint ("idle_by_stage").
+One turnout.LLM (default selection) steps through each phase: decodeN, N requests of distinct prompts run
+until all decode, then timed and profiled steps; prefill, one request with max_tokens 1 at a time. While
+profiled, the LM head and the sampler run between two synchronisations in record_function ranges, so their
+kernels are "lm_head" and "sampling"; the rest go by name (BUCKETS). busy = the union of kernel spans per
+step; idle = wall - busy (host gaps; PDL-overlapped kernels sum past busy); floor = max(bytes, FLOPs) of the
+step at the H200's ceilings. --gaps puts each interval with no kernel running under the innermost host stage
+at its midpoint (HOST_STAGES); --cublas times cuBLAS against turnout's GEMV at the linears.
 """
 
 from __future__ import annotations
