@@ -43,9 +43,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     t.add_argument("--max-tokens", type=int, default=256, help="for --input lines without max_tokens")
     t.add_argument("--peer-subset", type=int, default=64, help="requests the HF peers (and turnout) run")
     t.add_argument("--peer-output-len", type=int, default=128, help="greedy tokens per subset request")
-    w = workloads_.add_parser(
-        "wide", parents=[common], help="wide decode: 1024 short prompts, each decoding a few hundred tokens"
-    )
+    w = workloads_.add_parser("wide", parents=[common], help="wide decode: 1024 short prompts, long outputs")
     w.add_argument("--num-prompts", type=int, default=1024)
     w.add_argument("--min-input-len", type=int, default=16, help="prompt lengths uniform in [min, max]")
     w.add_argument("--max-input-len", type=int, default=64)
@@ -103,9 +101,8 @@ def _peers(args: argparse.Namespace) -> list[str]:
         raise TurnoutError("hf-generate-batch has no batch-1 latency mode; use --peers hf-generate")
     for p in (p for p in peers if p in BENCH_PY_PEERS):
         whose = "its own" if p == "nano-vllm" else "nano-vllm's"
-        if w == "throughput" and (
-            args.input or (args.num_prompts, args.max_input_len, args.max_output_len) != (256, 1024, 1024)
-        ):
+        if w == "throughput" and (args.input or (args.num_prompts, args.max_input_len, args.max_output_len)
+                                  != (256, 1024, 1024)):  # fmt: skip
             raise TurnoutError(f"{p} runs {whose} bench.py workload only; drop --input, --num-prompts and "
                                "the length options, or the peer")  # fmt: skip
         if w == "latency" and args.tpot_tokens != 256:

@@ -105,14 +105,9 @@ def command() -> str:
 def provenance() -> dict[str, Any]:
     import torch
 
-    return {
-        "device": device_name(),
-        "commit": commit(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return {"device": device_name(), "commit": commit(), "date": date, "command": command(),
+            "python": platform.python_version(), "torch": torch.__version__}  # fmt: skip
 
 
 def check(rec: dict[str, Any]) -> None:

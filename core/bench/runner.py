@@ -253,10 +253,8 @@ class Bench:
         llm = self.start()
         floors: dict[str, Any] = {}
         if self.ceiling:
-            t = a.tpot_tokens
-            floors["tpot_floor_ms"] = (
-                (self._floor_s([(32, 0, t + 1)]) - self._floor_s([(32, 0, 1)])) / t * 1e3
-            )
+            t, one = a.tpot_tokens, self._floor_s([(32, 0, 1)])  # a 32-token prompt, one output token
+            floors["tpot_floor_ms"] = (self._floor_s([(32, 0, t + 1)]) - one) / t * 1e3
             floors["ttft_floor_ms"] = {str(n): self._floor_s([(n, 0, 1)]) * 1e3 for n in self.ttft_lens}
         measured, recs = workloads.latency(llm, a.tpot_tokens, plan), []
         for run, m in measured.items():
@@ -274,9 +272,8 @@ class Bench:
         runs = {run: workloads.prefix(a.num_prompts, a.prefix_len, a.suffix_len, a.output_len, seed=i)
                 for i, run in enumerate(RUNS)}  # fmt: skip
         off_cfg = {**self.cfg.model_dump(), "enable_prefix_caching": False}
-        off = self.child(
-            "turnout", {"config": off_cfg, "runs": {r: workloads.as_json(q) for r, q in runs.items()}}
-        )
+        off_runs = {r: workloads.as_json(q) for r, q in runs.items()}
+        off = self.child("turnout", {"config": off_cfg, "runs": off_runs})
         llm, recs = self.start(enable_prefix_caching=True), []
         shapes = workloads.shapes(runs["first"], cached=a.prefix_len)
         shapes[0] = (shapes[0][0], 0, shapes[0][2])  # the first request computes the prefix

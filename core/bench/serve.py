@@ -253,17 +253,14 @@ def _summary(records: list[Record], w: Workload, duration: float, rate: float, m
     short = sum(r.output_tokens != m for r, m in zip(records, w.max_tokens) if r.ok)
     errors = sorted({r.error for r in records if r.error})
     res: dict[str, Any] = {
-        "request_rate": "inf" if math.isinf(rate) else rate,
-        "model": model,
-        "completed": len(ok),
+        "request_rate": "inf" if math.isinf(rate) else rate, "model": model, "completed": len(ok),
         "failed": len(records) - len(ok),
         "short": short,  # completed with fewer tokens than max_tokens despite ignore_eos: a server bug
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
+        "duration_s": duration, "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "max_tokens_throughput": sum(m for m, r in zip(w.max_tokens, records) if r.ok) / duration,
-    }
+    }  # fmt: skip
     streamed = [r for r in ok if r.ttft is not None]
     for name, vals in (
         ("ttft", [r.ttft for r in streamed]),

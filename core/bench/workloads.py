@@ -207,16 +207,10 @@ def selection(llm: Any) -> dict[str, Any]:
     tuning record can change."""
     sel = llm.selection
     fitted = sel.apply(llm.config)
-    return {
-        "attention": sel.attention.chosen.name,
-        "graph_mode": sel.effective_graph.name,
-        "executor": sel.executor.chosen.name,
-        "dtype": str(sel.dtype).removeprefix("torch."),
-        "async_scheduling": sel.async_scheduling,
-        "block_size": fitted.block_size,
-        "max_num_batched_tokens": fitted.max_num_batched_tokens,
-        "max_num_seqs": fitted.max_num_seqs,
-    }
+    chosen = {"attention": sel.attention.chosen.name, "graph_mode": sel.effective_graph.name,
+              "executor": sel.executor.chosen.name, "dtype": str(sel.dtype).removeprefix("torch."),
+              "async_scheduling": sel.async_scheduling}  # fmt: skip
+    return chosen | {k: getattr(fitted, k) for k in ("block_size", "max_num_batched_tokens", "max_num_seqs")}
 
 
 def latency(
