@@ -20,13 +20,8 @@ from pathlib import Path
 
 import torch
 
-from turnout.attention import (
-    AttentionBackend,
-    AttentionContext,
-    AttentionMetadata,
-    AttentionSpec,
-    CudagraphSupport,
-)
+from turnout.attention import AttentionBackend, AttentionContext, AttentionMetadata, AttentionSpec
+from turnout.attention import CudagraphSupport as S
 from turnout.bench import CEILINGS, current_platform
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -67,16 +62,11 @@ def make_step(
     kv_cache = torch.randn(2, sum(nblocks), bs, kvh, d, device=dev, dtype=dtype)
     q, k, v = (torch.randn(t, n, d, device=dev, dtype=dtype) for n in (h, kvh, kvh))
     cu = torch.tensor([0] + query_lens, device=dev).cumsum(0).to(torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots),
-        query_start_loc=cu,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-        block_table=table,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        num_actual_tokens=t,
-        num_decode_tokens=sum(ql == 1 for ql in query_lens) if max(query_lens) == 1 else 0,
-    )
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    decodes = sum(ql == 1 for ql in query_lens) if max(query_lens) == 1 else 0
+    meta = AttentionMetadata(slot_mapping=torch.cat(slots), query_start_loc=cu, seq_lens=lens,
+                             block_table=table, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+                             num_actual_tokens=t, num_decode_tokens=decodes)  # fmt: skip
     return q, k, v, kv_cache, meta
 
 
@@ -102,7 +92,7 @@ def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argpar
         return impl.forward(q, k, v, kv_cache, meta)
 
     ms = cuda_time_ms(fwd, args.iters, WARMUP)
-    S = CudagraphSupport  # one prefill request is a uniform batch
+    # one prefill request is a uniform batch
     graphable = be.cudagraph_support >= (S.UNIFORM_DECODE if kind == "decode" else S.UNIFORM_BATCH)
     g_ms = cuda_time_ms(captured(fwd).replay, args.iters, WARMUP) if graphable else None
     row = dict(backend=be.name, kind=kind, batch=batch, context=ctx, block_size=bs)

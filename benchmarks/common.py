@@ -3,11 +3,11 @@ torch.profiler trace."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as md
 import json
 import re
 import statistics
-import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +26,19 @@ def write_json(path: str | None, rows: list[dict[str, Any]], config: Any, **extr
         doc = {**provenance(), "config": cfg, **extra, "results": rows}
         Path(path).write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {path}")
+
+
+def write_generated(texts: dict[Path, str], description: str) -> int:
+    """The main of a script that generates files from the records: writes each path's text, or with --check
+    exits 1 where a file is not up to date."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--check", action="store_true", help="exit 1 if a file is not up to date")
+    if ap.parse_args().check:
+        return int(any(not p.is_file() or p.read_text() != text for p, text in texts.items()))
+    for p, text in texts.items():
+        p.write_text(text)
+    print("wrote " + " and ".join(map(str, texts)))
+    return 0
 
 
 def cuda_time_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -69,23 +82,6 @@ def version(name: str) -> str | None:
         return md.version(name)
     except md.PackageNotFoundError:
         return None
-
-
-def sync() -> None:
-    """Waits for the current CUDA device's work, where there is one."""
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds of fn() between two synchronisations."""
-    sync()
-    t = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t
 
 
 # ---- torch.profiler traces ----

@@ -9,13 +9,13 @@ the JSON that names them, or on their own.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import write_generated  # noqa: E402
 from suites import ABOUT, RETIRED, SUITES  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -49,10 +49,8 @@ def render() -> str:
         "`python benchmarks/run.py SUITE` writes new ones (the suites are in `benchmarks/suites.py`), and "
         "`python benchmarks/report.py` turns them into [docs/performance.md](../../docs/performance.md).",
     ]
-    folders = sorted(
-        (d for d in RESULTS.iterdir() if d.is_dir()), key=lambda d: (d.name not in SUITES, d.name)
-    )
-    for folder in folders:
+    folders = [d for d in RESULTS.iterdir() if d.is_dir()]
+    for folder in sorted(folders, key=lambda d: (d.name not in SUITES, d.name)):
         files = sorted(folder.iterdir(), reverse=True)
         if not files:
             continue
@@ -75,17 +73,5 @@ def render() -> str:
     return "\n".join(out) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if the index is not up to date")
-    args = ap.parse_args()
-    text = render()
-    if args.check:
-        return 0 if INDEX.is_file() and INDEX.read_text() == text else 1
-    INDEX.write_text(text)
-    print(f"wrote {INDEX}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(write_generated({INDEX: render()}, __doc__.splitlines()[0]))

@@ -1,19 +1,14 @@
 """Where an engine step's time goes, by kernel bucket (torch.profiler), at a model shape, phase by phase.
 
-Batch-1 and batch-256 decode and a long prefill; with --cublas, cuBLAS against turnout's GEMV at the linears.
-
   python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,prefill --cublas
 
-One engine (turnout.LLM, default selection) runs the phases through LLMEngine.step. decodeN: N requests
-of --context random tokens run until all decode, then --warmup steps, --steps timed (host clock between two
-synchronisations) and --prof-steps profiled. prefill: one request of
---prefill-len tokens and max_tokens 1 at a time, --prefill-reps timed and as many profiled. Prompts are
-distinct (no prefix-cache hits). While profiled, the LM head (model.compute_logits) and the sampler run
-between two synchronisations in record_function ranges: kernels that start there are "lm_head" and
-"sampling", the rest go by name. busy = the union of kernel spans per step; idle = wall - busy (host gaps;
-PDL-overlapped kernels sum past busy); floor = max(bytes, FLOPs) of the step at the H200's ceilings.
---gaps: while profiled, the host stages run in record_function ranges too (HOST_STAGES), and each interval
-with no kernel running goes to the innermost stage the host was in at its midpoint ("idle_by_stage").
+One turnout.LLM (default selection) steps through each phase: decodeN, N requests of distinct prompts run
+until all decode, then timed and profiled steps; prefill, one request with max_tokens 1 at a time. While
+profiled, the LM head and the sampler run between two synchronisations in record_function ranges, so their
+kernels are "lm_head" and "sampling"; the rest go by name (BUCKETS). busy = the union of kernel spans per
+step; idle = wall - busy (host gaps; PDL-overlapped kernels sum past busy); floor = max(bytes, FLOPs) of the
+step at the H200's ceilings. --gaps puts each interval with no kernel running under the innermost host stage
+at its midpoint (HOST_STAGES); --cublas times cuBLAS against turnout's GEMV at the linears.
 """
 
 from __future__ import annotations
@@ -35,20 +30,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from turnout.bench import CEILINGS, SHAPES, Shape, make_random_model, random_model_dir, stages, table
+from turnout.bench import CEILINGS, SHAPES, Shape, random_model, stages, sync, table, timed
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (  # noqa: E402
-    Span,
-    assign,
-    busy_us,
-    kernel_spans,
-    label_ranges,
-    short,
-    sync,
-    timed,
-    write_json,
-)
+from common import Span, assign, busy_us, kernel_spans, label_ranges, short, write_json  # noqa: E402
 
 LM_HEAD, SAMPLE = "step_lm_head", "step_sample"  # record_function labels
 # first match wins, on the lower-cased name: turnout_triton's, FlashInfer's, FlashAttention's kernels (FA4's
@@ -66,9 +51,8 @@ H200 = CEILINGS["H200"]
 CUBLAS_M = (1, 256)  # rows of the linears --cublas times
 # --gaps: each host stage of turnout.bench.STAGES profiled, as its record_function label; a gap goes to the
 # latest-starting range that covers its midpoint, the innermost stage
-HOST_STAGES = {"add_request": "host:add_request", "schedule": "host:schedule", "update": "host:update",
-               "prepare": "host:prepare", "attention_metadata": "host:attention_metadata",
-               "model": "host:forward", "attention": "host:attention", "sample": "host:sample"}  # fmt: skip
+HOST_STAGES = {s: f"host:{s}" for s in ("add_request", "schedule", "update", "prepare", "attention_metadata",
+                                        "attention", "sample")} | {"model": "host:forward"}  # fmt: skip
 
 
 def bucket_of(name: str) -> str:
@@ -80,14 +64,14 @@ def labelled(llm, labels: dict[str, str], synced: bool):
     """While the block runs, each stage of labels runs inside a record_function range of its label, between
     two synchronisations where synced."""
 
+    wait = sync if synced else lambda: None
+
     @contextmanager
     def ranged(label: str) -> Iterator[None]:
-        if synced:
-            sync()
+        wait()
         with record_function(label):
             yield
-            if synced:
-                sync()
+            wait()
 
     return stages(llm, lambda name, args: ranged(labels[name]), labels)
 
@@ -184,15 +168,12 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
             unit()
         ctx = a.context + a.warmup + n_timed  # keys per request in the profiled steps
         tokens, kv_reads, pairs = batch, batch * ctx, batch * ctx
-    wall = timed(lambda: [unit() for _ in range(n_timed)]) / n_timed * 1e6
+    wall = timed(lambda: [unit() for _ in range(n_timed)])[0] / n_timed * 1e6
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    heads = labelled(llm, {"logits": LM_HEAD, "sampler": SAMPLE}, synced=True)
     host = labelled(llm, HOST_STAGES, synced=False) if a.gaps else nullcontext()
-    with (
-        labelled(llm, {"logits": LM_HEAD, "sampler": SAMPLE}, synced=True),
-        host,
-        profile(activities=acts) as prof,
-    ):
-        prof_wall = timed(lambda: [unit() for _ in range(n_prof)]) / n_prof * 1e6
+    with heads, host, profile(activities=acts) as prof:
+        prof_wall = timed(lambda: [unit() for _ in range(n_prof)])[0] / n_prof * 1e6
     if phase != "prefill":
         for r in reqs:
             engine.abort(r.req_id)
@@ -262,10 +243,8 @@ def report(results: list[dict], extra: dict) -> None:
         for key in ("buckets", "top", "idle_by_stage", "longest_idle"):
             if key in r:
                 print("\n" + table(r[key]))
-    keys = ("wall_us", "profiled_wall_us", "busy_us", "idle_us", "kernel_us", "floor_us")
-    print(
-        "\n" + table([{"phase": r["phase"], **{k: r[k] for k in keys}} for r in results if "error" not in r])
-    )
+    keys = ("phase", "wall_us", "profiled_wall_us", "busy_us", "idle_us", "kernel_us", "floor_us")
+    print("\n" + table([{k: r[k] for k in keys} for r in results if "error" not in r]))
     if "cublas_error" in extra:
         print(f"\n== linears: FAILED {extra['cublas_error']}")
     if "cublas" in extra:
@@ -306,7 +285,7 @@ def main() -> None:
             extra["cublas_error"] = traceback.format_exc().strip().splitlines()[-1]
         write_json(out, results, args, **extra)
     max_len = max(args.prefill_len, args.context + args.warmup + args.steps + args.prof_steps + 512) + 1024
-    path = make_random_model(random_model_dir(args.random_model), args.random_model)
+    path = random_model(args.random_model)
     shape = Shape.from_checkpoint(path, 2)
     batches = [int(p.removeprefix("decode")) for p in phases if p.startswith("decode")]
     kw = {"max_num_seqs": max(batches)} if max(batches, default=0) > 256 else {}

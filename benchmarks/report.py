@@ -8,7 +8,6 @@ hand: a table whose records are missing says which suite would write them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import write_generated  # noqa: E402
 from suites import ABOUT, RETIRED  # noqa: E402
 
 from turnout.bench import COLUMNS  # noqa: E402
@@ -107,13 +107,8 @@ def bench_section(suite: str) -> list[str]:
     seen, out = set(), []
     for path, recs in files(suite):
         ours = next((r for r in recs if r["engine"] == "turnout"), recs[0])
-        engines = tuple(sorted({r["engine"] for r in recs}))
-        key = (
-            ours["model"],
-            settings(ours["config"]),
-            engines,
-            ours["config"].get("engine", {}).get("tuned"),
-        )
+        cfg, engines = ours["config"], tuple(sorted({r["engine"] for r in recs}))
+        key = (ours["model"], settings(cfg), engines, cfg.get("engine", {}).get("tuned"))
         if key in seen or not isinstance(recs, list):
             continue
         seen.add(key)
@@ -358,23 +353,11 @@ def render() -> str:
 
 
 # ---- README's headline block ----
-def pick_peers(docs: list[tuple[Path, Doc]]) -> list[tuple[Path, Doc]]:
-    """The runs whose records include a peer with a repeat TPOT, newest first."""
-
-    def peer(r: dict[str, Any]) -> bool:
-        return r["engine"] != "turnout" and r.get("run") == "repeat" and bool(r.get("tpot_ms"))
-
-    return [(p, d) for p, d in docs if any(peer(r) for r in d)]
-
-
 def headline() -> list[str]:
     """About ten lines: the newest figure of each kind, each with its file."""
     lines = []
-    for suite, what in (
-        ("throughput", "Throughput (nano-vllm's bench)"),
-        ("latency", "Latency at batch 1"),
-        ("prefix", "Prefix caching"),
-    ):
+    for suite, what in (("throughput", "Throughput (nano-vllm's bench)"), ("latency", "Latency at batch 1"),
+                        ("prefix", "Prefix caching")):  # fmt: skip
         docs = files(suite)  # runs beside vLLM have their own line (vllm_headline) where there are others
         docs = [d for d in docs if not any(r["engine"] == "vllm" for r in d[1])] or docs
         if suite == "latency":  # the newest run of a commit as it stands (an A/B run carries a note)
@@ -399,11 +382,14 @@ def headline() -> list[str]:
                     fig += (f"; {sub[1]['ratio_vs_peer']:.1f}x HF `generate_batch` on {sub[1]['subset']} "
                             f"requests{where}")  # fmt: skip
             elif suite == "latency":
-                fig = (
-                    f"TPOT {num(rep.get('tpot_ms'))} ms, TTFT {_ttft(rep.get('ttft_ms'))} ms by prompt length"
-                )
-                same = [d for d in docs if d[1][0]["model"] == first.get("model")]
-                for ppath, precs in pick_peers(same)[:1]:  # the newest run of this model beside a peer
+                ttft = _ttft(rep.get("ttft_ms"))
+                fig = f"TPOT {num(rep.get('tpot_ms'))} ms, TTFT {ttft} ms by prompt length"
+
+                def timed(r: dict[str, Any]) -> bool:  # a peer's repeat with a TPOT
+                    return r["engine"] != "turnout" and r.get("run") == "repeat" and bool(r.get("tpot_ms"))
+
+                same = [d for d in docs if d[1][0]["model"] == first.get("model") and any(map(timed, d[1]))]
+                for ppath, precs in same[:1]:  # the newest run of this model beside a peer
                     mine = next(r for r in precs if r["engine"] == "turnout" and r["run"] == "repeat")
                     peer = next(r for r in precs if r["engine"] != "turnout" and r["run"] == "repeat")
                     if ppath != path:
@@ -431,10 +417,9 @@ def headline() -> list[str]:
                      f"{num(r['turnout_tok_s'])} tok/s, {r['speedup']:.2f}x HF transformers in float32, "
                      f"{same['speedup']:.2f}x in bf16 ({cite(path, '')})")  # fmt: skip
     for path, doc in files("graphs"):
-        best = min(
-            (r for r in doc["results"] if r.get("tpot_ms_b1")), key=lambda r: r["tpot_ms_b1"], default=None
-        )
-        eager = next((r for r in doc["results"] if r.get("mode") == "NONE" and r.get("tpot_ms_b1")), None)
+        b1 = [r for r in doc["results"] if r.get("tpot_ms_b1")]
+        best = min(b1, key=lambda r: r["tpot_ms_b1"], default=None)
+        eager = next((r for r in b1 if r.get("mode") == "NONE"), None)
         if best and eager:
             lines.append(f"- CUDA graphs on {doc['device']}, batch-1 decode: {best['backend']} "
                          f"{best['mode']} {best['tpot_ms_b1']:.2f} ms a token against "
@@ -442,13 +427,10 @@ def headline() -> list[str]:
                          f"({cite(path, '')})")  # fmt: skip
             break
     for path, doc in files("conformance"):
-        if len(doc["results"]) > 1 and "test_attention_conformance" in doc.get("command", ""):
-            got = ", ".join(
-                f"{r['backend']} {r['passed']} passed, {r['failed']} failed" for r in doc["results"]
-            )
-            lines.append(
-                f"- Attention conformance on {doc['device'].split(' (')[0]}: {got} ({cite(path, '')})"
-            )
+        if len(rs := doc["results"]) > 1 and "test_attention_conformance" in doc.get("command", ""):
+            got = ", ".join(f"{r['backend']} {r['passed']} passed, {r['failed']} failed" for r in rs)
+            device = doc["device"].split(" (")[0]
+            lines.append(f"- Attention conformance on {device}: {got} ({cite(path, '')})")
             break
     return lines
 
@@ -478,9 +460,7 @@ def vllm_headline() -> list[str]:
             first = next((r for r in recs if r["engine"] == "turnout" and r["run"] == "first"), {})
             got = [f"TPOT {first['tpot_ratio_vs_vllm']:.2f}x"] if first.get("tpot_ratio_vs_vllm") else []
             if ttft := first.get("ttft_ratio_vs_vllm"):
-                got.append(
-                    "TTFT " + ", ".join(f"{v:.2f}x at {n}" for n, v in ttft.items()) + " prompt tokens"
-                )
+                got.append(f"TTFT {', '.join(f'{v:.2f}x at {n}' for n, v in ttft.items())} prompt tokens")
             if got:
                 figs.append(f"time over vLLM's on the first run (below 1 is faster): {', '.join(got)} "
                             f"({cite(path, '')})")  # fmt: skip
@@ -499,18 +479,6 @@ def with_headline(readme: str) -> str:
     return head + start + "\n" + "\n".join(headline()) + "\n" + end + rest.split(end, 1)[1]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if either file is not up to date")
-    args = ap.parse_args()
-    perf, readme = render(), with_headline(README.read_text())
-    if args.check:
-        return 0 if PERF.is_file() and PERF.read_text() == perf and README.read_text() == readme else 1
-    PERF.write_text(perf)
-    README.write_text(readme)
-    print(f"wrote {PERF} and the headline block of {README}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    texts = {PERF: render(), README: with_headline(README.read_text())}
+    sys.exit(write_generated(texts, __doc__.splitlines()[0]))

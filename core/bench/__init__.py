@@ -9,42 +9,22 @@ Names but the CLI's are imported on first use: `turnout --help` stays light."""
 from turnout.bench.cli import add_bench_parser, cmd_bench
 from turnout.bench.serve import add_bench_serve_parser
 
-__all__ = [
-    "CEILINGS",
-    "COLUMNS",
-    "SHAPES",
-    "STAGES",
-    "Shape",
-    "add_bench_parser",
-    "add_bench_serve_parser",
-    "cmd_bench",
-    "current_platform",
-    "gemv",
-    "make_random_model",
-    "memory_reports",
-    "provenance",
-    "random_model_dir",
-    "stages",
-    "table",
-    "write_tokenizer",
-]
-
-_LAZY = {  # name -> (module, its name there)
-    **{n: ("turnout.bench.random_models", n) for n in ("SHAPES", "make_random_model", "random_model_dir")},
-    "write_tokenizer": ("turnout.bench.random_models", "write_tokenizer"),
-    **{n: ("turnout.bench.records", n) for n in ("COLUMNS", "provenance", "table")},
-    "CEILINGS": ("turnout.bench.roofline", "CEILINGS"),
-    "Shape": ("turnout.bench.roofline", "Shape"),
-    **{n: ("turnout.bench.profiling", n) for n in ("STAGES", "stages", "memory_reports")},
-    "gemv": ("turnout.layers.gemv", "gemv"),  # measured on its own
-    "current_platform": ("turnout.platform", "current_platform"),
+_MODULES = {  # module -> the names imported from it on first use
+    "turnout.bench.random_models": ("SHAPES", "random_model", "write_tokenizer"),
+    "turnout.bench.records": ("COLUMNS", "provenance", "table"),
+    "turnout.bench.roofline": ("CEILINGS", "Shape"),
+    "turnout.bench.profiling": ("STAGES", "stages", "memory_reports"),
+    "turnout.bench.workloads": ("sync", "timed"),
+    "turnout.layers.gemv": ("gemv",),  # measured on its own
+    "turnout.platform": ("current_platform",),
 }
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
+__all__ = ["add_bench_parser", "add_bench_serve_parser", "cmd_bench", *_LAZY]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)

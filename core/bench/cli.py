@@ -12,17 +12,8 @@ from turnout.bench.peers import BENCH_PY_PEERS, HF_ENGINES, PEERS, VLLM_SITE
 from turnout.bench.random_models import RANDOM_MODELS
 from turnout.errors import TurnoutError
 
-PLOT_METRIC = {
-    "throughput": "output_tokens_per_s",
-    "wide": "output_tokens_per_s",
-    "latency": "tpot_ms",
-    "prefix": "output_tokens_per_s",
-    "structured": "structured_cost",
-}
-SELF_COMPARED = {  # workloads that compare turnout with itself, and what with
-    "prefix": "caching off",
-    "structured": "unconstrained",
-}
+PLOT_METRIC = {"latency": "tpot_ms", "structured": "structured_cost"}  # the others: output_tokens_per_s
+SELF_COMPARED = {"prefix": "caching off", "structured": "unconstrained"}  # turnout against itself, and how
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction:
@@ -31,20 +22,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
 
     common = argparse.ArgumentParser(add_help=False)
     g = common.add_argument_group("bench")
-    g.add_argument(
-        "--random-model",
-        choices=RANDOM_MODELS,
-        help="make (once, in the turnout cache) a random-weight bf16 checkpoint of this real shape "
-        "(-fp8: HF's block-scaled FP8 of it; -fp8-dynamic: compressed-tensors per-channel FP8)",
-    )
+    g.add_argument("--random-model", choices=RANDOM_MODELS, help="make (once, in the turnout cache) a "
+                   "random-weight bf16 checkpoint of this real shape (-fp8: HF's block-scaled FP8 of it; "
+                   "-fp8-dynamic: compressed-tensors per-channel FP8)")  # fmt: skip
     g.add_argument("--peers", default="", help=f"comma-separated, run side by side: {', '.join(PEERS)}")
+    g.add_argument("--peers-dir", help="nanobench.py's and vllmbench.py's folder (../shared/peers, or .peer)")
     g.add_argument(
-        "--peers-dir", help="folder of nanobench.py and vllmbench.py (default: ../shared/peers, or .peer)"
-    )
-    g.add_argument(
-        "--vllm-site",
-        default=VLLM_SITE,
-        help=f"the folder that holds vllm, the vllm peer's whole PYTHONPATH (default: {VLLM_SITE})",
+        "--vllm-site", default=VLLM_SITE, help=f"vllm's folder, the vllm peer's PYTHONPATH ({VLLM_SITE})"
     )
     g.add_argument("--peer-timeout", type=float, default=900, help="seconds one peer may run")
     g.add_argument("--cold-cache", action="store_true", help="a fresh, empty Triton kernel cache")
@@ -59,9 +43,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     t.add_argument("--max-tokens", type=int, default=256, help="for --input lines without max_tokens")
     t.add_argument("--peer-subset", type=int, default=64, help="requests the HF peers (and turnout) run")
     t.add_argument("--peer-output-len", type=int, default=128, help="greedy tokens per subset request")
-    w = workloads_.add_parser(
-        "wide", parents=[common], help="wide decode: 1024 short prompts, each decoding a few hundred tokens"
-    )
+    w = workloads_.add_parser("wide", parents=[common], help="wide decode: 1024 short prompts, long outputs")
     w.add_argument("--num-prompts", type=int, default=1024)
     w.add_argument("--min-input-len", type=int, default=16, help="prompt lengths uniform in [min, max]")
     w.add_argument("--max-input-len", type=int, default=64)
@@ -69,13 +51,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     w.add_argument("--max-output-len", type=int, default=512)
     lat = workloads_.add_parser("latency", parents=[common], help="batch-1 TPOT, and TTFT by prompt length")
     lat.add_argument("--tpot-tokens", type=int, default=256, help="decode steps timed for TPOT")
-    lat.add_argument(
-        "--ttft-lens",
-        type=lambda s: [int(x) for x in s.split(",")],
-        default=[512, 4096, 16384, 32768],
-        metavar="N,N",
-        help="prompt lengths for TTFT (those over max_model_len are skipped, with a note)",
-    )
+    lat.add_argument("--ttft-lens", type=lambda s: [int(x) for x in s.split(",")], metavar="N,N",
+                     default=[512, 4096, 16384, 32768], help="prompt lengths for TTFT (those over "
+                     "max_model_len are skipped, with a note)")  # fmt: skip
     pre = workloads_.add_parser("prefix", parents=[common], help="a shared prefix, prefix caching on vs off")
     pre.add_argument("--num-prompts", type=int, default=256)
     pre.add_argument("--prefix-len", type=int, default=2000, help="tokens every request shares")
@@ -86,13 +64,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
     )
     _nano_vllm_requests(so)
     so.add_argument("--json-schema", metavar="FILE", help="a JSON Schema (default: an id, tags and a text)")
-    so.add_argument(
-        "--structured-output-ratio",
-        type=_ratios,
-        default=[1.0, 0.25],
-        metavar="R,R",
-        help="the share of requests held to the schema, one run pair each (default: 1,0.25)",
-    )
+    so.add_argument("--structured-output-ratio", type=_ratios, default=[1.0, 0.25], metavar="R,R", help="the "
+                    "share of requests held to the schema, one run pair each (default: 1,0.25)")  # fmt: skip
     for p in (t, w, lat, pre, so):
         p.set_defaults(fn=cmd_bench)
     return workloads_
@@ -110,7 +83,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     path = records.write(recs, args.out or f"benchmarks/results/{args.workload}", args.workload, bench.device)
     print(f"wrote {path}")
     if args.plot:
-        records.plot(recs, PLOT_METRIC[args.workload], args.plot, floor)
+        records.plot(recs, PLOT_METRIC.get(args.workload, "output_tokens_per_s"), args.plot, floor)
         print(f"wrote {args.plot}")
     return 1 if bench.failed else 0
 
@@ -128,13 +101,10 @@ def _peers(args: argparse.Namespace) -> list[str]:
         raise TurnoutError("hf-generate-batch has no batch-1 latency mode; use --peers hf-generate")
     for p in (p for p in peers if p in BENCH_PY_PEERS):
         whose = "its own" if p == "nano-vllm" else "nano-vllm's"
-        if w == "throughput" and (
-            args.input or (args.num_prompts, args.max_input_len, args.max_output_len) != (256, 1024, 1024)
-        ):
-            raise TurnoutError(
-                f"{p} runs {whose} bench.py workload only; drop --input, --num-prompts and "
-                "the length options, or the peer"
-            )
+        if w == "throughput" and (args.input or (args.num_prompts, args.max_input_len, args.max_output_len)
+                                  != (256, 1024, 1024)):  # fmt: skip
+            raise TurnoutError(f"{p} runs {whose} bench.py workload only; drop --input, --num-prompts and "
+                               "the length options, or the peer")  # fmt: skip
         if w == "latency" and args.tpot_tokens != 256:
             raise TurnoutError(f"{p}'s TPOT is over 256 tokens; drop --tpot-tokens or the peer")
     return peers
@@ -143,10 +113,8 @@ def _peers(args: argparse.Namespace) -> list[str]:
 def _check_wide(args: argparse.Namespace, peers: list[str]) -> None:
     """The wide workload's lengths form ranges, and its peers run any requests (HF's run one length)."""
     if hf := [p for p in peers if p in HF_ENGINES]:
-        raise TurnoutError(
-            f"{hf[0]} runs the throughput workload's subset only; wide runs beside "
-            "vllm, nano-vllm and turnout-static"
-        )
+        raise TurnoutError(f"{hf[0]} runs the throughput workload's subset only; wide runs beside vllm, "
+                           "nano-vllm and turnout-static")  # fmt: skip
     for what in ("input", "output"):
         lo, hi = getattr(args, f"min_{what}_len"), getattr(args, f"max_{what}_len")
         if not 1 <= lo <= hi:

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from turnout.bench import workloads
+from turnout.bench.workloads import timed
 from turnout.errors import TurnoutError
 
 HF_ENGINES = ("hf-generate-batch", "hf-generate")
@@ -30,18 +32,13 @@ REPO = Path(__file__).resolve().parents[2]
 def find_peers_dir(explicit: str | None, runner: str = "nanobench.py") -> Path:
     """--peers-dir, else the first of ../shared/peers, shared/peers, .peer beside the repository that holds
     the runner."""
-    tries = (
-        [Path(explicit)]
-        if explicit
-        else [REPO.parent / "shared/peers", REPO / "shared/peers", REPO / ".peer"]
-    )
+    default = [REPO.parent / "shared/peers", REPO / "shared/peers", REPO / ".peer"]
+    tries = [Path(explicit)] if explicit else default
     for d in tries:
         if (d / runner).is_file():
             return d
-    raise TurnoutError(
-        f"no {runner} in {', '.join(map(str, tries))}; pass --peers-dir DIR "
-        "(../shared/peers/README.md says what it needs)"
-    )
+    raise TurnoutError(f"no {runner} in {', '.join(map(str, tries))}; pass --peers-dir DIR "
+                       "(../shared/peers/README.md says what it needs)")  # fmt: skip
 
 
 def vllm_env(site: str | Path) -> dict[str, str]:
@@ -49,9 +46,8 @@ def vllm_env(site: str | Path) -> dict[str, str]:
     which the folders on turnout's PYTHONPATH would shadow."""
     site = Path(site)
     if not (site / "vllm").is_dir():
-        raise TurnoutError(
-            f"vllm peer: no vllm/ in {site}; pass --vllm-site DIR (../shared/peers/fetch-vllm.sh builds it)"
-        )
+        raise TurnoutError(f"vllm peer: no vllm/ in {site}; pass --vllm-site DIR "
+                           "(../shared/peers/fetch-vllm.sh builds it)")  # fmt: skip
     return {**os.environ, "PYTHONPATH": str(site)}
 
 
@@ -79,12 +75,10 @@ def bench_py(
     tpot_ms with MODE=tpot; vLLM with its site folder as its whole PYTHONPATH."""
     env = vllm_env(site) if engine == "vllm" else nano_vllm_env()
     env.pop("MODE", None)
-    if tpot:
-        env["MODE"] = "tpot"
+    env |= {"MODE": "tpot"} if tpot else {}
     args = ["nanovllm"] if engine == "nano-vllm" else []
-    return _result(
-        [sys.executable, str(peers_dir / BENCH_PY_PEERS[engine]), *args, model_dir], env, engine, timeout
-    )
+    cmd = [sys.executable, str(peers_dir / BENCH_PY_PEERS[engine]), *args, model_dir]
+    return _result(cmd, env, engine, timeout)
 
 
 def child(
@@ -159,23 +153,10 @@ def _generate_batch(model: Any, prompts: list[list[int]], new: int) -> int:
     return sum(len(o.generated_tokens) for o in outs.values())
 
 
-def _timed(fn: Any, *args: Any) -> tuple[float, int]:
-    """Seconds of fn(*args) between two synchronisations, and what it returned."""
-    import torch
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
-    sync()
-    t = time.perf_counter()
-    tokens = fn(*args)
-    sync()
-    return time.perf_counter() - t, tokens
-
-
 def _turnout(engine: str, plan: dict[str, Any]) -> dict[str, Any]:
     """turnout with plan["config"] in a process of its own (the prefix workload's engine without caching,
     turnout-static), over plan["runs"] or plan["latency"]; its selection as the bench records it."""
     from turnout import LLM
-    from turnout.bench import workloads
     from turnout.config import EngineConfig
 
     t0 = time.perf_counter()
@@ -242,7 +223,7 @@ def _offline(engine: str, model_dir: str, plan: dict[str, Any]) -> dict[str, Any
     res |= {"engine": engine, "startup_s": round(time.perf_counter() - t0, 2)}
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
 
-    def timed(prompts: list[list[int]], params: Any) -> tuple[float, list[Any]]:
+    def generate(prompts: list[list[int]], params: Any) -> tuple[float, list[Any]]:
         t = time.perf_counter()
         outs = llm.generate([prompt(p) for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - t, outs
@@ -250,11 +231,11 @@ def _offline(engine: str, model_dir: str, plan: dict[str, Any]) -> dict[str, Any
     if lat := plan.get("latency"):
         one = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
         for run, p in lat["runs"].items():
-            res[run] = {"ttft_ms": {str(len(q)): timed([q], one)[0] * 1e3 for q in p["ttft_prompts"]}}
+            res[run] = {"ttft_ms": {str(len(q)): generate([q], one)[0] * 1e3 for q in p["ttft_prompts"]}}
     for run, reqs in plan.get("runs", {}).items():
         params = [SamplingParams(temperature=r["temperature"], ignore_eos=r["ignore_eos"],
                                  max_tokens=r["max_tokens"]) for r in reqs]  # fmt: skip
-        seconds, outs = timed([r["prompt"] for r in reqs], params)
+        seconds, outs = generate([r["prompt"] for r in reqs], params)
         res[run] = {"seconds": seconds, "output_tokens": sum(map(tokens, outs))}
     return res
 
@@ -276,14 +257,11 @@ def main(engine: str, model_dir: str, dtype: str, plan_file: str) -> dict[str, A
     with torch.no_grad():
         fn(model, [[1, 2, 3, 4]], 4)  # warm-up
         for run, reqs in plan.get("runs", {}).items():  # one output length: what static batching runs
-            seconds, tokens = _timed(fn, model, [r["prompt"] for r in reqs], reqs[0]["max_tokens"])
+            seconds, tokens = timed(fn, model, [r["prompt"] for r in reqs], reqs[0]["max_tokens"])
             res[run] = {"seconds": seconds, "output_tokens": tokens}
-        if lat := plan.get("latency"):  # batch 1
-            for run, p in lat["runs"].items():
-                t_long, _ = _timed(fn, model, [p["tpot_prompt"]], lat["tpot_tokens"] + 1)
-                t_short, _ = _timed(fn, model, [p["tpot_prompt"]], 1)
-                ttft = {str(len(q)): _timed(fn, model, [q], 1)[0] * 1e3 for q in p["ttft_prompts"]}
-                res[run] = {"tpot_ms": (t_long - t_short) / lat["tpot_tokens"] * 1e3, "ttft_ms": ttft}
+        if lat := plan.get("latency"):
+            one = lambda p, n: timed(fn, model, [p], n)[0]  # seconds of one request
+            res |= workloads.latency(None, lat["tpot_tokens"], lat["runs"], one)
     return res
 
 

@@ -9,48 +9,30 @@ from typing import Any
 
 logger = logging.getLogger("turnout")
 
-SHAPES = {
-    # Qwen3-0.6B: 28 layers, hidden 1024, 16 q heads / 8 kv heads of 128, vocab 151936, tied embeddings
-    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                                 vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6)),
-    # Qwen3-8B: 36 layers, hidden 4096, 32 q heads / 8 kv heads of 128, vocab 151936, untied
-    "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                               vocab_size=151936, tie_word_embeddings=False, rope_theta=1e6)),
-    # Llama-3-8B: 32 layers, hidden 4096, 32 q heads / 8 kv heads of 128, vocab 128256
-    "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                 tie_word_embeddings=False, rope_theta=5e5)),
-    # SmolLM2-360M: 32 layers, hidden 960, 15 q heads / 5 kv heads of 64, vocab 49152
-    "llama-360m": ("llama", dict(hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
-                                 num_attention_heads=15, num_key_value_heads=5, vocab_size=49152,
-                                 tie_word_embeddings=True, rope_theta=1e5)),
-    # Mistral-7B-v0.3: 32 layers, hidden 4096, 32 q heads / 8 kv heads of 128, vocab 32768, untied, no window
-    "mistral-7b": ("mistral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,
-                                   tie_word_embeddings=False, rope_theta=1e6, sliding_window=None,
-                                   rms_norm_eps=1e-5)),
-    # Gemma-3-12B's language model: 48 layers, hidden 3840, 16 q heads / 8 kv heads of 256, vocab 262208,
-    # tied; five local layers (window 1024, rope base 10000) to one global (base 1e6, linear scaling by 8)
-    "gemma-3-12b": ("gemma3", dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
-                                   num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-                                   vocab_size=262208, tie_word_embeddings=True, query_pre_attn_scalar=256,
-                                   sliding_window=1024, sliding_window_pattern=6, rope_theta=1e6,
-                                   rope_local_base_freq=1e4,
-                                   rope_scaling={"rope_type": "linear", "factor": 8.0})),
-    # DeepSeek-V2-Lite: 27 layers, hidden 2048, 16 heads of MLA (latent 512 + rope 64, nope 128, v 128), the
-    # first layer dense, then 64 routed experts (6 a token, greedy) plus 2 shared; vocab 102400; YaRN by 40
-    "deepseek-v2-lite": ("deepseek_v2", dict(
-        hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
-        num_key_value_heads=16, vocab_size=102400, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=1408, n_routed_experts=64,
-        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", n_group=1,
-        topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, tie_word_embeddings=False,
-        rope_theta=1e4, rope_scaling={"type": "yarn", "factor": 40.0, "mscale": 0.707,
-                                      "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
-                                      "beta_fast": 32, "beta_slow": 1})),
-}  # fmt: skip
+# each shape's numbers below, in this order, then its own keys
+DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "vocab_size", "tie_word_embeddings", "rope_theta")  # fmt: skip
+SHAPES = {name: (arch, dict(zip(DIMS, dims), **kw)) for name, (arch, dims, kw) in {
+    "qwen3-0.6b": ("qwen3", (1024, 3072, 28, 16, 8, 151936, True, 1e6), dict(head_dim=128)),
+    "qwen3-8b": ("qwen3", (4096, 12288, 36, 32, 8, 151936, False, 1e6), dict(head_dim=128)),
+    "llama-3-8b": ("llama", (4096, 14336, 32, 32, 8, 128256, False, 5e5), {}),
+    "llama-360m": ("llama", (960, 2560, 32, 15, 5, 49152, True, 1e5), {}),  # SmolLM2-360M's
+    "mistral-7b": ("mistral", (4096, 14336, 32, 32, 8, 32768, False, 1e6),  # Mistral-7B-v0.3's, no window
+                   dict(sliding_window=None, rms_norm_eps=1e-5)),
+    # Gemma-3-12B's language model: heads of 256; five local layers (window 1024, rope base 10000) to one
+    # global (base 1e6, linear scaling by 8)
+    "gemma-3-12b": ("gemma3", (3840, 15360, 48, 16, 8, 262208, True, 1e6), dict(
+        head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6,
+        rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})),
+    # DeepSeek-V2-Lite: 16 heads of MLA (latent 512 + rope 64, nope 128, v 128), the first layer dense, then
+    # 64 routed experts (6 a token, greedy) plus 2 shared; YaRN by 40
+    "deepseek-v2-lite": ("deepseek_v2", (2048, 10944, 27, 16, 16, 102400, False, 1e4), dict(
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+        first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+        routed_scaling_factor=1.0, rope_scaling={"type": "yarn", "factor": 40.0, "mscale": 0.707,
+        "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1})),
+}.items()}  # fmt: skip
 CONFIG_CLASSES = {"qwen3": "Qwen3Config", "llama": "LlamaConfig", "mistral": "MistralConfig",
                   "gemma3": "Gemma3TextConfig", "deepseek_v2": "DeepseekV2Config"}  # fmt: skip
 # FP8 variants of every shape ("qwen3-8b-fp8"): the shape's bf16 checkpoint quantized by quantize_checkpoint
@@ -95,15 +77,19 @@ def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    path = Path(path)
-    base, variant = _split_variant(shape)
-    if variant is not None and not (path / "config.json").exists():
-        return quantize_checkpoint(make_random_model(random_model_dir(base), base, seed), path, **variant)
-    if (path / "config.json").exists():
-        _raise_positions(path / "config.json")
+    path, config = Path(path), Path(path) / "config.json"
+    if config.exists():
+        cfg = json.loads(config.read_text())
+        if cfg.get("max_position_embeddings", 0) < MAX_POSITIONS:
+            cfg["max_position_embeddings"] = MAX_POSITIONS
+            config.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         if not spells_json(path):
-            write_tokenizer(path, json.loads((path / "config.json").read_text())["vocab_size"])
+            write_tokenizer(path, cfg["vocab_size"])
         return path
+    base, _, variant = shape.rpartition("-fp8")  # "qwen3-8b-fp8-dynamic": "qwen3-8b", "-dynamic"
+    if base in SHAPES:  # an FP8 variant: its shape's bf16 checkpoint, quantized
+        bf16 = make_random_model(random_model_dir(base), base, seed)
+        return quantize_checkpoint(bf16, path, **FP8_VARIANTS[f"fp8{variant}"])
     cfg = random_config(shape)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
@@ -156,13 +142,6 @@ def checkpoint_names(names: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _raise_positions(config_file: Path) -> None:
-    cfg = json.loads(config_file.read_text())
-    if cfg.get("max_position_embeddings", 0) < MAX_POSITIONS:
-        cfg["max_position_embeddings"] = MAX_POSITIONS
-        config_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-
-
 def write_tokenizer(path: Path, vocab_size: int) -> None:
     """A word-level tokenizer with one token per id: "<unk>", "<s>", "</s>", then "w3", "w4", ..., and the
     last 95 ids the printable ASCII characters " " to "~", so that JSON can be spelled. Decoding joins the
@@ -186,13 +165,6 @@ def spells_json(path: Path) -> bool:
     return not f.exists() or "{" in json.loads(f.read_text())["model"]["vocab"]
 
 
-def _split_variant(shape: str) -> tuple[str, dict[str, Any] | None]:
-    for suffix, variant in FP8_VARIANTS.items():
-        if shape.endswith("-" + suffix) and shape.removesuffix("-" + suffix) in SHAPES:
-            return shape.removesuffix("-" + suffix), variant
-    return shape, None
-
-
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -207,8 +179,8 @@ def quantize_checkpoint(
     linear_names: tuple[str, ...] = LINEAR_NAMES,
 ) -> Path:
     """Write src's checkpoint to dst with its decoder linear weights (the modules named in linear_names) in
-    FP8 e4m3, and config.json's
-    quantization_config saying how (the scale of a tile, row or tensor is its amax / 448; w = q * scale):
+    FP8 e4m3, and config.json's quantization_config saying how (a tile's, row's or tensor's scale is its
+    amax / 448; w = q * scale):
 
     - fmt "fp8": HF's fine-grained format, `weight_scale_inv` [N / bn, K / bk] for block (dynamic
       activations), or per-tensor `weight_scale` without a block (`activations` "dynamic" or "static");

@@ -1,26 +1,19 @@
 """Result records: one dict per (workload, engine, run), each carrying its provenance; a file holds a list.
 
-Every record has workload, engine, model, device, commit, date, command and config, then its metrics:
-throughput  run, output_tokens_per_s (+ ratio_vs_vllm, ratio_vs_nano_vllm, ratio_vs_static: turnout's over
-            the peer's in the same run, turnout-static being turnout with tuned = off; on a subset: subset,
-            ratio_vs_peer, ratio_vs_hf_generate)
-wide        run, output_tokens_per_s over many short prompts with long outputs (+ the ratios as throughput)
-latency     run, tpot_ms, ttft_ms ({prompt length: ms}) (+ tpot_ratio_vs_vllm, ttft_ratio_vs_vllm: turnout's
-            over vLLM's, {prompt length: ratio}, and the same _vs_static; ttft_skipped: lengths over
-            max_model_len)
-prefix      run, speedup_vs_no_cache
-structured  run ("first" only: prefix caching is off, so no run reuses another's blocks),
-            structured_output_ratio (the share of requests held to the JSON schema), num_constrained,
-            output_tokens_per_s (that run), unconstrained_output_tokens_per_s (the same prompts without the
-            schema, each to the tokens it produced constrained), structured_cost (1 - the first over the
-            second), mean_output_len (+ num_completed: constrained requests that their grammar ended)
+Every record has REQUIRED's fields and its workload's (BY_WORKLOAD), then more metrics, headed as COLUMNS
+says. ratio_vs_<peer> is turnout's figure over the peer's in the same run (turnout-static: turnout with
+tuned = off); on the HF peers' subset, a record has subset, ratio_vs_peer and ratio_vs_hf_generate. Latency's
+ttft_ms is {prompt length: ms}; its ratios are tpot_ and ttft_ratio_vs_vllm (and _vs_static), ttft_skipped the
+lengths over max_model_len. A structured record's unconstrained_output_tokens_per_s is the same prompts
+without the schema, each to the tokens it produced constrained; structured_cost is 1 - the first over that;
+num_completed counts the constrained requests their grammar ended. Structured runs are all "first" (prefix
+caching off).
 
-Where the device's ceilings are known (roofline.CEILINGS), every record of a rate also has its run's floor
-(floor_s, floor_output_tokens_per_s: the least time the run's work takes at the ceilings; a repeat's with
-its prompts in the prefix cache) and its distance from it: over_floor, its time over the floor's (1 = at
-the floor), and fraction_of_floor, the inverse (prefix: no_cache_over_floor, the run without a cache over
-the floor of that work; structured: unconstrained_over_floor). Latency records have tpot_floor_ms and
-ttft_floor_ms ({prompt length: ms}), and tpot_over_floor and ttft_over_floor.
+Where the device's ceilings are known (roofline.CEILINGS), a rate's record also has its run's floor (floor_s,
+floor_output_tokens_per_s: the least time the run's work takes at the ceilings; a repeat's with its prompts
+in the prefix cache), over_floor (its time over the floor's; 1 = at the floor) and fraction_of_floor, the
+inverse (prefix: no_cache_over_floor, structured: unconstrained_over_floor). Latency records have
+tpot_floor_ms, ttft_floor_ms ({prompt length: ms}), tpot_over_floor and ttft_over_floor.
 """
 
 from __future__ import annotations
@@ -95,9 +88,8 @@ def commit() -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        return git("rev-parse", "--short", "HEAD") + (
-            "-dirty" if git("status", "--porcelain", "-uno") else ""
-        )
+        dirty = "-dirty" if git("status", "--porcelain", "-uno") else ""
+        return git("rev-parse", "--short", "HEAD") + dirty
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -113,14 +105,9 @@ def command() -> str:
 def provenance() -> dict[str, Any]:
     import torch
 
-    return {
-        "device": device_name(),
-        "commit": commit(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
+    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return {"device": device_name(), "commit": commit(), "date": date, "command": command(),
+            "python": platform.python_version(), "torch": torch.__version__}  # fmt: skip
 
 
 def check(rec: dict[str, Any]) -> None:
@@ -194,16 +181,12 @@ def plot(records: list[dict[str, Any]], metric: str, path: str | Path, floor: fl
     """Bars of one metric per engine and run, with the roofline floor as a line where it is known."""
     plt = pyplot()
     rows = [r for r in records if r.get(metric) is not None]
-    labels = [
-        f"{r['engine']}\n{r['run']}"
-        + (f"\n{r['subset']} req" if r.get("subset") else "")
-        + (f"\n{r['structured_output_ratio']:g} held" if "structured_output_ratio" in r else "")
-        for r in rows
-    ]
+    labels = [f"{r['engine']}\n{r['run']}" + (f"\n{r['subset']} req" if r.get("subset") else "")
+              + (f"\n{r['structured_output_ratio']:g} held" if "structured_output_ratio" in r else "")
+              for r in rows]  # fmt: skip
     fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(rows)), 4))
-    ax.bar(
-        labels, [r[metric] for r in rows], color=["C0" if r["engine"] == "turnout" else "C7" for r in rows]
-    )
+    colors = ["C0" if r["engine"] == "turnout" else "C7" for r in rows]
+    ax.bar(labels, [r[metric] for r in rows], color=colors)
     if floor:
         ax.axhline(floor, color="C3", linestyle="--", label=f"roofline {fmt(floor)}")
         ax.legend()

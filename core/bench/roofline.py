@@ -21,14 +21,10 @@ class Ceiling:
 
 
 # One row per device, matched by substring of torch.cuda.get_device_name(). Only measured values go here.
-CEILINGS = {
-    "H200": Ceiling(
-        4.3e12,
-        790e12,
-        "measured on one H200 (141 GB HBM3e): a large device-to-device copy, a bf16 matmul",
-        1222e12,  # an 8192^3 e4m3 _scaled_mm with row-wise scales (benchmarks/results/fp8/)
-    ),
-}
+CEILINGS = {  # H200 FP8: an 8192^3 e4m3 _scaled_mm with row-wise scales (benchmarks/results/fp8/)
+    "H200": Ceiling(4.3e12, 790e12, "measured on one H200 (141 GB HBM3e): a large device-to-device copy, "
+                    "a bf16 matmul", fp8_flops_per_s=1222e12),
+}  # fmt: skip
 
 
 def ceiling_for(device: str) -> Ceiling | None:
@@ -62,12 +58,9 @@ class Shape:
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
-        return cls(
-            weight_params=weight_params,
-            kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype_bytes,
-            attn_flops_per_pair=4 * layers * heads * head_dim,  # QK^T and PV, 2 FLOPs per multiply-add
-            dtype_bytes=dtype_bytes,
-        )
+        kv_bytes = 2 * layers * kv_heads * head_dim * dtype_bytes
+        attn_flops = 4 * layers * heads * head_dim  # QK^T and PV, 2 FLOPs per multiply-add
+        return cls(weight_params, kv_bytes, attn_flops, dtype_bytes)
 
 
 def _safetensors_params(model_dir: Path) -> tuple[int, int, int, int]:

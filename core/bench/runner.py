@@ -125,10 +125,11 @@ class Bench:
 
     # ---- records ----
     def record(self, engine: str, run: str, config: dict | None = None, **metrics: Any) -> dict[str, Any]:
+        """A record of one run; turnout's (no config given) with this run's config and start-up time."""
         rec = {"workload": self.args.workload, "engine": engine, "model": self.model, **self.prov, "run": run}
-        rec.update({k: v for k, v in metrics.items() if v is not None})
-        rec["config"] = config if config is not None else self.turnout_config()
-        return rec
+        if config is None:
+            config, metrics = self.turnout_config(), {**metrics, "startup_s": self.startup_s}
+        return rec | {k: v for k, v in metrics.items() if v is not None} | {"config": config}
 
     def turnout_config(self) -> dict[str, Any]:
         a = vars(self.args)
@@ -167,15 +168,12 @@ class Bench:
     ) -> list[dict[str, Any]]:
         """Each peer's record of each run, with its distance from that run's floor (floors: by run, or the
         latency floors)."""
-        out = []
+        out, floors, lat = [], floors or {}, self.args.workload == "latency"
         for engine, res in results.items():
             cfg = self.peer_config(engine, res)
             for run in RUNS:
-                m = res[run]
-                if self.args.workload == "latency":
-                    near = vs_latency_floor(m, floors or {})
-                else:
-                    near = vs_floor(m.get("output_tokens_per_s"), (floors or {}).get(run))
+                m, tok_s = res[run], res[run].get("output_tokens_per_s")
+                near = vs_latency_floor(m, floors) if lat else vs_floor(tok_s, floors.get(run))
                 out.append(self.record(engine, run, cfg, startup_s=res["startup_s"], **extra, **m, **near))
         return out
 
@@ -202,34 +200,35 @@ class Bench:
             ours = m["output_tokens_per_s"]
             vs = {f"ratio_vs_{k}": ratio(ours, metric(res, e, run)) for k, e in VS_PEERS.items()}
             near = vs_floor(ours, floors.get(run))
-            recs.append(
-                self.record(
-                    "turnout", run, num_prompts=len(reqs), startup_s=self.startup_s, **m, **vs, **near
-                )
-            )
+            recs.append(self.record("turnout", run, num_prompts=len(reqs), **m, **vs, **near))
         return recs
 
     # ---- workloads: each returns its records and the floor its plot draws (None where none is known) ----
     def throughput(self) -> tuple[list[dict], float | None]:
-        a = self.args
-        if a.input:
+        """nano-vllm's requests (or --input's), or wide decode's: many short prompts, each decoding a long
+        output. Beside the HF peers, turnout also runs their greedy subset of the throughput requests."""
+        a, wide = self.args, self.args.workload == "wide"
+        if wide:
+            lens = (a.min_input_len, a.max_input_len), (a.min_output_len, a.max_output_len)
+            reqs = workloads.wide(a.num_prompts, *lens)
+        elif a.input:
             from turnout.engine.llm_engine import load_tokenizer
 
             tok, problem = load_tokenizer(self.cfg, self.model_dir)
             reqs = workloads.from_jsonl(a.input, tok, a.max_tokens, problem)
         else:
             reqs = workloads.throughput(a.num_prompts, a.max_input_len, a.max_output_len)
-        sub = workloads.subset(reqs, a.peer_subset, a.peer_output_len)
-        res = self.run_peers(
-            {"runs": dict.fromkeys(RUNS, workloads.as_json(sub)), "all": workloads.as_json(reqs)}
-        )
+        sub = reqs if wide else workloads.subset(reqs, a.peer_subset, a.peer_output_len)
+        runs = dict.fromkeys(RUNS, workloads.as_json(sub))
+        res = self.run_peers({"runs": runs, "all": workloads.as_json(reqs)})
         llm = self.start()
-        floors, sub_floors = self.run_floors(reqs), self.run_floors(sub)
+        floors = self.run_floors(reqs)
+        sub_floors = floors if wide else self.run_floors(sub)
         recs = self.timed_runs(llm, reqs, floors, res)
         for run in RUNS if any(p in res for p in peers.HF_ENGINES) else ():
             m = rate(*workloads.run(llm, sub))
             hfb, hfg = (metric(res, e, run) for e in peers.HF_ENGINES)
-            recs.append(self.record("turnout", run, subset=len(sub), startup_s=self.startup_s, **m,
+            recs.append(self.record("turnout", run, subset=len(sub), **m,
                                     ratio_vs_peer=ratio(m["output_tokens_per_s"], hfb),
                                     ratio_vs_hf_generate=ratio(m["output_tokens_per_s"], hfg),
                                     **vs_floor(m["output_tokens_per_s"], sub_floors.get(run))))  # fmt: skip
@@ -239,19 +238,7 @@ class Bench:
         recs += self.peer_records(full, floors, num_prompts=len(reqs))
         return recs + self.peer_records(res, sub_floors, subset=len(sub)), _plotted(floors)
 
-    def wide(self) -> tuple[list[dict], float | None]:
-        """Wide decode: many short prompts, each decoding a long output; the peers run the same requests."""
-        a = self.args
-        lens = (a.min_input_len, a.max_input_len), (a.min_output_len, a.max_output_len)
-        reqs = workloads.wide(a.num_prompts, *lens)
-        res = self.run_peers(
-            {"runs": dict.fromkeys(RUNS, workloads.as_json(reqs)), "all": workloads.as_json(reqs)}
-        )
-        llm = self.start()
-        floors = self.run_floors(reqs)
-        recs = self.timed_runs(llm, reqs, floors, res)
-        llm.shutdown()
-        return recs + self.peer_records(res, floors, num_prompts=len(reqs)), _plotted(floors)
+    wide = throughput
 
     def latency(self) -> tuple[list[dict], float | None]:
         a = self.args
@@ -266,10 +253,8 @@ class Bench:
         llm = self.start()
         floors: dict[str, Any] = {}
         if self.ceiling:
-            t = a.tpot_tokens
-            floors["tpot_floor_ms"] = (
-                (self._floor_s([(32, 0, t + 1)]) - self._floor_s([(32, 0, 1)])) / t * 1e3
-            )
+            t, one = a.tpot_tokens, self._floor_s([(32, 0, 1)])  # a 32-token prompt, one output token
+            floors["tpot_floor_ms"] = (self._floor_s([(32, 0, t + 1)]) - one) / t * 1e3
             floors["ttft_floor_ms"] = {str(n): self._floor_s([(n, 0, 1)]) * 1e3 for n in self.ttft_lens}
         measured, recs = workloads.latency(llm, a.tpot_tokens, plan), []
         for run, m in measured.items():
@@ -277,8 +262,8 @@ class Bench:
             for engine, name in (("vllm", "vllm"), (peers.STATIC, "static")):
                 vs[f"tpot_ratio_vs_{name}"] = ratio(m["tpot_ms"], metric(res, engine, run, "tpot_ms"))
                 vs[f"ttft_ratio_vs_{name}"] = ratios(m["ttft_ms"], metric(res, engine, run, "ttft_ms"))
-            recs.append(self.record("turnout", run, **m, ttft_skipped=skipped, **vs, startup_s=self.startup_s,
-                                    **vs_latency_floor(m, floors)))  # fmt: skip
+            near = vs_latency_floor(m, floors)
+            recs.append(self.record("turnout", run, **m, ttft_skipped=skipped, **vs, **near))
         llm.shutdown()
         return recs + self.peer_records(res, floors), floors.get("tpot_floor_ms")
 
@@ -287,9 +272,8 @@ class Bench:
         runs = {run: workloads.prefix(a.num_prompts, a.prefix_len, a.suffix_len, a.output_len, seed=i)
                 for i, run in enumerate(RUNS)}  # fmt: skip
         off_cfg = {**self.cfg.model_dump(), "enable_prefix_caching": False}
-        off = self.child(
-            "turnout", {"config": off_cfg, "runs": {r: workloads.as_json(q) for r, q in runs.items()}}
-        )
+        off_runs = {r: workloads.as_json(q) for r, q in runs.items()}
+        off = self.child("turnout", {"config": off_cfg, "runs": off_runs})
         llm, recs = self.start(enable_prefix_caching=True), []
         shapes = workloads.shapes(runs["first"], cached=a.prefix_len)
         shapes[0] = (shapes[0][0], 0, shapes[0][2])  # the first request computes the prefix
@@ -300,7 +284,7 @@ class Bench:
             no_cache_over = vs_floor(off_rate, no_cache).get("over_floor")
             recs.append(self.record("turnout", run, **m, no_cache_output_tokens_per_s=off_rate,
                                     speedup_vs_no_cache=m["output_tokens_per_s"] / off_rate,
-                                    startup_s=self.startup_s, no_cache_startup_s=off["startup_s"],
+                                    no_cache_startup_s=off["startup_s"],
                                     **vs_floor(m["output_tokens_per_s"], floor),
                                     no_cache_over_floor=no_cache_over))  # fmt: skip
         llm.shutdown()
@@ -321,8 +305,7 @@ class Bench:
             floor = self.floor(workloads.shapes(workloads.same_lengths(reqs, constrained[1])))
             plain_over = vs_floor(m["unconstrained_output_tokens_per_s"], floor).get("over_floor")
             near = {**vs_floor(m["output_tokens_per_s"], floor), "unconstrained_over_floor": plain_over}
-            recs.append(self.record("turnout", "first", structured_output_ratio=share, **m, **near,
-                                    startup_s=self.startup_s))  # fmt: skip
+            recs.append(self.record("turnout", "first", structured_output_ratio=share, **m, **near))
         llm.shutdown()
         return recs, None
 
@@ -330,10 +313,8 @@ class Bench:
         """--json-schema's schema, or the built-in one; TurnoutError where a ratio constrains no request."""
         a = self.args
         if none := [r for r in a.structured_output_ratio if round(r * a.num_prompts) == 0]:
-            raise TurnoutError(
-                f"--structured-output-ratio {none[0]} constrains none of {a.num_prompts} requests; "
-                "raise it or --num-prompts"
-            )
+            raise TurnoutError(f"--structured-output-ratio {none[0]} constrains none of {a.num_prompts} "
+                               "requests; raise it or --num-prompts")  # fmt: skip
         return workloads.json_schema(a.json_schema) if a.json_schema else workloads.JSON_SCHEMA
 
     # ---- peers ----
@@ -380,25 +361,19 @@ class Bench:
         metrics = {run: {"tpot_ms": tpot, "ttft_ms": {}} if lat else {"output_tokens_per_s": res[run]}
                    for run in RUNS}  # fmt: skip
         out = {"startup_s": res["startup_s"], "version": res.get("version"), **metrics}
-        if engine == "vllm" and lat and self.ttft_lens:
+        if engine == "vllm" and lat and self.ttft_lens:  # TTFT at turnout's max_model_len
             peers.wait_for_gpu(used)
-            if ttft := self.vllm_ttft(plan):
-                out["ttft_startup_s"] = ttft["startup_s"]
-                for run in RUNS:
-                    out[run]["ttft_ms"] = ttft[run]["ttft_ms"]
-        return out
-
-    def vllm_ttft(self, plan: dict[str, Any]) -> dict[str, Any]:
-        """vLLM's TTFT over the plan's prompts, at turnout's max_model_len; {} where it failed, which leaves
-        vLLM's TPOT standing."""
-        try:
             plan = {**plan, "max_model_len": self.cfg.max_model_len}
-            res = self.child("vllm", plan, peers.vllm_env(self.args.vllm_site))
-        except TurnoutError as e:
-            print(f"error: {e}; vllm's TTFT is left out", file=sys.stderr, flush=True)
-            self.failed.append("vllm (TTFT)")
-            return {}
-        return res
+            try:
+                ttft = self.child("vllm", plan, peers.vllm_env(a.vllm_site))
+            except TurnoutError as e:  # vLLM's TPOT stands
+                print(f"error: {e}; vllm's TTFT is left out", file=sys.stderr, flush=True)
+                self.failed.append("vllm (TTFT)")
+                return out
+            out["ttft_startup_s"] = ttft["startup_s"]
+            for run in RUNS:
+                out[run]["ttft_ms"] = ttft[run]["ttft_ms"]
+        return out
 
     # ---- roofline ----
     def _floor_s(self, shapes: list[tuple[int, int, int]]) -> float:
@@ -416,31 +391,23 @@ class Bench:
     def run_floors(self, reqs: list[workloads.Req]) -> dict[str, dict[str, float] | None]:
         """The floor of each run of reqs: the first from scratch, the repeat with every prompt in the prefix
         cache (all but its last token, which runs to sample)."""
-        longest = max(len(r.prompt) for r in reqs)
-        return {
-            "first": self.floor(workloads.shapes(reqs)),
-            "repeat": self.floor(workloads.shapes(reqs, longest)),
-        }
+        cached = {"first": 0, "repeat": max(len(r.prompt) for r in reqs)}
+        return {run: self.floor(workloads.shapes(reqs, n)) for run, n in cached.items()}
 
     def roofline_line(self, recs: list[dict]) -> str:
         """The ceilings, and the floor of each of turnout's runs; each record's time over it is its
         over_floor (TPOT and TTFT: tpot_over_floor, ttft_over_floor)."""
         if not self.ceiling:
             return f"roofline: no ceiling known for {self.device}"
-        c, lat = self.ceiling, self.args.workload == "latency"
+        c, fmt = self.ceiling, records.fmt
         head = f"roofline at {c.bytes_per_s / 1e12:.1f} TB/s, {c.flops_per_s / 1e12:.0f} TFLOP/s ({c.where})"
         ours = [r for r in recs if r["engine"] == "turnout" and "subset" not in r]
-        if lat:
-            r = ours[0]
-            ttft = ", ".join(f"{n}: {records.fmt(ms)}" for n, ms in r["ttft_floor_ms"].items())
-            return f"{head}: TPOT floor {records.fmt(r['tpot_floor_ms'])} ms, TTFT floor (ms) {ttft or '-'}"
-        fmt = records.fmt
-        floors = "; ".join(
-            f"{_run_label(r)} {r['floor_s']:.3g} s ({fmt(r['floor_output_tokens_per_s'])} output tok/s)"
-            for r in ours
-            if "floor_s" in r
-        )
-        return f"{head}: floor {floors}; over_floor is each engine's time over it"
+        if self.args.workload == "latency":
+            ttft = ", ".join(f"{n}: {fmt(ms)}" for n, ms in ours[0]["ttft_floor_ms"].items())
+            return f"{head}: TPOT floor {fmt(ours[0]['tpot_floor_ms'])} ms, TTFT floor (ms) {ttft or '-'}"
+        floors = [f"{_run_label(r)} {r['floor_s']:.3g} s ({fmt(r['floor_output_tokens_per_s'])} output tok/s)"
+                  for r in ours if "floor_s" in r]  # fmt: skip
+        return f"{head}: floor {'; '.join(floors)}; over_floor is each engine's time over it"
 
 
 def structured_metrics(

@@ -1,20 +1,12 @@
 """`turnout bench serve`: load on an OpenAI-compatible server, in the spirit of vLLM's `bench serve`.
 
-Requests go to /v1/completions through the official `openai` async client, as token-id prompts, at a
-Poisson request rate (inf = all at once), optionally capped at --max-concurrency. Reported per rate:
-request and output-token throughput, TTFT, TPOT (per request: (e2e - TTFT) / (tokens - 1)), ITL (gaps
-between chunks) and end-to-end latency at mean, p50 and p99, and the failed count. A JSON record goes to
-benchmarks/results/serve/.
-
-Without --url the command starts `turnout serve` itself (the engine flags are serve's) on a free port
-and stops it afterwards. --vs-offline then runs the same workload through LLM.generate in this process,
-as many times as the server ran it (non-streamed, then streamed), and pairs run k with run k, so that both
-sides meet the same prefix-cache state. It reports server / offline output throughput per pair, both counted
-as nano-vllm counts them: the sum of max_tokens over the wall time (ignore_eos makes every request produce
-all of them).
-
---workload nanovllm is nano-vllm's bench.py: 256 requests, prompt and output lengths uniform in
-[100, 1024], token ids uniform in [0, 10000], temperature 0.6, ignore_eos, seed 0.
+Token-id prompts go to /v1/completions through the `openai` async client at a Poisson request rate (inf: all
+at once). Per rate: request and token throughput, TTFT, TPOT ((e2e - TTFT) / (tokens - 1) per request), ITL
+(gaps between chunks) and end-to-end latency at mean, p50 and p99, and the failed count; a JSON record goes
+to benchmarks/results/serve/. Without --url the command starts `turnout serve` itself (the engine flags are
+serve's). --vs-offline then runs the same workload through LLM.generate here as many times as the server
+ran it (non-streamed, then streamed) and pairs run k with run k, so that both meet the same prefix-cache
+state; both sides count output tokens as nano-vllm does, max_tokens over the wall time (ignore_eos).
 """
 
 from __future__ import annotations
@@ -36,12 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from turnout.bench import records
-from turnout.bench.random_models import SHAPES, make_random_model, random_model_dir
+from turnout.bench.random_models import SHAPES, random_model
 from turnout.errors import TurnoutError
 
 WORKLOADS = {  # name: (num_prompts, input_len, output_len, temperature)
     "random": (200, (1024, 1024), (128, 128), 0.0),
-    "nanovllm": (256, (100, 1024), (100, 1024), 0.6),
+    "nanovllm": (256, (100, 1024), (100, 1024), 0.6),  # nano-vllm's bench.py, with the default ids and seed
 }
 
 
@@ -61,9 +53,7 @@ def add_bench_serve_parser(subparsers: Any) -> None:
 
     p = subparsers.add_parser("serve", help="load an OpenAI-compatible server; TTFT, TPOT, ITL, throughput")
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="model folder for the server this starts")
-    p.add_argument(
-        "--random-model", choices=sorted(SHAPES), help="serve a random-weight checkpoint of this shape"
-    )
+    p.add_argument("--random-model", choices=sorted(SHAPES), help="serve a random-weight checkpoint of it")
     p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000; default: start one here")
     p.add_argument("--api-key", help="the server's --api-key")
     p.add_argument("--request-model", help="the 'model' to send; default: the server's first model")
@@ -74,16 +64,12 @@ def add_bench_serve_parser(subparsers: Any) -> None:
     p.add_argument("--max-token-id", type=int, default=10000, help="prompt token ids lie in [0, this]")
     p.add_argument("--temperature", type=float, help="random: 0, nanovllm: 0.6")
     p.add_argument("--seed", dest="workload_seed", type=int, default=0, help="seed of the workload's draws")
-    p.add_argument(
-        "--request-rate", type=float, nargs="+", default=[math.inf], help="requests/s, Poisson; inf = at once"
-    )
+    p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], help="per s, Poisson; inf")
     p.add_argument("--max-concurrency", type=int, help="requests in flight at most")
-    p.add_argument(
-        "--client-processes",
-        type=int,
-        default=max(1, min(8, (os.cpu_count() or 1) // 2)),
-        help="processes the requests are dealt over, one openai client each; default: cores / 2, at most 8",
-    )
+    cores = max(1, min(8, (os.cpu_count() or 1) // 2))
+    p.add_argument("--client-processes", type=int, default=cores,
+                   help="processes the requests are dealt over, one openai client each; default: cores / 2, "
+                   "at most 8")  # fmt: skip
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True, help="SSE (TTFT, ITL)")
     p.add_argument("--repeat", type=int, default=1, help="runs per rate (each paired with an offline run)")
     p.add_argument("--vs-offline", action="store_true", help="also run LLM.generate here; report the ratio")
@@ -103,9 +89,7 @@ class Workload:
         n, inp, out, temp = WORKLOADS[args.workload]
         n, inp, out = args.num_prompts or n, args.input_len or inp, args.output_len or out
         temp = temp if args.temperature is None else args.temperature
-        rng = random.Random(
-            args.workload_seed
-        )  # nano-vllm's order of draws: all prompts, then all output lengths
+        rng = random.Random(args.workload_seed)  # nano-vllm's order: all prompts, then all output lengths
         prompts = [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(*inp))] for _ in range(n)]
         return cls(prompts, [rng.randint(*out) for _ in range(n)], temp)
 
@@ -122,17 +106,12 @@ class Record:
 
 async def _one(client: Any, model: str, w: Workload, i: int, stream: bool) -> Record:
     rec, t0 = Record(), time.perf_counter()
-    kw: dict[str, Any] = dict(
-        model=model, prompt=w.prompts[i], max_tokens=w.max_tokens[i], temperature=w.temperature,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    kw: dict[str, Any] = dict(model=model, prompt=w.prompts[i], max_tokens=w.max_tokens[i],
+                              temperature=w.temperature, extra_body={"ignore_eos": True})  # fmt: skip
     try:
         if stream:
-            last = t0
-            chunks = await client.completions.create(
-                **kw, stream=True, stream_options={"include_usage": True}
-            )
-            async for chunk in chunks:
+            last, usage = t0, {"include_usage": True}
+            async for chunk in await client.completions.create(**kw, stream=True, stream_options=usage):
                 now = time.perf_counter()
                 if chunk.choices:
                     if rec.ttft is None:
@@ -173,9 +152,8 @@ async def _client(s: Share) -> tuple[list[tuple[int, Record]], float, float]:
     import openai
 
     cpu0 = time.process_time()
-    client = openai.AsyncOpenAI(
-        base_url=f"{s.url}/v1", api_key=s.api_key or "none", max_retries=0, timeout=3600
-    )
+    key = s.api_key or "none"
+    client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0, timeout=3600)
     gate = asyncio.Semaphore(s.concurrency)
 
     async def send(i: int, at: float) -> tuple[int, Record]:
@@ -189,7 +167,7 @@ async def _client(s: Share) -> tuple[list[tuple[int, Record]], float, float]:
     return records, end, time.process_time() - cpu0
 
 
-def _warm_client() -> None:
+def _warm_client(_: int) -> None:
     import openai  # noqa: F401 - a spawned client pays its imports before the clock starts
 
     time.sleep(0.5)  # held, so that each warm-up lands on a process of its own
@@ -207,28 +185,19 @@ def _run(url: str, api_key: str | None, model: str | None, w: Workload, rate: fl
         offsets.append(at)
         at += rng.expovariate(rate) if math.isfinite(rate) else 0.0
     parts, gates = deal(offsets, args.client_processes, args.max_concurrency)
-    k = len(parts)
-    server_cpu0 = _tree_cpu_s(args.server_pid)
-    shares = [Share(url, api_key, model, w, p, 0.0, g, args.stream) for p, g in zip(parts, gates)]
+    k, server_cpu0 = len(parts), _tree_cpu_s(args.server_pid)
     with ProcessPoolExecutor(k, mp_context=get_context("spawn")) as pool:
-        for f in [pool.submit(_warm_client) for _ in range(k)]:
-            f.result()
+        list(pool.map(_warm_client, range(k)))
         start = time.time()
-        for sh in shares:
-            sh.start = start
+        shares = [Share(url, api_key, model, w, p, start, g, args.stream) for p, g in zip(parts, gates)]
         outs = list(pool.map(_client_part, shares))
-    records: list[Record] = [Record()] * len(w.prompts)
-    for recs, _, _ in outs:
-        for i, r in recs:
-            records[i] = r
+    records = [r for _, r in sorted(x for recs, _, _ in outs for x in recs)]  # every request was dealt once
     duration = max(end for _, end, _ in outs) - start
     res = _summary(records, w, duration, rate, model)
-    res["client_processes"] = k
-    res["client_cpu_s"] = sum(cpu for _, _, cpu in outs)
+    res |= {"client_processes": k, "client_cpu_s": sum(cpu for _, _, cpu in outs)}
     if args.server_pid:
-        res["server_cpu_s"] = {
-            name: after - server_cpu0.get(name, 0.0) for name, after in _tree_cpu_s(args.server_pid).items()
-        }
+        after = _tree_cpu_s(args.server_pid)
+        res["server_cpu_s"] = {name: s - server_cpu0.get(name, 0.0) for name, s in after.items()}
     return res
 
 
@@ -272,13 +241,9 @@ def _pct(values: list[float]) -> dict[str, float | None]:
     import numpy as np
 
     if not values:
-        return {"mean_ms": None, "p50_ms": None, "p99_ms": None}
+        return dict.fromkeys(("mean_ms", "p50_ms", "p99_ms"))
     a = np.asarray(values) * 1e3
-    return {
-        "mean_ms": float(a.mean()),
-        "p50_ms": float(np.percentile(a, 50)),
-        "p99_ms": float(np.percentile(a, 99)),
-    }
+    return {"mean_ms": float(a.mean()), **{f"p{q}_ms": float(np.percentile(a, q)) for q in (50, 99)}}
 
 
 def _summary(records: list[Record], w: Workload, duration: float, rate: float, model: str) -> dict:
@@ -288,23 +253,18 @@ def _summary(records: list[Record], w: Workload, duration: float, rate: float, m
     short = sum(r.output_tokens != m for r, m in zip(records, w.max_tokens) if r.ok)
     errors = sorted({r.error for r in records if r.error})
     res: dict[str, Any] = {
-        "request_rate": "inf" if math.isinf(rate) else rate,
-        "model": model,
-        "completed": len(ok),
+        "request_rate": "inf" if math.isinf(rate) else rate, "model": model, "completed": len(ok),
         "failed": len(records) - len(ok),
         "short": short,  # completed with fewer tokens than max_tokens despite ignore_eos: a server bug
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
+        "duration_s": duration, "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "max_tokens_throughput": sum(m for m, r in zip(w.max_tokens, records) if r.ok) / duration,
-    }
-    tpots = [
-        (r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1
-    ]
+    }  # fmt: skip
+    streamed = [r for r in ok if r.ttft is not None]
     for name, vals in (
-        ("ttft", [r.ttft for r in ok if r.ttft is not None]),
-        ("tpot", tpots),
+        ("ttft", [r.ttft for r in streamed]),
+        ("tpot", [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in streamed if r.output_tokens > 1]),
         ("itl", [x for r in ok for x in r.itl]),
         ("e2e", [r.e2e for r in ok]),
     ):
@@ -327,12 +287,9 @@ def _print(res: dict) -> None:
 def _engine_argv(args: argparse.Namespace) -> list[str]:
     from turnout.config import EngineConfig
 
-    argv = []
-    if args.config:
-        argv += ["--config", args.config]
+    argv = ["--config", args.config] if args.config else []
     for name in EngineConfig.model_fields:
-        value = getattr(args, name, None)
-        flag = "--" + name.replace("_", "-")
+        value, flag = getattr(args, name, None), "--" + name.replace("_", "-")
         if value is None or name == "seed":
             continue
         if isinstance(value, bool):
@@ -401,7 +358,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     if args.random_model:
         if args.model:
             raise TurnoutError(f"two models given ({args.model} and --random-model); pass one")
-        args.model = str(make_random_model(random_model_dir(args.random_model), args.random_model))
+        args.model = str(random_model(args.random_model))
     w = Workload.make(args)
     proc, url = (None, args.url.rstrip("/")) if args.url else _start_server(args, len(w.prompts))
     args.server_pid = proc.pid if proc is not None else None
@@ -429,10 +386,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             r["offline_output_throughput"], r["vs_offline"] = off, r["max_tokens_throughput"] / off
         for mode in ("no-stream", "stream"):
             pairs = [r for r in runs if r["mode"] == mode]
-            record[f"ratio_{mode}"] = sum(r["vs_offline"] for r in pairs) / len(pairs)
-            print(
-                f"server ({mode}) / offline, mean of {len(pairs)} paired runs: {record[f'ratio_{mode}']:.3f}"
-            )
+            ratio = record[f"ratio_{mode}"] = sum(r["vs_offline"] for r in pairs) / len(pairs)
+            print(f"server ({mode}) / offline, mean of {len(pairs)} paired runs: {ratio:.3f}")
         record["offline_tok_s"] = offline
     tag = "serve-" + args.workload + ("-vs-offline" if args.vs_offline else "")
     path = records.write(record, args.output or "benchmarks/results/serve", tag, record["device"])

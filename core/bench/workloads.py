@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -12,15 +13,9 @@ from typing import Any
 from turnout.errors import TurnoutError
 
 # The structured workload's default: every field required and no string bounded, so outputs run long.
-JSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer"},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-        "text": {"type": "string"},
-    },
-    "required": ["id", "tags", "text"],
-}
+JSON_SCHEMA = {"type": "object", "properties": {
+    "id": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+    "text": {"type": "string"}}, "required": ["id", "tags", "text"]}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -72,10 +67,8 @@ def prefix(
     """num_prompts requests that share one random prefix, each with its own random suffix."""
     rng = random.Random(seed)
     shared = [rng.randint(0, 10000) for _ in range(prefix_len)]
-    return [
-        Req(shared + [rng.randint(0, 10000) for _ in range(suffix_len)], output_len, 0.0)
-        for _ in range(num_prompts)
-    ]
+    return [Req(shared + [rng.randint(0, 10000) for _ in range(suffix_len)], output_len, 0.0)
+            for _ in range(num_prompts)]  # fmt: skip
 
 
 def constrained_ids(n: int, ratio: float) -> list[int]:
@@ -124,9 +117,8 @@ def from_jsonl(
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise TurnoutError(
-            f'--input {path}: {e.strerror}; pass a JSONL file of {{"prompt": ...}} lines'
-        ) from None
+        raise TurnoutError(f"--input {path}: {e.strerror}; "
+                           'pass a JSONL file of {"prompt": ...} lines') from None  # fmt: skip
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -134,9 +126,8 @@ def from_jsonl(
             row = json.loads(line)
             prompt = row["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise TurnoutError(
-                f'{path}:{n} needs a JSON object with a "prompt" (text or token ids)'
-            ) from None
+            raise TurnoutError(f"{path}:{n} needs a JSON object "
+                               'with a "prompt" (text or token ids)') from None  # fmt: skip
         if isinstance(prompt, str) and tokenizer is None:
             raise TurnoutError(f"{path}:{n}: text prompts need a tokenizer, but {tokenizer_problem}")
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -157,17 +148,31 @@ def shapes(reqs: list[Req], cached: int = 0) -> list[tuple[int, int, int]]:
 
 
 # ---- timed turnout runs ----
+def sync() -> None:
+    """Waits for the current CUDA device's work, where there is one."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    """Seconds of fn(*args) between two synchronisations, and what it returned."""
+    sync()
+    t = time.perf_counter()
+    out = fn(*args)
+    sync()
+    return time.perf_counter() - t, out
+
+
 def generate(llm: Any, reqs: list[Req]) -> tuple[float, list[Any]]:
     """Seconds for llm.generate over reqs, and its RequestOutputs in their order."""
     from turnout import SamplingParams
     from turnout.structured_outputs import StructuredOutputsParams
 
     held = [None if r.json_schema is None else StructuredOutputsParams(json=r.json_schema) for r in reqs]
-    params = [
-        SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos,
-                       structured_outputs=so)
-        for r, so in zip(reqs, held)
-    ]  # fmt: skip
+    params = [SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos,
+                             structured_outputs=so) for r, so in zip(reqs, held)]  # fmt: skip
     t = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
     seconds = time.perf_counter() - t
@@ -202,36 +207,25 @@ def selection(llm: Any) -> dict[str, Any]:
     tuning record can change."""
     sel = llm.selection
     fitted = sel.apply(llm.config)
-    return {
-        "attention": sel.attention.chosen.name,
-        "graph_mode": sel.effective_graph.name,
-        "executor": sel.executor.chosen.name,
-        "dtype": str(sel.dtype).removeprefix("torch."),
-        "async_scheduling": sel.async_scheduling,
-        "block_size": fitted.block_size,
-        "max_num_batched_tokens": fitted.max_num_batched_tokens,
-        "max_num_seqs": fitted.max_num_seqs,
-    }
+    chosen = {"attention": sel.attention.chosen.name, "graph_mode": sel.effective_graph.name,
+              "executor": sel.executor.chosen.name, "dtype": str(sel.dtype).removeprefix("torch."),
+              "async_scheduling": sel.async_scheduling}  # fmt: skip
+    return chosen | {k: getattr(fitted, k) for k in ("block_size", "max_num_batched_tokens", "max_num_seqs")}
 
 
-def latency(llm: Any, tpot_tokens: int, plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per run of plan ({run: {"tpot_prompt", "ttft_prompts"}}): tpot_ms, and ttft_ms by prompt length."""
+def latency(
+    llm: Any, tpot_tokens: int, plan: dict[str, Any], seconds: Callable[[list[int], int], float] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Per run of plan ({run: {"tpot_prompt", "ttft_prompts"}}), at batch 1: tpot_ms, the decode time per
+    token ((time for 1 + n outputs - time for 1 output) / n, n = tpot_tokens, over one prompt; nanobench.py's
+    MODE=tpot uses 32 tokens), and ttft_ms by prompt length, each prompt's time as a 1-token request (fresh
+    prompts: no prefix-cache hit). seconds(prompt, max_tokens) times one request: llm's by default."""
+
+    def ms(prompt: list[int], max_tokens: int) -> float:
+        return 1e3 * (seconds(prompt, max_tokens) if seconds else run(llm, [Req(prompt, max_tokens)])[0])
+
     return {
-        run: {"tpot_ms": tpot_ms(llm, tpot_tokens, p["tpot_prompt"]),
-              "ttft_ms": {str(len(q)): ttft_ms(llm, q) for q in p["ttft_prompts"]}}
-        for run, p in plan.items()
+        r: {"tpot_ms": (ms(p["tpot_prompt"], tpot_tokens + 1) - ms(p["tpot_prompt"], 1)) / tpot_tokens,
+            "ttft_ms": {str(len(q)): ms(q, 1) for q in p["ttft_prompts"]}}
+        for r, p in plan.items()
     }  # fmt: skip
-
-
-def tpot_ms(llm: Any, tokens: int, prompt: list[int]) -> float:
-    """Batch-1 decode time per token: (time for 1 + tokens outputs - time for 1 output) / tokens, over one
-    prompt (nanobench.py's MODE=tpot uses 32 tokens)."""
-    t_long, _ = run(llm, [Req(prompt, tokens + 1)])
-    t_short, _ = run(llm, [Req(prompt, 1)])
-    return (t_long - t_short) / tokens * 1e3
-
-
-def ttft_ms(llm: Any, prompt: list[int]) -> float:
-    """Time to the first token of one prompt, as a 1-token request; pass a fresh prompt for no cache hit."""
-    seconds, _ = run(llm, [Req(prompt, 1)])
-    return seconds * 1e3
