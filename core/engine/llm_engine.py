@@ -172,9 +172,9 @@ class LLMEngine:
         )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d bytes a token a rank) = %d tokens a request in %s; "
-            "max_model_len %d, maximum concurrency for %d tokens a request: %.2fx; %s",
+            "max_model_len %d, maximum concurrency for max_model_len tokens a request: %.2fx; %s",
             num_blocks, cfg.block_size, per_block // cfg.block_size, capacity,
-            self.selection.kv_cache_description(), self.max_model_len, self.max_model_len, concurrency, groups,
+            self.selection.kv_cache_description(), self.max_model_len, concurrency, groups,
         )  # fmt: skip
         self.num_blocks = num_blocks
         self.scheduler = self._new_scheduler()
