@@ -46,22 +46,11 @@ def test_cpu_and_eager_resolve_to_none(requested: str) -> None:
 
 
 def test_default_capture_sizes_follow_vllm() -> None:
-    sizes, mixed_max = default_capture_sizes(256)
-    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == mixed_max == 512 and 248 in sizes and 256 in sizes
+    sizes = default_capture_sizes(256)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 512 and 248 in sizes and 256 in sizes
     assert all(s % 8 == 0 for s in sizes[3:]) and all(s % 16 == 0 for s in sizes if s >= 256)
     assert 264 not in sizes and 272 in sizes
-    assert default_capture_sizes(4) == ([1, 2, 4, 8], 8)
-
-
-def test_decode_sizes_past_vllms_largest_reach_max_num_seqs() -> None:
-    """Past 512, sizes every 32 up to max_num_seqs serve uniform decode alone; a mixed batch there runs eager."""
-    sizes, mixed_max = default_capture_sizes(1000)
-    assert mixed_max == 512 and sizes[sizes.index(512) + 1 :] == list(range(544, 1000, 32))
-    d = GraphDispatcher(POLICY["FULL_AND_PIECEWISE"], sizes, mixed_max)
-    assert d.dispatch([1] * 700) == type(d.dispatch([1]))(F, 704, True)
-    assert d.dispatch([1] * 995).mode is N  # past the largest size
-    assert d.dispatch([2] * 300).mode is N and d.dispatch([2] * 200).mode is P
-    assert d.modes(704) == {(F, True)} and d.modes(512) == {(F, True), (P, False)}
+    assert default_capture_sizes(4)[-1] == 8 and default_capture_sizes(1000)[-1] == 512
 
 
 def test_dispatcher_pads_and_classifies() -> None:
@@ -92,7 +81,7 @@ def test_third_party_policy_registers_and_dispatches(register_plugin, plugin_man
     register_plugin(_ThirdParty(), "upto64")
     choice = choose("graph", graph_candidates(plugin_manager), "FULL_UPTO_64")
     assert choice.chosen.plugin == "upto64"
-    d = GraphDispatcher(choice.obj, *default_capture_sizes(256))
+    d = GraphDispatcher(choice.obj, default_capture_sizes(256))
     assert d.dispatch([1] * 64).mode is F and d.dispatch([1] * 72).mode is P
     # downgrading wraps the custom rule: on a UNIFORM_DECODE backend mixed FULL never happens anyway,
     # on a NEVER backend decode FULL becomes PIECEWISE

@@ -107,7 +107,9 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         try:
             for n in reversed(self.dispatcher.capture_sizes):
-                for mode, uniform in sorted(self.dispatcher.modes(n), key=lambda m: (m[0].value, m[1])):
+                policy = self.dispatcher.policy
+                modes = {(policy.runtime_mode(n, u), u) for u in (True, False)}
+                for mode, uniform in sorted(modes, key=lambda m: (m[0].value, m[1])):
                     if mode is RuntimeMode.FULL:
                         self._capture_full(n, uniform)
                     elif mode is RuntimeMode.PIECEWISE and n not in self.piecewise:

@@ -246,14 +246,11 @@ class ModelRunner:
         if self.device.type != "cuda" or not policy.uses_graphs or get_parallel_state().pp_size > 1:
             return
         cfg = self.config
-        sizes, mixed_max = default_capture_sizes(cfg.max_num_seqs)
-        if cfg.cudagraph_capture_sizes:
-            sizes = cfg.cudagraph_capture_sizes
-            mixed_max = sizes[-1]
+        sizes = cfg.cudagraph_capture_sizes or default_capture_sizes(cfg.max_num_seqs)
         sizes = [s for s in sizes if s <= cfg.max_num_batched_tokens]
         max_len = min(cfg.max_model_len or self.info.max_position_embeddings, num_blocks * self.block_size)
         self.graphs = GraphRunner(
-            self.model, self.impls, self.builders, self.kv_caches, GraphDispatcher(policy, sizes, mixed_max),
+            self.model, self.impls, self.builders, self.kv_caches, GraphDispatcher(policy, sizes),
             cfg.max_num_seqs, block_table.blocks_for(max_len, self.block_size), max_len, self.layer_groups,
         )  # fmt: skip
         self.graphs.capture()
