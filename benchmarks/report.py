@@ -37,9 +37,11 @@ class Pct(float):
 
 
 def files(suite: str) -> list[tuple[Path, Doc]]:
-    """The suite's JSON files, newest first (by recorded date, then name)."""
+    """The suite's JSON files, the H200's first (the device the tables compare on), each device's newest
+    first (by recorded date, then name)."""
     out = [(f, json.loads(f.read_text())) for f in (RESULTS / suite).glob("*.json")]
-    return sorted(out, key=lambda x: (str(_head(x[1]).get("date", "")), x[0].name), reverse=True)
+    key = lambda x: ("H200" in str(_head(x[1]).get("device")), str(_head(x[1]).get("date", "")), x[0].name)
+    return sorted(out, key=key, reverse=True)
 
 
 def _head(doc: Doc) -> dict[str, Any]:
@@ -266,9 +268,11 @@ def attention_section() -> list[str]:
     """Case by backend at the section's shape (32 query / 8 KV heads, block 16): each cell from the newest
     file that has that backend and case."""
     newest: dict[tuple, tuple[Path, Doc, dict]] = {}  # (backend, kind, batch, context) -> its newest row
+    elsewhere = [caption(p, d) for p, d in files("attention") if "H200" not in d.get("device", "")]
     for path, doc in files("attention"):
         cfg = doc.get("config", {})
-        if (cfg.get("num_heads", 32), cfg.get("num_kv_heads", 8), cfg.get("block_size", 16)) != (32, 8, 16):
+        shape = (cfg.get("num_heads", 32), cfg.get("num_kv_heads", 8), cfg.get("block_size", 16))
+        if shape != (32, 8, 16) or "H200" not in doc.get("device", ""):
             continue
         for r in doc["results"]:
             newest.setdefault((r["backend"], r["kind"], r["batch"], r["context"]), (path, doc, r))
@@ -288,8 +292,9 @@ def attention_section() -> list[str]:
             for k, b, c in cases]  # fmt: skip
     used = {p: d for p, d, _ in sorted(newest.values(), key=lambda v: str(v[0]))}
     sources = ", ".join(f"{cite(p)} (`{_head(d).get('commit')}`)" for p, d in used.items())
+    other = ["", "On other GPUs, not in the table:", *(f"- {c}" for c in elsewhere)] if elsewhere else []
     return ["", "Times are graph replays where the backend captures, else eager launches; each cell from the "
-            f"newest of {sources}.", "", *table(["case", *backends], rows)]  # fmt: skip
+            f"newest of {sources}.", "", *table(["case", *backends], rows), *other]  # fmt: skip
 
 
 def turnout_tune_section() -> list[str]:
