@@ -37,8 +37,7 @@ class Pct(float):
 
 
 def files(suite: str) -> list[tuple[Path, Doc]]:
-    """The suite's JSON files, the H200's first (the device the tables compare on), each device's newest
-    first (by recorded date, then name)."""
+    """The suite's JSON files, the H200's (whose tables compare) first, each device's newest first."""
     out = [(f, json.loads(f.read_text())) for f in (RESULTS / suite).glob("*.json")]
     key = lambda x: ("H200" in str(_head(x[1]).get("device")), str(_head(x[1]).get("date", "")), x[0].name)
     return sorted(out, key=key, reverse=True)
@@ -266,13 +265,12 @@ def _flat(row: dict[str, Any]) -> dict[str, Any]:
 # ---- sections of their own ----
 def attention_section() -> list[str]:
     """Case by backend at the section's shape (32 query / 8 KV heads, block 16): each cell from the newest
-    file that has that backend and case."""
+    file (the H200's first) that has that backend and case."""
     newest: dict[tuple, tuple[Path, Doc, dict]] = {}  # (backend, kind, batch, context) -> its newest row
     elsewhere = [caption(p, d) for p, d in files("attention") if "H200" not in d.get("device", "")]
     for path, doc in files("attention"):
         cfg = doc.get("config", {})
-        shape = (cfg.get("num_heads", 32), cfg.get("num_kv_heads", 8), cfg.get("block_size", 16))
-        if shape != (32, 8, 16) or "H200" not in doc.get("device", ""):
+        if (cfg.get("num_heads", 32), cfg.get("num_kv_heads", 8), cfg.get("block_size", 16)) != (32, 8, 16):
             continue
         for r in doc["results"]:
             newest.setdefault((r["backend"], r["kind"], r["batch"], r["context"]), (path, doc, r))
