@@ -105,9 +105,9 @@ class GraphRunner:
         torch.cuda.empty_cache()
         reserved0, t0 = torch.cuda.memory_reserved(dev), time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
+        policy = self.dispatcher.policy
         try:
             for n in reversed(self.dispatcher.capture_sizes):
-                policy = self.dispatcher.policy
                 modes = {(policy.runtime_mode(n, u), u) for u in (True, False)}
                 for mode, uniform in sorted(modes, key=lambda m: (m[0].value, m[1])):
                     if mode is RuntimeMode.FULL:
