@@ -160,9 +160,13 @@ class KVCacheConfig:
         chunk = 1 if max_num_batched_tokens is None else max_num_batched_tokens
         return sum(g.spec.max_blocks(num_tokens, chunk) for g in self.groups)
 
+    def usable_blocks(self, num_blocks: int) -> int:
+        """The pool blocks requests can hold: all num_blocks but NULL_BLOCK where it is kept out."""
+        return num_blocks - self.uses_null_block
+
     def max_tokens(self, num_blocks: int, max_num_batched_tokens: int) -> int:
-        """The longest request that num_blocks pool blocks hold (NULL_BLOCK not counted)."""
-        usable = num_blocks - self.uses_null_block
+        """The longest request that num_blocks pool blocks hold."""
+        usable = self.usable_blocks(num_blocks)
         lo, hi = 0, usable * self.groups[0].spec.block_size
         while lo < hi:  # the largest n with blocks_for_tokens(n) <= usable
             mid = (lo + hi + 1) // 2
@@ -174,8 +178,7 @@ class KVCacheConfig:
     def max_concurrency(self, num_blocks: int, num_tokens: int, max_num_batched_tokens: int) -> float:
         """How many requests of num_tokens tokens num_blocks pool blocks hold at once (vLLM's "maximum
         concurrency"): the usable blocks over the blocks one such request holds at most."""
-        usable = num_blocks - self.uses_null_block
-        return usable / self.blocks_for_tokens(num_tokens, max_num_batched_tokens)
+        return self.usable_blocks(num_blocks) / self.blocks_for_tokens(num_tokens, max_num_batched_tokens)
 
     def describe(self) -> list[str]:
         """One line a group: its spec and how many layers it has."""
