@@ -11,6 +11,7 @@ from turnout import LLM
 from turnout.config import EngineConfig
 from turnout.defaults import fit_defaults
 from turnout.graphs.dispatcher import default_capture_sizes
+from turnout.graphs.policies import BUILTIN_POLICIES
 from turnout.platform import Platform
 
 H200 = Platform("cuda", "H200", 1, (9, 0), 141 << 30, (torch.float16, torch.bfloat16, torch.float32))
@@ -57,6 +58,23 @@ def test_max_num_seqs_is_vllms_llm_default_for_the_device_unless_set():
         "capped at num_gpu_blocks_override 300 (each running request holds a KV block)"
     )
     assert seqs(EngineConfig(num_gpu_blocks_override=4096), H200)[0] == 1024
+
+
+def test_max_num_seqs_stays_within_the_largest_decode_graph():
+    # a decode step wider than the largest FULL graph runs eager, host-bound: on an H100 at the Qwen3-8B
+    # shape, wide decode ran 17,551 output tok/s at 1024 running requests and 19,616 at 512
+    cpu = CPUAttentionBackend()
+    policy = {p.name: p for p in BUILTIN_POLICIES}
+    seqs = lambda config, graph: fit_defaults(config, H200, cpu, policy.get(graph))["max_num_seqs"]  # noqa: E731
+    for graph in ("FULL_AND_PIECEWISE", "FULL", "FULL_DECODE_ONLY"):
+        value, why = seqs(EngineConfig(), graph)
+        assert value == 512 == default_capture_sizes(value)[-1], graph
+        assert why.endswith("capped at the largest decode CUDA graph 512 (a wider decode step runs eager, "
+                            "bound by the host)")  # fmt: skip
+    for graph in ("PIECEWISE", "NONE", None):  # decode steps are not whole graphs: vLLM's 1024
+        assert seqs(EngineConfig(), graph)[0] == 1024, graph
+    assert seqs(EngineConfig(cudagraph_capture_sizes=[1, 2, 4]), "FULL")[0] == 1024  # the user's sizes
+    assert values(EngineConfig(), CPU, cpu)["max_num_seqs"] == 256  # no CUDA graphs on the CPU
 
 
 def test_graphs_capture_up_to_vllms_size_for_the_fitted_max_num_seqs():

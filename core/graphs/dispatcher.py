@@ -12,11 +12,13 @@ from dataclasses import dataclass
 
 from turnout.graphs.modes import GraphPolicy, RuntimeMode
 
+MAX_CAPTURE_SIZE = 512  # vLLM's largest default capture size
+
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """vLLM's defaults: 1, 2, 4, then multiples of 8 below 256, then multiples of 16 up to the maximum,
-    which is min(2 * max_num_seqs, 512)."""
-    top = min(2 * max_num_seqs, 512)
+    which is min(2 * max_num_seqs, MAX_CAPTURE_SIZE)."""
+    top = min(2 * max_num_seqs, MAX_CAPTURE_SIZE)
     sizes = [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)]
     return [s for s in sizes if s <= top]
 
