@@ -1,19 +1,18 @@
-"""Host work of a decode step at a large batch, on the CPU: a tiny random model keeps the forward small, so
-the engine's own Python shows (scheduler, input preparation, sampler, update).
+"""Where each engine step's wall time goes, by the number of requests running: every stage of
+turnout.bench.STAGES timed per step over `turnout bench wide`'s workload, first run and repeat.
 
-  python benchmarks/profile_host.py --batch 256 --steps 64 [--temperature 0.6] [--async-scheduling] [--json F]
+  python benchmarks/profile_host.py --random-model qwen3-8b [--max-num-seqs 512] [--json F]
+  python benchmarks/profile_host.py --num-prompts 256 --max-output-len 64   # a tiny Llama on the CPU
 
-Prints ms per decode step, each the best of REPEATS passes: every stage of turnout.bench.STAGES, timed
-through turnout.bench.stages, and the garbage collector. "outside forward" is the step less the model
-forward and the logits (on a GPU that share runs on the device). Times are this thread's CPU time, with
-torch on one thread, so other processes on a shared machine barely move them; a stage's time includes the
-stages it calls. Timing starts once every request decodes.
+A row is the steps that began with that many requests running: their count, their seconds, and each stage's
+ms a step (wall clock; a stage's time includes the stages it calls). With async scheduling, "get" is the
+wait for the GPU's tokens: steps where it is near zero are bound by the host. Without --random-model the
+model is a 2-layer Llama of hidden size 64 on the CPU, so the engine's own Python shows.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import tempfile
 import time
@@ -21,30 +20,12 @@ from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
-from turnout.bench import STAGES, stages, write_tokenizer
+from turnout.bench import SHAPES, STAGES, random_model, run, stages, table, warm_up, wide, write_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_json  # noqa: E402
 
-VOCAB, PROMPT_LEN, REPEATS = 512, 32, 3
-spent: dict[str, float] = defaultdict(float)
-
-
-@contextmanager
-def clock(label: str):
-    """Adds the block's thread CPU time to spent[label]."""
-    t = time.thread_time()
-    try:
-        yield
-    finally:
-        spent[label] += time.thread_time() - t
-
-
-def time_gc(phase: str, info: dict, started: list[float] = []) -> None:  # noqa: B006 (the timer's state)
-    if phase == "start":
-        started.append(time.thread_time())
-    elif started:
-        spent["gc"] += time.thread_time() - started.pop()
+VOCAB = 10240  # the wide workload's prompt ids lie in [0, 10000]
 
 
 def tiny_llama(path: Path) -> Path:
@@ -59,52 +40,63 @@ def tiny_llama(path: Path) -> Path:
     return path
 
 
+def traced(llm, reqs, width: int) -> tuple[float, int, list[dict]]:
+    """Seconds and output tokens of one run over reqs, and a row per bucket of `width` running requests."""
+    sched, steps, step = llm.engine.scheduler, [], {}
+
+    @contextmanager
+    def timer(name: str, args: tuple):
+        nonlocal step
+        if name == "step":
+            step = {"running": len(sched.running)}
+            steps.append(step)
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            step[name] = step.get(name, 0.0) + time.perf_counter() - t
+
+    with stages(llm, timer, [s for s in STAGES if s != "add_request"]):
+        seconds, tokens = run(llm, reqs)
+    buckets = defaultdict(list)
+    for s in steps:
+        buckets[-(-s["running"] // width)].append(s)
+    rows = [{"running": f"{(b - 1) * width + 1}-{b * width}" if b else "0", "steps": len(xs),
+             "seconds": round(sum(x["step"] for x in xs), 3),
+             **{f"{n}_ms": round(1e3 * sum(x.get(n, 0.0) for x in xs) / len(xs), 2) for n in STAGES
+                if n != "add_request"}} for b, xs in sorted(buckets.items())]  # fmt: skip
+    return seconds, tokens, rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--async-scheduling", action="store_true")
-    ap.add_argument("--json", help="also write the times here")
+    ap.add_argument("--random-model", choices=list(SHAPES), help="default: a tiny Llama on the CPU")
+    ap.add_argument("--max-num-seqs", type=int)
+    ap.add_argument("--num-prompts", type=int, default=1024)
+    ap.add_argument("--min-output-len", type=int, default=256)
+    ap.add_argument("--max-output-len", type=int, default=512)
+    ap.add_argument("--bucket", type=int, default=128, help="running requests a row")
+    ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
+    from turnout import LLM
 
-    import torch
-
-    from turnout import LLM, SamplingParams
-
-    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
-        llm = LLM(
-            str(tiny_llama(Path(d))), attention_backend="cpu", dtype="float32", max_num_seqs=args.batch,
-            max_model_len=4096, max_num_batched_tokens=args.batch * PROMPT_LEN,
-            **({"async_scheduling": True} if args.async_scheduling else {}),
-        )  # fmt: skip
-        engine = llm.engine
-        sp = SamplingParams(temperature=args.temperature, max_tokens=(REPEATS + 1) * args.steps + 8,
-                            ignore_eos=True)  # fmt: skip
-        for i in range(args.batch):
-            engine.add_request([(i * 31 + j * 7) % (VOCAB - 3) + 3 for j in range(PROMPT_LEN)], sp)
-        for _ in range(4):  # the prefill, then decodes only
-            engine.step()
-        best: dict[str, float] = {}
-        gc.callbacks.append(time_gc)
-        with stages(llm, lambda name, call_args: clock(name)):
-            for _ in range(REPEATS):
-                spent.clear()
-                for _ in range(args.steps):
-                    engine.step()
-                for k, v in spent.items():
-                    best[k] = min(best.get(k, float("inf")), v / args.steps * 1e3)
-        gc.callbacks.remove(time_gc)
+        kw = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+        if args.random_model:
+            llm = LLM(str(random_model(args.random_model)), skip_tokenizer_init=True, **kw)
+        else:
+            llm = LLM(str(tiny_llama(Path(d))), attention_backend="cpu", dtype="float32", **kw)
+        warm_up(llm)
+        reqs = wide(args.num_prompts, output_len=(args.min_output_len, args.max_output_len))
+        out = []
+        for label in ("first", "repeat"):
+            seconds, tokens, rows = traced(llm, reqs, args.bucket)
+            seqs = llm.engine.config.max_num_seqs
+            print(f"{label}: {seconds:.2f} s, {tokens / seconds:,.0f} output tok/s, max_num_seqs {seqs}")
+            print(table(rows))
+            out.append({"run": label, "seconds": seconds, "output_tok_s": tokens / seconds, "rows": rows})
+        write_json(args.json, out, args, max_num_seqs=seqs)
         llm.shutdown()
-    mode = "async" if args.async_scheduling else "sync"
-    labels = [*STAGES, "gc"]
-    print(f"batch {args.batch}, temperature {args.temperature}, {mode} (ms/step, thread CPU time):")
-    print("  " + ", ".join(f"{k} {best.get(k, 0):.3f}" for k in labels))
-    outside = best["step"] - best.get("forward", 0) - best.get("logits", 0)
-    print(f"  outside forward {outside:.3f}")
-    row = {"mode": mode, **{f"{k}_ms": round(best.get(k, 0), 4) for k in labels}}
-    write_json(args.json, [{**row, "outside_forward_ms": round(outside, 4)}], args)
 
 
 if __name__ == "__main__":

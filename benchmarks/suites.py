@@ -130,12 +130,10 @@ SUITES = {
          *(f"turnout bench throughput {QWEN3} --{flag} --out {{out}}/{{stamp}}-throughput-{name}.json"
            for flag, name in (("no-async-scheduling", "off"), ("async-scheduling", "on")))]),
     "host-step": Suite(
-        "The engine's host work per decode step at batch 256 on the CPU (a tiny model keeps the forward "
-        "small): scheduler, input preparation, sampler, update; greedy and temperature 0.6, async off and on",
-        [f"python benchmarks/profile_host.py --batch 256 --steps 64 --temperature {t}{a} "
-         f"--json {{out}}/{{stamp}}-b256-t{t}-{n}.json"
-         for t in ("0", "0.6")
-         for a, n in (("", "sync"), (" --async-scheduling", "async"))],
+        "Where each step's wall time goes, by requests running, over the wide-decode workload on the CPU (a "
+        "tiny model keeps the forward small): scheduler, input preparation, sampler, update",
+        ["python benchmarks/profile_host.py --num-prompts 256 --min-output-len 32 --max-output-len 64 "
+         "--json {out}/{stamp}-wide-256.json"],
         gpus=0),
 }  # fmt: skip
 # Suites no longer run: their scripts answered their question and were deleted. Their records stay, each

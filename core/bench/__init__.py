@@ -14,7 +14,7 @@ _MODULES = {  # module -> the names imported from it on first use
     "turnout.bench.records": ("COLUMNS", "provenance", "table"),
     "turnout.bench.roofline": ("CEILINGS", "Shape"),
     "turnout.bench.profiling": ("STAGES", "stages", "memory_reports"),
-    "turnout.bench.workloads": ("sync", "timed"),
+    "turnout.bench.workloads": ("run", "sync", "timed", "warm_up", "wide"),
     "turnout.layers.gemv": ("gemv",),  # measured on its own
     "turnout.platform": ("current_platform",),
 }
