@@ -130,8 +130,8 @@ SUITES = {
          *(f"turnout bench throughput {QWEN3} --{flag} --out {{out}}/{{stamp}}-throughput-{name}.json"
            for flag, name in (("no-async-scheduling", "off"), ("async-scheduling", "on")))]),
     "host-step": Suite(
-        "Where each step's wall time goes, by requests running, over the wide-decode workload on the CPU (a "
-        "tiny model keeps the forward small): scheduler, input preparation, sampler, update",
+        "Where each step's wall time goes, by stage and requests running, over the wide-decode workload: a "
+        "random shape on the GPU (the wait for its tokens against host work), or a tiny model on the CPU",
         ["python benchmarks/profile_host.py --num-prompts 256 --min-output-len 32 --max-output-len 64 "
          "--json {out}/{stamp}-wide-256.json"],
         gpus=0),
