@@ -25,6 +25,7 @@ from turnout.bench import SHAPES, STAGES, random_model, run, stages, table, warm
 sys.path.insert(0, str(Path(__file__).parent))
 from common import write_json  # noqa: E402
 
+TIMED = [s for s in STAGES if s != "add_request"]  # the stages inside a step
 VOCAB = 10240  # the wide workload's prompt ids lie in [0, 10000]
 
 
@@ -56,15 +57,15 @@ def traced(llm, reqs, width: int) -> tuple[float, int, list[dict]]:
         finally:
             step[name] = step.get(name, 0.0) + time.perf_counter() - t
 
-    with stages(llm, timer, [s for s in STAGES if s != "add_request"]):
+    with stages(llm, timer, TIMED):
         seconds, tokens = run(llm, reqs)
     buckets = defaultdict(list)
     for s in steps:
         buckets[-(-s["running"] // width)].append(s)
     rows = [{"running": f"{(b - 1) * width + 1}-{b * width}" if b else "0", "steps": len(xs),
              "seconds": round(sum(x["step"] for x in xs), 3),
-             **{f"{n}_ms": round(1e3 * sum(x.get(n, 0.0) for x in xs) / len(xs), 2) for n in STAGES
-                if n != "add_request"}} for b, xs in sorted(buckets.items())]  # fmt: skip
+             **{f"{n}_ms": round(1e3 * sum(x.get(n, 0.0) for x in xs) / len(xs), 2) for n in TIMED}}
+            for b, xs in sorted(buckets.items())]  # fmt: skip
     return seconds, tokens, rows
 
 

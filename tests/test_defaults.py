@@ -61,8 +61,7 @@ def test_max_num_seqs_is_vllms_llm_default_for_the_device_unless_set():
 
 
 def test_max_num_seqs_stays_within_the_largest_decode_graph():
-    # a decode step wider than the largest FULL graph runs eager, host-bound: on an H100 at the Qwen3-8B
-    # shape, wide decode ran 17,551 output tok/s at 1024 running requests and 19,616 at 512
+    # a decode step wider than the largest FULL graph runs eager, host-bound (benchmarks/results/host-step/)
     cpu = CPUAttentionBackend()
     policy = {p.name: p for p in BUILTIN_POLICIES}
     seqs = lambda config, graph: fit_defaults(config, H200, cpu, policy.get(graph))["max_num_seqs"]  # noqa: E731
