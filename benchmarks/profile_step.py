@@ -3,12 +3,14 @@
   python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,prefill --cublas
 
 One turnout.LLM (default selection) steps through each phase: decodeN, N requests of distinct prompts run
-until all decode, then timed and profiled steps; prefill, one request with max_tokens 1 at a time. While
-profiled, the LM head and the sampler run between two synchronisations in record_function ranges, so their
-kernels are "lm_head" and "sampling"; the rest go by name (BUCKETS). busy = the union of kernel spans per
-step; idle = wall - busy (host gaps; PDL-overlapped kernels sum past busy); floor = max(bytes, FLOPs) of the
-step at the H200's ceilings. --gaps puts each interval with no kernel running under the innermost host stage
-at its midpoint (HOST_STAGES); --cublas times cuBLAS against turnout's GEMV at the linears.
+until all decode, then timed and profiled steps; mixedN, the same with a new short prompt prefilled in each
+step (wide decode's steady state, as requests finish and others start); prefill, one request with
+max_tokens 1 at a time. While profiled, the LM head and the sampler run between two synchronisations in
+record_function ranges, so their kernels are "lm_head" and "sampling"; the rest go by name (BUCKETS).
+busy = the union of kernel spans per step; idle = wall - busy (host gaps; PDL-overlapped kernels sum past
+busy); floor = max(bytes, FLOPs) of the step at the H200's ceilings. --gaps puts each interval with no
+kernel running under the innermost host stage at its midpoint (HOST_STAGES); --cublas times cuBLAS against
+turnout's GEMV at the linears.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ H200 = CEILINGS["H200"]
 CUBLAS_M = (1, 256)  # rows of the linears --cublas times
 # --gaps: each host stage of turnout.bench.STAGES profiled, as its record_function label; a gap goes to the
 # latest-starting range that covers its midpoint, the innermost stage
+MIXED_PROMPT = 32  # mixedN: N decode rows beside the prefill of one new request of this many tokens
 HOST_STAGES = {s: f"host:{s}" for s in ("add_request", "schedule", "update", "prepare", "attention_metadata",
                                         "attention", "sample")} | {"model": "host:forward"}  # fmt: skip
 
@@ -137,6 +140,11 @@ def drain(engine) -> None:
         engine.pop_finished(req_id)
 
 
+def decode_rows(phase: str) -> int:
+    """N of a decodeN or mixedN phase."""
+    return int(phase.removeprefix("decode").removeprefix("mixed"))
+
+
 def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape: Shape) -> dict:
     from turnout import SamplingParams
 
@@ -157,17 +165,20 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
         t = a.prefill_len
         tokens, kv_reads, pairs = t, 0, t * (t + 1) // 2
     else:
-        batch, n_timed, n_prof = int(phase.removeprefix("decode")), a.steps, a.prof_steps
+        batch, n_timed, n_prof = decode_rows(phase), a.steps, a.prof_steps
         # requests prefilled first decode while the others prefill: outputs to spare, aborted at the end
         sp = SamplingParams(temperature=0, max_tokens=a.warmup + n_timed + n_prof + 512, ignore_eos=True)
         reqs = [engine.add_request(prompt(a.context), sp) for _ in range(batch)]
         while min(len(r.output_token_ids) for r in reqs) < 2:  # every prefill done: pure decode from here
             engine.step()
-        unit = engine.step
+        unit, new = engine.step, 0
+        if phase.startswith("mixed"):  # each step also prefills a new request of MIXED_PROMPT tokens
+            one, new = SamplingParams(temperature=0, max_tokens=1), MIXED_PROMPT
+            unit = lambda: (engine.add_request(prompt(new), one), engine.step())
         for _ in range(a.warmup):
             unit()
         ctx = a.context + a.warmup + n_timed  # keys per request in the profiled steps
-        tokens, kv_reads, pairs = batch, batch * ctx, batch * ctx
+        tokens, kv_reads, pairs = batch + new, batch * ctx, batch * ctx + new * (new + 1) // 2
     wall = timed(lambda: [unit() for _ in range(n_timed)])[0] / n_timed * 1e6
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     heads = labelled(llm, {"logits": LM_HEAD, "sampler": SAMPLE}, synced=True)
@@ -256,7 +267,7 @@ def report(results: list[dict], extra: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--random-model", default="qwen3-8b", help="a shape of turnout.bench.random_models")
-    ap.add_argument("--phases", default="decode1,decode256,prefill", help="decodeN (N requests), prefill")
+    ap.add_argument("--phases", default="decode1,decode256,prefill", help="decodeN, mixedN (N rows), prefill")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decode request")
     ap.add_argument("--prefill-len", type=int, default=16384)
     ap.add_argument("--prefill-reps", type=int, default=3, help="prefills timed, and as many profiled")
@@ -287,7 +298,7 @@ def main() -> None:
     max_len = max(args.prefill_len, args.context + args.warmup + args.steps + args.prof_steps + 512) + 1024
     path = random_model(args.random_model)
     shape = Shape.from_checkpoint(path, 2)
-    batches = [int(p.removeprefix("decode")) for p in phases if p.startswith("decode")]
+    batches = [decode_rows(p) for p in phases if p != "prefill"]
     kw = {"max_num_seqs": max(batches)} if max(batches, default=0) > 256 else {}
     if args.prefill_len > 16384:  # past the default budget of a large GPU: still one step
         kw["max_num_batched_tokens"] = args.prefill_len

@@ -44,6 +44,10 @@ class GraphPolicy:
         return self.decode is not RuntimeMode.NONE or self.mixed is not RuntimeMode.NONE
 
 
+EAGER = GraphPolicy("NONE", RuntimeMode.NONE, RuntimeMode.NONE)
+"""The policy of a run that captures nothing: every step eager."""
+
+
 def _downgrade_pair(
     decode: RuntimeMode, mixed: RuntimeMode, support: CudagraphSupport
 ) -> tuple[RuntimeMode, RuntimeMode]:
@@ -88,7 +92,7 @@ def downgrade(
         )
         if policy.decode is RuntimeMode.NONE and policy.mixed is RuntimeMode.NONE:
             return policy, None
-        return GraphPolicy("NONE", RuntimeMode.NONE, RuntimeMode.NONE), why
+        return EAGER, why
     decode, mixed = _downgrade_pair(policy.decode, policy.mixed, support)
     if (decode, mixed) == (policy.decode, policy.mixed):
         return policy, None

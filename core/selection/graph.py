@@ -7,7 +7,7 @@ import logging
 
 from turnout.attention.backend import AttentionBackend
 from turnout.config import EngineConfig
-from turnout.graphs.modes import GraphPolicy, RuntimeMode, downgrade
+from turnout.graphs.modes import EAGER, GraphPolicy, downgrade
 from turnout.layers.moe import MoEKernel, graph_blocker
 from turnout.platform import Platform
 from turnout.plugins import PluginManager
@@ -43,13 +43,16 @@ def effective_graph(
     platform: Platform,
 ) -> tuple[GraphPolicy, str | None]:
     """The policy that runs, and why it differs from graph's (None where it does not): downgraded to
-    backend's CUDA-graph support (vLLM's rules), to NONE on the CPU or with enforce_eager, and to NONE
-    where the MoE kernel moe cannot run in a graph."""
+    backend's CUDA-graph support (vLLM's rules), to NONE on the CPU or with enforce_eager, to NONE under
+    pipeline parallelism (a stage's step is split by the sends between stages), and to NONE where the MoE
+    kernel moe cannot run in a graph."""
     effective, note = downgrade(
         graph.obj, backend.cudagraph_support, backend.name, platform.device_type, config.enforce_eager
     )
     if moe is not None and effective.uses_graphs and (why := graph_blocker(moe, config.expert_parallel_size)):
-        effective, note = GraphPolicy("NONE", RuntimeMode.NONE, RuntimeMode.NONE), why
+        effective, note = EAGER, why
+    if effective.uses_graphs and config.pipeline_parallel_size > 1:
+        effective, note = EAGER, f"pipeline_parallel_size {config.pipeline_parallel_size}: stages run eager"
     if note:  # worth a warning only where graphs could have run; on CPU they never do (explain shows it)
         level = logging.WARNING if platform.is_cuda and not config.enforce_eager else logging.INFO
         level = level if platform.is_cuda else logging.DEBUG

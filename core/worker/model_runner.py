@@ -243,7 +243,7 @@ class ModelRunner:
 
     def capture_graphs(self, num_blocks: int) -> None:
         policy = self.selection.effective_graph
-        if self.device.type != "cuda" or not policy.uses_graphs or get_parallel_state().pp_size > 1:
+        if self.device.type != "cuda" or not policy.uses_graphs:
             return
         cfg = self.config
         sizes = cfg.cudagraph_capture_sizes or default_capture_sizes(cfg.max_num_seqs)
