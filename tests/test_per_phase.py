@@ -9,7 +9,7 @@ import torch
 
 from turnout import LLM, SamplingParams
 from turnout.attention import AttentionMetadata, AttentionSpec, CudagraphSupport
-from turnout.attention.per_phase import PerPhaseBackend, phase_support
+from turnout.attention.per_phase import PerPhaseBackend, SplitStep, phase_support
 from turnout.config import EngineConfig
 from turnout.errors import ConfigError, SelectionError
 from turnout.models.info import ModelInfo
@@ -40,14 +40,19 @@ def naive(register_plugin):
     register_plugin(mod, "naive_plugin")
 
 
-def _tokens(model, backend: str, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
-    # 32-token steps chunk the 70-token prompts; the shared 48-token head hits the prefix cache
+def _tokens(
+    model, backend: str, prompts: list[list[int]], together: list[list[int]]
+) -> tuple[list[list[int]], int]:
+    # 32-token steps chunk the 70-token prompts; the shared 48-token head hits the prefix cache. One at a
+    # time, the later prompts find the earlier ones' blocks cached; together (new prompts), a request
+    # decodes beside the next one's prefill chunks (mixed steps that lead with decode rows).
     llm = LLM(model, attention_backend=backend, dtype="float32", max_num_batched_tokens=32, block_size=16)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     try:
-        outs = []
-        for p in prompts:  # one at a time, so the later prompts find the earlier ones' blocks cached
-            outs += llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=12))
-        return [o.outputs[0].token_ids for o in outs], llm.engine.stats()["prefix_cache_hits"]
+        outs = [o for p in prompts for o in llm.generate([{"prompt_token_ids": p}], greedy)]
+        hits = llm.engine.stats()["prefix_cache_hits"]
+        outs += llm.generate([{"prompt_token_ids": p} for p in together], greedy)
+        return [o.outputs[0].token_ids for o in outs], hits
     finally:
         llm.shutdown()
 
@@ -56,10 +61,11 @@ def test_per_phase_gives_each_backends_greedy_tokens(naive, tiny_llama):
     g = torch.Generator().manual_seed(0)
     head = torch.randint(3, 200, (48,), generator=g).tolist()
     prompts = [head + torch.randint(3, 200, (22,), generator=g).tolist() for _ in range(3)]
-    ref, hits = _tokens(str(tiny_llama), "cpu", prompts)
-    assert len(ref) == 3 and all(len(t) == 12 for t in ref) and hits >= 2 * 3  # 3 blocks, twice
+    together = [torch.randint(3, 200, (70,), generator=g).tolist() for _ in range(3)]
+    ref, hits = _tokens(str(tiny_llama), "cpu", prompts, together)
+    assert len(ref) == 6 and all(len(t) == 12 for t in ref) and hits >= 2 * 3  # 3 blocks, twice
     for backend in ("naive", "cpu+naive", "naive+cpu"):
-        assert _tokens(str(tiny_llama), backend, prompts) == (ref, hits), backend
+        assert _tokens(str(tiny_llama), backend, prompts, together) == (ref, hits), backend
 
 
 def test_each_step_goes_to_its_phase(naive, tiny_llama):
@@ -80,6 +86,47 @@ def test_each_step_goes_to_its_phase(naive, tiny_llama):
     assert type(builder.build(meta([1, 1, 1]))).__name__ == "CPUMetadata"  # cpu's builder
     assert builder.build(meta([1, 5, 1])) is None and builder.build(meta([7])) is None  # naive's: all rows
     assert (impl.decode.backend.name, impl.mixed.backend.name) == ("cpu", "naive")
+
+
+def test_a_mixed_step_leading_with_decode_rows_is_split_between_the_halves(naive, tiny_llama):
+    """Decode rows before a prefill go to the decode half, the rest to the mixed half; the step's output
+    and KV cache equal each backend's over the whole step."""
+    backend = select_all(
+        EngineConfig(model=str(tiny_llama), attention_backend="cpu+naive"), _info(tiny_llama)
+    ).backend
+    g = torch.Generator().manual_seed(0)
+    qlens, ctx, heads, kv_heads, d, block = [1, 1, 5, 1], 9, 4, 2, 8, 16
+    spec = AttentionSpec(heads, kv_heads, d, torch.float32, block, d**-0.5, num_layers=1)
+    seq_lens = torch.tensor([ctx + q for q in qlens], dtype=torch.int32)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    table = torch.arange(len(qlens), dtype=torch.int32)[:, None] * 2 + torch.tensor(
+        [[1, 0]], dtype=torch.int32
+    )
+    slots = torch.cat([table[b, 0] * block + torch.arange(ctx, ctx + q) for b, q in enumerate(qlens)])
+    t = int(qsl[-1])
+    meta = lambda: AttentionMetadata(slots, qsl, seq_lens, table, max(qlens), ctx + max(qlens), t, 2)
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (heads, kv_heads, kv_heads))
+    cache0 = torch.randn(backend.kv_cache_shape(2 * len(qlens), block, kv_heads, d), generator=g)
+    outs, caches = [], []
+    for b in (backend, backend.decode, backend.mixed):
+        builder, impl, m, cache = (
+            b.make_builder(spec, 0),
+            b.make_impl(spec, spec.layer(0)),
+            meta(),
+            cache0.clone(),
+        )
+        m.backend_data = builder.build(m)
+        outs.append(impl.forward(q, k, v, cache, m))
+        caches.append(cache)
+        if b is backend:
+            assert isinstance(m.backend_data, SplitStep) and m.backend_data.num_decode == 2
+            assert type(m.backend_data.decode.backend_data).__name__ == "CPUMetadata"  # cpu's, 2 rows
+            assert (
+                m.backend_data.decode.num_actual_tokens == 2 and m.backend_data.mixed.num_actual_tokens == 6
+            )
+    for out, cache in zip(outs[1:], caches[1:]):
+        torch.testing.assert_close(outs[0], out)
+        torch.testing.assert_close(caches[0], cache)
 
 
 def test_explain_names_both_halves(naive, tiny_llama, capsys):
