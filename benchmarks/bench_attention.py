@@ -141,8 +141,8 @@ def main() -> None:
             g = "-" if row["graph_ms"] is None else f"{row['graph_ms']:.4f}"
             print(f"{be.name:<10}{kind:<9}{batch:>6}{ctx:>8}{row['eager_ms']:>10.4f}{g:>10}", end="")
             print(f"{rate:>15}{row['pct_peak']:>7.1f}%")
-    write_json(args.json, rows, args, capability=list(torch.cuda.get_device_capability()),
-               triton=version("triton"), peaks=dict(bytes_per_s=PEAK_BW, flops=PEAK_FLOPS))  # fmt: skip
+    peaks, capability = dict(bytes_per_s=PEAK_BW, flops=PEAK_FLOPS), list(torch.cuda.get_device_capability())
+    write_json(args.json, rows, args, capability=capability, triton=version("triton"), peaks=peaks)
 
 
 if __name__ == "__main__":

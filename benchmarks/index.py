@@ -32,9 +32,8 @@ def load(path: Path) -> dict[str, Any]:
     else:
         head = doc
         what = doc.get("note") or f"{len(doc.get('results', []))} result rows"
-    return {"date": str(head.get("date", "?"))[:10], "device": head.get("device", "?"),
-            "commit": head.get("commit", "?"), "command": head.get("command", "?"), "what": what,
-            "attachment": head.get("log")}  # fmt: skip
+    prov = {k: head.get(k, "?") for k in ("device", "commit", "command")}
+    return {"date": str(head.get("date", "?"))[:10], **prov, "what": what, "attachment": head.get("log")}
 
 
 def cell(text: Any) -> str:

@@ -40,8 +40,8 @@ def run_suite(name: str, dry_run: bool) -> tuple[list[Path], int]:
     out.mkdir(parents=True, exist_ok=True)
     before = set(out.iterdir())
     tmp = tempfile.mkdtemp(prefix=f"bench-{name}-")
-    fill = {"out": str(out.relative_to(ROOT)), "tmp": tmp,
-            "stamp": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")}  # fmt: skip
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
+    fill = {"out": str(out.relative_to(ROOT)), "tmp": tmp, "stamp": stamp}
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **NO_MULTICAST}
     env.update({k: v.format(**fill) for k, v in suite.env.items()})
     failed = 0

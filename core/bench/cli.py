@@ -101,10 +101,13 @@ def _peers(args: argparse.Namespace) -> list[str]:
         raise TurnoutError("hf-generate-batch has no batch-1 latency mode; use --peers hf-generate")
     for p in (p for p in peers if p in BENCH_PY_PEERS):
         whose = "its own" if p == "nano-vllm" else "nano-vllm's"
-        if w == "throughput" and (args.input or (args.num_prompts, args.max_input_len, args.max_output_len)
-                                  != (256, 1024, 1024)):  # fmt: skip
-            raise TurnoutError(f"{p} runs {whose} bench.py workload only; drop --input, --num-prompts and "
-                               "the length options, or the peer")  # fmt: skip
+        if w == "throughput" and (
+            args.input or (args.num_prompts, args.max_input_len, args.max_output_len) != (256, 1024, 1024)
+        ):
+            raise TurnoutError(
+                f"{p} runs {whose} bench.py workload only; drop --input, --num-prompts and "
+                "the length options, or the peer"
+            )
         if w == "latency" and args.tpot_tokens != 256:
             raise TurnoutError(f"{p}'s TPOT is over 256 tokens; drop --tpot-tokens or the peer")
     return peers
@@ -113,8 +116,10 @@ def _peers(args: argparse.Namespace) -> list[str]:
 def _check_wide(args: argparse.Namespace, peers: list[str]) -> None:
     """The wide workload's lengths form ranges, and its peers run any requests (HF's run one length)."""
     if hf := [p for p in peers if p in HF_ENGINES]:
-        raise TurnoutError(f"{hf[0]} runs the throughput workload's subset only; wide runs beside vllm, "
-                           "nano-vllm and turnout-static")  # fmt: skip
+        raise TurnoutError(
+            f"{hf[0]} runs the throughput workload's subset only; wide runs beside vllm, "
+            "nano-vllm and turnout-static"
+        )
     for what in ("input", "output"):
         lo, hi = getattr(args, f"min_{what}_len"), getattr(args, f"max_{what}_len")
         if not 1 <= lo <= hi:

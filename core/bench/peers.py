@@ -37,8 +37,10 @@ def find_peers_dir(explicit: str | None, runner: str = "nanobench.py") -> Path:
     for d in tries:
         if (d / runner).is_file():
             return d
-    raise TurnoutError(f"no {runner} in {', '.join(map(str, tries))}; pass --peers-dir DIR "
-                       "(../shared/peers/README.md says what it needs)")  # fmt: skip
+    raise TurnoutError(
+        f"no {runner} in {', '.join(map(str, tries))}; pass --peers-dir DIR "
+        "(../shared/peers/README.md says what it needs)"
+    )
 
 
 def vllm_env(site: str | Path) -> dict[str, str]:
@@ -46,8 +48,9 @@ def vllm_env(site: str | Path) -> dict[str, str]:
     which the folders on turnout's PYTHONPATH would shadow."""
     site = Path(site)
     if not (site / "vllm").is_dir():
-        raise TurnoutError(f"vllm peer: no vllm/ in {site}; pass --vllm-site DIR "
-                           "(../shared/peers/fetch-vllm.sh builds it)")  # fmt: skip
+        raise TurnoutError(
+            f"vllm peer: no vllm/ in {site}; pass --vllm-site DIR (../shared/peers/fetch-vllm.sh builds it)"
+        )
     return {**os.environ, "PYTHONPATH": str(site)}
 
 
@@ -129,8 +132,8 @@ def _generate(model: Any, prompts: list[list[int]], new: int) -> int:
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, pad_token_id=0)  # fmt: skip
+    greedy = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    out = model.generate(input_ids=ids, attention_mask=mask, **greedy)
     return (out.shape[1] - width) * len(prompts)
 
 
@@ -175,16 +178,15 @@ def _turnout(engine: str, plan: dict[str, Any]) -> dict[str, Any]:
 
 def _fa4_for_nano_vllm() -> None:
     """nano-vllm's two FlashAttention-2 calls on FlashAttention-4's paged varlen kernel (no FA2 wheel is
-    built for this torch), as nanobench.py maps them: varlen with page_table and seqused_k, and decode as
-    varlen with one query per request."""
+    built for this torch), as nanobench.py maps them: varlen with page_table and seqused_k (nano-vllm passes
+    its arguments by name; max_seqlen_q and _k go unused), and decode as varlen with one query per request."""
     import flash_attn
     import torch
     from flash_attn.cute import flash_attn_varlen_func as fa4
 
     first = lambda x: x[0] if isinstance(x, tuple) else x  # noqa: E731
 
-    def varlen(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k, softmax_scale=None,
-               causal=True, block_table=None):  # fmt: skip
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=True, block_table=None, **_):
         kw = dict(cu_seqlens_q=cu_seqlens_q, softmax_scale=softmax_scale, causal=causal)
         if block_table is None:
             return first(fa4(q, k, v, cu_seqlens_k=cu_seqlens_k, **kw))
@@ -233,8 +235,8 @@ def _offline(engine: str, model_dir: str, plan: dict[str, Any]) -> dict[str, Any
         for run, p in lat["runs"].items():
             res[run] = {"ttft_ms": {str(len(q)): generate([q], one)[0] * 1e3 for q in p["ttft_prompts"]}}
     for run, reqs in plan.get("runs", {}).items():
-        params = [SamplingParams(temperature=r["temperature"], ignore_eos=r["ignore_eos"],
-                                 max_tokens=r["max_tokens"]) for r in reqs]  # fmt: skip
+        keys = ("temperature", "ignore_eos", "max_tokens")
+        params = [SamplingParams(**{k: r[k] for k in keys}) for r in reqs]
         seconds, outs = generate([r["prompt"] for r in reqs], params)
         res[run] = {"seconds": seconds, "output_tokens": sum(map(tokens, outs))}
     return res

@@ -43,14 +43,18 @@ def _parts(llm: Any) -> dict[str, Callable[[], type]]:
     """Each part's class, found when asked: the runner's need this LLM's one rank in this process."""
     engine = llm.engine
     if hasattr(engine, "engines"):
-        raise TurnoutError(f"stages time one engine and this LLM has {len(engine.engines)} data-parallel "
-                           "replicas; fix: data_parallel_size=1")  # fmt: skip
+        raise TurnoutError(
+            f"stages time one engine and this LLM has {len(engine.engines)} data-parallel "
+            "replicas; fix: data_parallel_size=1"
+        )
 
     def runner() -> Any:
         worker = getattr(engine.executor, "worker", None)  # an in-process executor holds its one rank
         if worker is None:
-            raise TurnoutError(f"executor {engine.selection.executor.chosen.name} runs the model in other "
-                               "processes; fix: executor='uniproc'")  # fmt: skip
+            raise TurnoutError(
+                f"executor {engine.selection.executor.chosen.name} runs the model in other "
+                "processes; fix: executor='uniproc'"
+            )
         return worker.runner
 
     from turnout.worker.outputs import AsyncModelRunnerOutput

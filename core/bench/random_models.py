@@ -9,7 +9,7 @@ from typing import Any
 
 logger = logging.getLogger("turnout")
 
-# each shape's numbers below, in this order, then its own keys
+# name -> (architecture, HF config keys): each shape's numbers below, in this order, then its own keys
 DIMS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "vocab_size", "tie_word_embeddings", "rope_theta")  # fmt: skip
 SHAPES = {name: (arch, dict(zip(DIMS, dims), **kw)) for name, (arch, dims, kw) in {
@@ -33,8 +33,6 @@ SHAPES = {name: (arch, dict(zip(DIMS, dims), **kw)) for name, (arch, dims, kw) i
         routed_scaling_factor=1.0, rope_scaling={"type": "yarn", "factor": 40.0, "mscale": 0.707,
         "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1})),
 }.items()}  # fmt: skip
-CONFIG_CLASSES = {"qwen3": "Qwen3Config", "llama": "LlamaConfig", "mistral": "MistralConfig",
-                  "gemma3": "Gemma3TextConfig", "deepseek_v2": "DeepseekV2Config"}  # fmt: skip
 # FP8 variants of every shape ("qwen3-8b-fp8"): the shape's bf16 checkpoint quantized by quantize_checkpoint
 FP8_VARIANTS = {
     "fp8": dict(fmt="fp8", block=(128, 128)),  # HF's fine-grained FP8: 128x128 block scales
@@ -60,11 +58,12 @@ def random_model(shape: str) -> Path:
 def random_config(shape: str) -> Any:
     """The HF config of a shape, with MAX_POSITIONS positions and the ids of write_tokenizer's <s> and </s>;
     transformers writes it as it writes that architecture's (Gemma 3's layer_types and nested rope)."""
-    import transformers
+    from transformers import AutoConfig
 
     arch, kw = SHAPES[shape]
     defaults = dict(max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
-    return getattr(transformers, CONFIG_CLASSES[arch])(**{**defaults, **kw})
+    model_type = "gemma3_text" if arch == "gemma3" else arch  # Gemma 3's language model alone
+    return AutoConfig.for_model(model_type, **{**defaults, **kw})
 
 
 def make_random_model(path: Path, shape: str, seed: int = 0) -> Path:
@@ -258,8 +257,12 @@ def _quant_config(fmt: str, block: tuple[int, int] | None, weights: str, static:
         return qc | ({"weight_block_size": list(block)} if block else {})
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
     act = {**fp8, "dynamic": not static, "strategy": "tensor" if static else "token"}
-    group = {"targets": ["Linear"], "weights": {**fp8, "dynamic": False, "strategy": weights},
-             "input_activations": act}  # fmt: skip
-    return {"quant_method": "compressed-tensors", "format": "float-quantized",
-            "config_groups": {"group_0": group}, "ignore": ["lm_head"],
-            "quantization_status": "compressed"}  # fmt: skip
+    wts = {**fp8, "dynamic": False, "strategy": weights}
+    group = {"targets": ["Linear"], "weights": wts, "input_activations": act}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+        "quantization_status": "compressed",
+    }

@@ -42,10 +42,10 @@ BY_WORKLOAD = {
 }  # fmt: skip
 RUN = {"engine": "engine", "run": "run", "requests": "requests", "output_tokens_per_s": "output tok/s"}
 VS = {"ratio_vs_vllm": "x vLLM", "ratio_vs_nano_vllm": "x nano-vllm", "ratio_vs_static": "x static"}
+VS_HF = {"ratio_vs_peer": "x HF generate_batch", "ratio_vs_hf_generate": "x HF generate"}
 TAIL = {"over_floor": "x floor", "prefix_cache_hit_rate": "prefix-cache hits", "startup_s": "start-up (s)"}
 COLUMNS = {  # each workload's table (the CLI's and docs/performance.md's): key -> header
-    "throughput": {**RUN, **VS, "ratio_vs_peer": "x HF generate_batch",
-                   "ratio_vs_hf_generate": "x HF generate", **TAIL},
+    "throughput": {**RUN, **VS, **VS_HF, **TAIL},
     "wide": {**RUN, "seconds": "seconds", **VS, "floor_s": "floor (s)", **TAIL},
     "latency": {
         "engine": "engine", "run": "run", "tpot_ms": "TPOT (ms)", "ttft_ms": "TTFT (ms) by prompt",
@@ -106,8 +106,8 @@ def provenance() -> dict[str, Any]:
     import torch
 
     date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    return {"device": device_name(), "commit": commit(), "date": date, "command": command(),
-            "python": platform.python_version(), "torch": torch.__version__}  # fmt: skip
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    return {"device": device_name(), "commit": commit(), "date": date, "command": command(), **versions}
 
 
 def check(rec: dict[str, Any]) -> None:
@@ -181,9 +181,9 @@ def plot(records: list[dict[str, Any]], metric: str, path: str | Path, floor: fl
     """Bars of one metric per engine and run, with the roofline floor as a line where it is known."""
     plt = pyplot()
     rows = [r for r in records if r.get(metric) is not None]
-    labels = [f"{r['engine']}\n{r['run']}" + (f"\n{r['subset']} req" if r.get("subset") else "")
-              + (f"\n{r['structured_output_ratio']:g} held" if "structured_output_ratio" in r else "")
-              for r in rows]  # fmt: skip
+    label = lambda r: f"{r['engine']}\n{r['run']}" + (f"\n{r['subset']} req" if r.get("subset") else "")
+    held = lambda r: f"\n{r['structured_output_ratio']:g} held" if "structured_output_ratio" in r else ""
+    labels = [label(r) + held(r) for r in rows]
     fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(rows)), 4))
     colors = ["C0" if r["engine"] == "turnout" else "C7" for r in rows]
     ax.bar(labels, [r[metric] for r in rows], color=colors)

@@ -16,15 +16,17 @@ from turnout.errors import TurnoutError
 from turnout.tuning.key import PROFILES
 
 RUNS = ("first", "repeat")
+NANO_VLLM_REQUESTS = ("num_prompts", "max_input_len", "max_output_len")  # the options of nano-vllm's requests
 WORKLOAD_KEYS = {
-    "throughput": ("num_prompts", "max_input_len", "max_output_len"),
+    "throughput": NANO_VLLM_REQUESTS,
     "wide": ("num_prompts", "min_input_len", "max_input_len", "min_output_len", "max_output_len"),
     "latency": ("tpot_tokens", "ttft_lens"),
     "prefix": ("num_prompts", "prefix_len", "suffix_len", "output_len"),
-    "structured": ("num_prompts", "max_input_len", "max_output_len", "json_schema",
-                   "structured_output_ratio"),
-}  # fmt: skip
-VS_PEERS = {"vllm": "vllm", "nano_vllm": "nano-vllm", "static": "turnout-static"}  # ratio_vs_<key>: engine
+    "structured": (*NANO_VLLM_REQUESTS, "json_schema", "structured_output_ratio"),
+}
+# a ratio's key -> the peer whose same run turnout's output tok/s is over (VS_HF: on the HF peers' subset)
+VS_PEERS = {"ratio_vs_vllm": "vllm", "ratio_vs_nano_vllm": "nano-vllm", "ratio_vs_static": "turnout-static"}
+VS_HF = {"ratio_vs_peer": "hf-generate-batch", "ratio_vs_hf_generate": "hf-generate"}
 CHILD_PEERS = ("wide",)  # workloads whose requests vLLM and nano-vllm run here, not their bench.py's
 
 
@@ -63,8 +65,7 @@ def vs_latency_floor(m: dict[str, Any], floors: dict[str, Any]) -> dict[str, Any
     out = dict(floors)
     if m.get("tpot_ms"):
         out["tpot_over_floor"] = m["tpot_ms"] / floors["tpot_floor_ms"]
-    ttft, floor_ms = m.get("ttft_ms") or {}, floors["ttft_floor_ms"]
-    if by_len := {n: ms / floor_ms[n] for n, ms in ttft.items() if floor_ms.get(n)}:
+    if by_len := ratios(m.get("ttft_ms") or {}, floors["ttft_floor_ms"]):
         out["ttft_over_floor"] = by_len
     return out
 
@@ -95,8 +96,9 @@ class Bench:
             limit = cfg.max_model_len or info.max_position_embeddings
             self.ttft_lens = [n for n in args.ttft_lens if n < limit]
             if skipped := [n for n in args.ttft_lens if n >= limit]:
-                print(f"note: TTFT skipped at {', '.join(map(str, skipped))} tokens: the prompt and one "
-                      f"output token exceed max_model_len {limit}", file=sys.stderr, flush=True)  # fmt: skip
+                lens = ", ".join(map(str, skipped))
+                why = f"the prompt and one output token exceed max_model_len {limit}"
+                print(f"note: TTFT skipped at {lens} tokens: {why}", file=sys.stderr, flush=True)
         if args.workload == "structured":  # every run a first run: no request hits blocks another cached
             update["enable_prefix_caching"] = False
         if cfg.max_model_len is None:  # nano-vllm's 4096, or what the latency workload's prompts need
@@ -110,10 +112,9 @@ class Bench:
         if "nano-vllm" in self.peers and info.architecture != "Qwen3ForCausalLM":
             raise TurnoutError(f"nano-vllm runs Qwen3 checkpoints only, not {info.architecture}")
         self.dtype = str(info.resolve_dtype(self.cfg.dtype, current_platform())).removeprefix("torch.")
-        self.model = (
-            f"random-{args.random_model}" if args.random_model
-            else Path(self.cfg.model).name if self.cfg.model else "SmolLM2-135M-Instruct (embedded)"
-        )  # fmt: skip
+        self.model = Path(self.cfg.model).name if self.cfg.model else "SmolLM2-135M-Instruct (embedded)"
+        if args.random_model:
+            self.model = f"random-{args.random_model}"
         nbytes = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
         self.shape = roofline.Shape.from_checkpoint(self.model_dir, nbytes, self.cfg.quantization == "fp8")
         self.prov = records.provenance()
@@ -150,8 +151,8 @@ class Bench:
             runner = "turnout.bench.peers vllm" if here else "vllmbench.py"
             cfg = {"runner": runner, "version": res.get("version"), "PYTHONPATH": self.args.vllm_site}
             if self.args.workload == "latency":
-                cfg |= {"ttft": "turnout.bench.peers vllm", "max_model_len": self.cfg.max_model_len,
-                        "ttft_startup_s": res.get("ttft_startup_s")}  # fmt: skip
+                ttft = {"ttft": "turnout.bench.peers vllm", "max_model_len": self.cfg.max_model_len}
+                cfg |= {**ttft, "ttft_startup_s": res.get("ttft_startup_s")}
             elif here:
                 cfg["max_model_len"] = self.cfg.max_model_len
             return cfg
@@ -194,11 +195,9 @@ class Bench:
         """turnout's first run and repeat of reqs, each against the peers' same run and its floor."""
         recs = []
         for run in RUNS:
-            before = prefix_cache_counts(llm)
-            m = rate(*workloads.run(llm, reqs))
-            m["prefix_cache_hit_rate"] = hit_rate(before, prefix_cache_counts(llm))
+            m = counted_run(llm, reqs)
             ours = m["output_tokens_per_s"]
-            vs = {f"ratio_vs_{k}": ratio(ours, metric(res, e, run)) for k, e in VS_PEERS.items()}
+            vs = {k: ratio(ours, metric(res, e, run)) for k, e in VS_PEERS.items()}
             near = vs_floor(ours, floors.get(run))
             recs.append(self.record("turnout", run, num_prompts=len(reqs), **m, **vs, **near))
         return recs
@@ -227,11 +226,10 @@ class Bench:
         recs = self.timed_runs(llm, reqs, floors, res)
         for run in RUNS if any(p in res for p in peers.HF_ENGINES) else ():
             m = rate(*workloads.run(llm, sub))
-            hfb, hfg = (metric(res, e, run) for e in peers.HF_ENGINES)
-            recs.append(self.record("turnout", run, subset=len(sub), **m,
-                                    ratio_vs_peer=ratio(m["output_tokens_per_s"], hfb),
-                                    ratio_vs_hf_generate=ratio(m["output_tokens_per_s"], hfg),
-                                    **vs_floor(m["output_tokens_per_s"], sub_floors.get(run))))  # fmt: skip
+            ours = m["output_tokens_per_s"]
+            vs = {k: ratio(ours, metric(res, e, run)) for k, e in VS_HF.items()}
+            near = vs_floor(ours, sub_floors.get(run))
+            recs.append(self.record("turnout", run, subset=len(sub), **m, **vs, **near))
         llm.shutdown()
         whole = (*peers.BENCH_PY_PEERS, peers.STATIC)  # the peers that ran the whole workload
         full = {e: res.pop(e) for e in whole if e in res}
@@ -243,11 +241,10 @@ class Bench:
     def latency(self) -> tuple[list[dict], float | None]:
         a = self.args
         prompt = workloads.random_prompt  # fresh prompts per run: no prefix-cache hit between runs
-        plan = {
-            run: {"tpot_prompt": prompt(32, 100 + i),
-                  "ttft_prompts": [prompt(n, 200 + 10 * i + j) for j, n in enumerate(self.ttft_lens)]}
-            for i, run in enumerate(RUNS)
-        }  # fmt: skip
+        plan = {}
+        for i, run in enumerate(RUNS):
+            ttft = [prompt(n, 200 + 10 * i + j) for j, n in enumerate(self.ttft_lens)]
+            plan[run] = {"tpot_prompt": prompt(32, 100 + i), "ttft_prompts": ttft}
         res = self.run_peers({"latency": {"tpot_tokens": a.tpot_tokens, "runs": plan}})
         skipped = [n for n in a.ttft_lens if n not in self.ttft_lens] or None
         llm = self.start()
@@ -269,8 +266,8 @@ class Bench:
 
     def prefix(self) -> tuple[list[dict], float | None]:
         a = self.args
-        runs = {run: workloads.prefix(a.num_prompts, a.prefix_len, a.suffix_len, a.output_len, seed=i)
-                for i, run in enumerate(RUNS)}  # fmt: skip
+        lens = (a.num_prompts, a.prefix_len, a.suffix_len, a.output_len)
+        runs = {run: workloads.prefix(*lens, seed=i) for i, run in enumerate(RUNS)}
         off_cfg = {**self.cfg.model_dump(), "enable_prefix_caching": False}
         off_runs = {r: workloads.as_json(q) for r, q in runs.items()}
         off = self.child("turnout", {"config": off_cfg, "runs": off_runs})
@@ -280,13 +277,11 @@ class Bench:
         floor, no_cache = self.floor(shapes), self.floor(workloads.shapes(runs["first"]))
         for run, reqs in runs.items():
             m = rate(*workloads.run(llm, reqs))
-            off_rate = off[run]["output_tokens"] / off[run]["seconds"]
-            no_cache_over = vs_floor(off_rate, no_cache).get("over_floor")
-            recs.append(self.record("turnout", run, **m, no_cache_output_tokens_per_s=off_rate,
-                                    speedup_vs_no_cache=m["output_tokens_per_s"] / off_rate,
-                                    no_cache_startup_s=off["startup_s"],
-                                    **vs_floor(m["output_tokens_per_s"], floor),
-                                    no_cache_over_floor=no_cache_over))  # fmt: skip
+            ours, off_rate = m["output_tokens_per_s"], off[run]["output_tokens"] / off[run]["seconds"]
+            m |= {"no_cache_output_tokens_per_s": off_rate, "speedup_vs_no_cache": ours / off_rate}
+            m |= {"no_cache_startup_s": off["startup_s"], **vs_floor(ours, floor)}
+            m["no_cache_over_floor"] = vs_floor(off_rate, no_cache).get("over_floor")
+            recs.append(self.record("turnout", run, **m))
         llm.shutdown()
         return recs, _plotted({"first": floor})
 
@@ -313,8 +308,10 @@ class Bench:
         """--json-schema's schema, or the built-in one; TurnoutError where a ratio constrains no request."""
         a = self.args
         if none := [r for r in a.structured_output_ratio if round(r * a.num_prompts) == 0]:
-            raise TurnoutError(f"--structured-output-ratio {none[0]} constrains none of {a.num_prompts} "
-                               "requests; raise it or --num-prompts")  # fmt: skip
+            raise TurnoutError(
+                f"--structured-output-ratio {none[0]} constrains none of {a.num_prompts} "
+                "requests; raise it or --num-prompts"
+            )
         return workloads.json_schema(a.json_schema) if a.json_schema else workloads.JSON_SCHEMA
 
     # ---- peers ----
@@ -358,8 +355,10 @@ class Bench:
         d = peers.find_peers_dir(a.peers_dir, peers.BENCH_PY_PEERS[engine])
         res = peers.bench_py(engine, self.model_dir, d, lat, a.peer_timeout, a.vllm_site)
         tpot = res.get("tpot_ms")  # MODE=tpot times decode only
-        metrics = {run: {"tpot_ms": tpot, "ttft_ms": {}} if lat else {"output_tokens_per_s": res[run]}
-                   for run in RUNS}  # fmt: skip
+        metrics = {
+            run: {"tpot_ms": tpot, "ttft_ms": {}} if lat else {"output_tokens_per_s": res[run]}
+            for run in RUNS
+        }
         out = {"startup_s": res["startup_s"], "version": res.get("version"), **metrics}
         if engine == "vllm" and lat and self.ttft_lens:  # TTFT at turnout's max_model_len
             peers.wait_for_gpu(used)
@@ -405,9 +404,8 @@ class Bench:
         if self.args.workload == "latency":
             ttft = ", ".join(f"{n}: {fmt(ms)}" for n, ms in ours[0]["ttft_floor_ms"].items())
             return f"{head}: TPOT floor {fmt(ours[0]['tpot_floor_ms'])} ms, TTFT floor (ms) {ttft or '-'}"
-        floors = [f"{_run_label(r)} {r['floor_s']:.3g} s ({fmt(r['floor_output_tokens_per_s'])} output tok/s)"
-                  for r in ours if "floor_s" in r]  # fmt: skip
-        return f"{head}: floor {'; '.join(floors)}; over_floor is each engine's time over it"
+        floors = "; ".join(_floor_phrase(r) for r in ours if "floor_s" in r)
+        return f"{head}: floor {floors}; over_floor is each engine's time over it"
 
 
 def structured_metrics(
@@ -430,25 +428,25 @@ def structured_metrics(
     }
 
 
-def prefix_cache_counts(llm: Any) -> tuple[int, int] | None:
-    """(prompt tokens looked up, hits) since start; None where the engine keeps no such count (DP)."""
-    if not hasattr(llm.engine, "stats"):
-        return None
-    s = llm.engine.stats()
-    return s["prefix_cache_queries"], s["prefix_cache_hits"]
+def counted_run(llm: Any, reqs: list[workloads.Req]) -> dict[str, Any]:
+    """rate() of llm's run over reqs, and its prefix_cache_hit_rate in prompt tokens, where the engine counts
+    them (not data parallel) and the run looked some up: a repeat of the same prompts hits their cached
+    blocks."""
+    stats = getattr(llm.engine, "stats", lambda: None)
+    before = stats()
+    m = rate(*workloads.run(llm, reqs))
+    if before is not None and (after := stats())["prefix_cache_queries"] > before["prefix_cache_queries"]:
+        hits, queries = (after[k] - before[k] for k in ("prefix_cache_hits", "prefix_cache_queries"))
+        m["prefix_cache_hit_rate"] = round(hits / queries, 4)
+    return m
 
 
-def hit_rate(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """The prefix-cache hit rate between two counts: a repeat of the same prompts hits their cached blocks."""
-    if before is None or after is None or after[0] == before[0]:
-        return None
-    return round((after[1] - before[1]) / (after[0] - before[0]), 4)
-
-
-def _run_label(rec: dict[str, Any]) -> str:
-    """The run a record is of: "first", "repeat", or a structured run's "first at 0.25 held"."""
+def _floor_phrase(rec: dict[str, Any]) -> str:
+    """The floor of the run a record is of: its run ("first", "repeat", or a structured run's "first at 0.25
+    held"), floor_s and floor_output_tokens_per_s."""
     share = rec.get("structured_output_ratio")
-    return rec["run"] + (f" at {share:g} held" if share is not None else "")
+    run = rec["run"] + (f" at {share:g} held" if share is not None else "")
+    return f"{run} {rec['floor_s']:.3g} s ({records.fmt(rec['floor_output_tokens_per_s'])} output tok/s)"
 
 
 def _plotted(floors: dict[str, Any]) -> float | None:

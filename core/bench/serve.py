@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -24,11 +25,13 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from turnout.bench import records
+from turnout.bench import records, workloads
 from turnout.bench.random_models import SHAPES, random_model
+from turnout.bench.workloads import Req, random_ids
 from turnout.errors import TurnoutError
 
 WORKLOADS = {  # name: (num_prompts, input_len, output_len, temperature)
@@ -78,20 +81,14 @@ def add_bench_serve_parser(subparsers: Any) -> None:
     p.set_defaults(fn=run_bench_serve)
 
 
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    max_tokens: list[int]
-    temperature: float
-
-    @classmethod
-    def make(cls, args: argparse.Namespace) -> Workload:
-        n, inp, out, temp = WORKLOADS[args.workload]
-        n, inp, out = args.num_prompts or n, args.input_len or inp, args.output_len or out
-        temp = temp if args.temperature is None else args.temperature
-        rng = random.Random(args.workload_seed)  # nano-vllm's order: all prompts, then all output lengths
-        prompts = [[rng.randint(0, args.max_token_id) for _ in range(rng.randint(*inp))] for _ in range(n)]
-        return cls(prompts, [rng.randint(*out) for _ in range(n)], temp)
+def make_requests(args: argparse.Namespace) -> list[Req]:
+    """The run's requests: --workload's preset sizes, with the options' overrides."""
+    n, inp, out, temp = WORKLOADS[args.workload]
+    n, inp, out = args.num_prompts or n, args.input_len or inp, args.output_len or out
+    temp = temp if args.temperature is None else args.temperature
+    rng = random.Random(args.workload_seed)  # nano-vllm's order: all prompts, then all output lengths
+    prompts = [random_ids(rng, rng.randint(*inp), args.max_token_id) for _ in range(n)]
+    return [Req(p, rng.randint(*out), temp) for p in prompts]
 
 
 @dataclass
@@ -104,10 +101,10 @@ class Record:
     output_tokens: int = 0
 
 
-async def _one(client: Any, model: str, w: Workload, i: int, stream: bool) -> Record:
+async def _one(client: Any, model: str, req: Req, stream: bool) -> Record:
     rec, t0 = Record(), time.perf_counter()
-    kw: dict[str, Any] = dict(model=model, prompt=w.prompts[i], max_tokens=w.max_tokens[i],
-                              temperature=w.temperature, extra_body={"ignore_eos": True})  # fmt: skip
+    kw = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": req.temperature}
+    kw["extra_body"] = {"ignore_eos": req.ignore_eos}
     try:
         if stream:
             last, usage = t0, {"include_usage": True}
@@ -129,42 +126,29 @@ async def _one(client: Any, model: str, w: Workload, i: int, stream: bool) -> Re
     return rec
 
 
-@dataclass
-class Share:
-    """One client process's share of a run: request i goes out at `start` + its offset (wall clock)."""
-
-    url: str
-    api_key: str | None
-    model: str
-    w: Workload
-    part: list[tuple[int, float]]
-    start: float
-    concurrency: int
-    stream: bool
-
-
-def _client_part(s: Share) -> tuple[list[tuple[int, Record]], float, float]:
-    """Run a share; return its records, the wall-clock time the last ended, and this process's CPU seconds."""
-    return asyncio.run(_client(s))
-
-
-async def _client(s: Share) -> tuple[list[tuple[int, Record]], float, float]:
+def _client(
+    url: str, key: str, model: str, reqs: list[Req], start: float, stream: bool, part: list, concurrency: int
+) -> tuple[list[tuple[int, Record]], float, float]:
+    """One client process's share of a run, request i sent at `start` + its offset (wall clock): its records,
+    the wall-clock time the last ended, and this process's CPU seconds."""
     import openai
 
+    async def send_all() -> tuple[list[tuple[int, Record]], float]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=3600)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def send(i: int, at: float) -> tuple[int, Record]:
+            await asyncio.sleep(max(0.0, start + at - time.time()))
+            async with gate:
+                return i, await _one(client, model, reqs[i], stream)
+
+        records = await asyncio.gather(*(send(i, at) for i, at in part))
+        end = time.time()
+        await client.close()
+        return records, end
+
     cpu0 = time.process_time()
-    key = s.api_key or "none"
-    client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0, timeout=3600)
-    gate = asyncio.Semaphore(s.concurrency)
-
-    async def send(i: int, at: float) -> tuple[int, Record]:
-        await asyncio.sleep(max(0.0, s.start + at - time.time()))
-        async with gate:
-            return i, await _one(client, s.model, s.w, i, s.stream)
-
-    records = await asyncio.gather(*(send(i, at) for i, at in s.part))
-    end = time.time()
-    await client.close()
-    return records, end, time.process_time() - cpu0
+    return *asyncio.run(send_all()), time.process_time() - cpu0
 
 
 def _warm_client(_: int) -> None:
@@ -173,7 +157,7 @@ def _warm_client(_: int) -> None:
     time.sleep(0.5)  # held, so that each warm-up lands on a process of its own
 
 
-def _run(url: str, api_key: str | None, model: str | None, w: Workload, rate: float, args: Any) -> dict:
+def _run(url: str, api_key: str | None, model: str | None, reqs: list[Req], rate: float, args: Any) -> dict:
     """One run at `rate`: the requests dealt round-robin over --client-processes processes, each an
     asyncio loop with its own openai.AsyncOpenAI, on one shared Poisson arrival schedule."""
     from concurrent.futures import ProcessPoolExecutor
@@ -181,7 +165,7 @@ def _run(url: str, api_key: str | None, model: str | None, w: Workload, rate: fl
 
     model = model or _first_model(url, api_key)
     rng, at, offsets = random.Random(args.workload_seed + 1), 0.0, []  # arrival gaps
-    for _ in w.prompts:
+    for _ in reqs:
         offsets.append(at)
         at += rng.expovariate(rate) if math.isfinite(rate) else 0.0
     parts, gates = deal(offsets, args.client_processes, args.max_concurrency)
@@ -189,11 +173,10 @@ def _run(url: str, api_key: str | None, model: str | None, w: Workload, rate: fl
     with ProcessPoolExecutor(k, mp_context=get_context("spawn")) as pool:
         list(pool.map(_warm_client, range(k)))
         start = time.time()
-        shares = [Share(url, api_key, model, w, p, start, g, args.stream) for p, g in zip(parts, gates)]
-        outs = list(pool.map(_client_part, shares))
+        client = partial(_client, url, api_key or "none", model, reqs, start, args.stream)
+        outs = list(pool.map(client, parts, gates))
     records = [r for _, r in sorted(x for recs, _, _ in outs for x in recs)]  # every request was dealt once
-    duration = max(end for _, end, _ in outs) - start
-    res = _summary(records, w, duration, rate, model)
+    res = _summary(records, reqs, max(end for _, end, _ in outs) - start, rate, model)
     res |= {"client_processes": k, "client_cpu_s": sum(cpu for _, _, cpu in outs)}
     if args.server_pid:
         after = _tree_cpu_s(args.server_pid)
@@ -237,38 +220,39 @@ def _tree_cpu_s(pid: int | None) -> dict[str, float]:
     return out
 
 
-def _pct(values: list[float]) -> dict[str, float | None]:
+def _summary(records: list[Record], reqs: list[Req], duration: float, rate: float, model: str) -> dict:
     import numpy as np
 
-    if not values:
-        return dict.fromkeys(("mean_ms", "p50_ms", "p99_ms"))
-    a = np.asarray(values) * 1e3
-    return {"mean_ms": float(a.mean()), **{f"p{q}_ms": float(np.percentile(a, q)) for q in (50, 99)}}
-
-
-def _summary(records: list[Record], w: Workload, duration: float, rate: float, model: str) -> dict:
-    ok = [r for r in records if r.ok]
+    done = [(q, r) for q, r in zip(reqs, records) if r.ok]
+    ok = [r for _, r in done]
     out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(len(p) for p, r in zip(w.prompts, records) if r.ok)
-    short = sum(r.output_tokens != m for r, m in zip(records, w.max_tokens) if r.ok)
     errors = sorted({r.error for r in records if r.error})
     res: dict[str, Any] = {
-        "request_rate": "inf" if math.isinf(rate) else rate, "model": model, "completed": len(ok),
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "model": model,
+        "completed": len(ok),
         "failed": len(records) - len(ok),
-        "short": short,  # completed with fewer tokens than max_tokens despite ignore_eos: a server bug
-        "duration_s": duration, "request_throughput": len(ok) / duration,
+        # completed with fewer tokens than max_tokens despite ignore_eos: a server bug
+        "short": sum(r.output_tokens != q.max_tokens for q, r in done),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "max_tokens_throughput": sum(m for m, r in zip(w.max_tokens, records) if r.ok) / duration,
-    }  # fmt: skip
+        "total_token_throughput": (sum(len(q.prompt) for q, _ in done) + out_tokens) / duration,
+        "max_tokens_throughput": sum(q.max_tokens for q, _ in done) / duration,
+    }
     streamed = [r for r in ok if r.ttft is not None]
-    for name, vals in (
-        ("ttft", [r.ttft for r in streamed]),
-        ("tpot", [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in streamed if r.output_tokens > 1]),
-        ("itl", [x for r in ok for x in r.itl]),
-        ("e2e", [r.e2e for r in ok]),
-    ):
-        res.update({f"{name}_{k}": v for k, v in _pct(vals).items()})
+    times = {
+        "ttft": [r.ttft for r in streamed],
+        "tpot": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in streamed if r.output_tokens > 1],
+        "itl": [x for r in ok for x in r.itl],
+        "e2e": [r.e2e for r in ok],
+    }
+    for name, values in times.items():  # ms at mean, p50 and p99
+        ms = np.asarray(values) * 1e3
+        got = [ms.mean(), *np.percentile(ms, [50, 99])] if values else [None] * 3
+        res |= {
+            f"{name}_{s}_ms": None if v is None else float(v) for s, v in zip(("mean", "p50", "p99"), got)
+        }
     if errors:
         res["errors"] = errors[:5]
     return res
@@ -330,17 +314,15 @@ def _stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _offline(args: argparse.Namespace, w: Workload, runs: int) -> list[float]:
+def _offline(args: argparse.Namespace, reqs: list[Req], runs: int) -> list[float]:
     """Output tok/s of LLM.generate on the workload, per run, after the bench's warm-up."""
     from turnout import LLM
-    from turnout.bench import workloads
     from turnout.engine_args import engine_config_from_args
 
     llm = LLM(config=engine_config_from_args(args))
-    reqs = [workloads.Req(p, m, w.temperature) for p, m in zip(w.prompts, w.max_tokens)]
     try:
         workloads.warm_up(llm)
-        rates = [sum(w.max_tokens) / workloads.run(llm, reqs)[0] for _ in range(runs)]
+        rates = [sum(r.max_tokens for r in reqs) / workloads.run(llm, reqs)[0] for _ in range(runs)]
         print("offline LLM.generate: " + ", ".join(f"{r:.0f}" for r in rates) + " tok/s")
         return rates
     finally:
@@ -359,20 +341,18 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         if args.model:
             raise TurnoutError(f"two models given ({args.model} and --random-model); pass one")
         args.model = str(random_model(args.random_model))
-    w = Workload.make(args)
-    proc, url = (None, args.url.rstrip("/")) if args.url else _start_server(args, len(w.prompts))
+    reqs = make_requests(args)
+    proc, url = (None, args.url.rstrip("/")) if args.url else _start_server(args, len(reqs))
     args.server_pid = proc.pid if proc is not None else None
     runs = []
     try:
         modes = [False, True] if args.vs_offline else [args.stream]
-        for stream in modes:
+        for stream, rate, _ in itertools.product(modes, args.request_rate, range(args.repeat)):
             args.stream = stream
-            for rate in args.request_rate:
-                for _ in range(args.repeat):
-                    res = _run(url, args.api_key, args.request_model, w, rate, args)
-                    res["mode"] = "stream" if stream else "no-stream"
-                    _print(res)
-                    runs.append(res)
+            res = _run(url, args.api_key, args.request_model, reqs, rate, args)
+            res["mode"] = "stream" if stream else "no-stream"
+            _print(res)
+            runs.append(res)
     finally:
         if proc is not None:
             _stop_server(proc)
@@ -381,7 +361,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     record["config"] = {k: _jsonable(v) for k, v in vars(args).items() if v is not None and k not in SECRET}
     record["results"] = runs
     if args.vs_offline:  # run k of the server against run k offline: both see the same prefix-cache history
-        offline = _offline(args, w, len(runs))
+        offline = _offline(args, reqs, len(runs))
         for r, off in zip(runs, offline):
             r["offline_output_throughput"], r["vs_offline"] = off, r["max_tokens_throughput"] / off
         for mode in ("no-stream", "stream"):

@@ -13,9 +13,15 @@ from typing import Any
 from turnout.errors import TurnoutError
 
 # The structured workload's default: every field required and no string bounded, so outputs run long.
-JSON_SCHEMA = {"type": "object", "properties": {
-    "id": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-    "text": {"type": "string"}}, "required": ["id", "tags", "text"]}  # fmt: skip
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "text": {"type": "string"},
+    },
+    "required": ["id", "tags", "text"],
+}
 
 
 @dataclass(frozen=True)
@@ -36,7 +42,7 @@ def throughput(num_prompts: int = 256, max_input_len: int = 1024, max_output_len
     rng = random.Random(0)
     lo_in, lo_out = min(100, max_input_len), min(100, max_output_len)
     n = max(256, num_prompts)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(lo_in, max_input_len))] for _ in range(n)]
+    prompts = [random_ids(rng, rng.randint(lo_in, max_input_len)) for _ in range(n)]
     outs = [rng.randint(lo_out, max_output_len) for _ in range(n)]
     return [Req(p, o) for p, o in zip(prompts[:num_prompts], outs[:num_prompts])]
 
@@ -49,11 +55,9 @@ def wide(
     [0, 10000], then its output length; lengths uniform in their (shortest, longest) ranges, temperature
     0.6 and EOS ignored as in throughput."""
     rng = random.Random(0)
-    out = []
-    for _ in range(num_prompts):
-        prompt = [rng.randint(0, 10000) for _ in range(rng.randint(*input_len))]
-        out.append(Req(prompt, rng.randint(*output_len)))
-    return out
+    return [
+        Req(random_ids(rng, rng.randint(*input_len)), rng.randint(*output_len)) for _ in range(num_prompts)
+    ]
 
 
 def subset(reqs: list[Req], n: int, output_len: int) -> list[Req]:
@@ -66,9 +70,8 @@ def prefix(
 ) -> list[Req]:
     """num_prompts requests that share one random prefix, each with its own random suffix."""
     rng = random.Random(seed)
-    shared = [rng.randint(0, 10000) for _ in range(prefix_len)]
-    return [Req(shared + [rng.randint(0, 10000) for _ in range(suffix_len)], output_len, 0.0)
-            for _ in range(num_prompts)]  # fmt: skip
+    shared = random_ids(rng, prefix_len)
+    return [Req(shared + random_ids(rng, suffix_len), output_len, 0.0) for _ in range(num_prompts)]
 
 
 def constrained_ids(n: int, ratio: float) -> list[int]:
@@ -102,9 +105,13 @@ def json_schema(path: str | Path) -> dict[str, Any]:
     return schema
 
 
+def random_ids(rng: random.Random, n: int, top: int = 10000) -> list[int]:
+    """n token ids drawn uniform in [0, top]."""
+    return [rng.randint(0, top) for _ in range(n)]
+
+
 def random_prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(0, 10000) for _ in range(n)]
+    return random_ids(random.Random(seed), n)
 
 
 def from_jsonl(
@@ -117,8 +124,9 @@ def from_jsonl(
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise TurnoutError(f"--input {path}: {e.strerror}; "
-                           'pass a JSONL file of {"prompt": ...} lines') from None  # fmt: skip
+        raise TurnoutError(
+            f'--input {path}: {e.strerror}; pass a JSONL file of {{"prompt": ...}} lines'
+        ) from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -126,8 +134,9 @@ def from_jsonl(
             row = json.loads(line)
             prompt = row["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise TurnoutError(f"{path}:{n} needs a JSON object "
-                               'with a "prompt" (text or token ids)') from None  # fmt: skip
+            raise TurnoutError(
+                f'{path}:{n} needs a JSON object with a "prompt" (text or token ids)'
+            ) from None
         if isinstance(prompt, str) and tokenizer is None:
             raise TurnoutError(f"{path}:{n}: text prompts need a tokenizer, but {tokenizer_problem}")
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -171,8 +180,12 @@ def generate(llm: Any, reqs: list[Req]) -> tuple[float, list[Any]]:
     from turnout.structured_outputs import StructuredOutputsParams
 
     held = [None if r.json_schema is None else StructuredOutputsParams(json=r.json_schema) for r in reqs]
-    params = [SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos,
-                             structured_outputs=so) for r, so in zip(reqs, held)]  # fmt: skip
+    params = [
+        SamplingParams(
+            temperature=r.temperature, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos, structured_outputs=so
+        )
+        for r, so in zip(reqs, held)
+    ]
     t = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
     seconds = time.perf_counter() - t
@@ -225,7 +238,9 @@ def latency(
         return 1e3 * (seconds(prompt, max_tokens) if seconds else run(llm, [Req(prompt, max_tokens)])[0])
 
     return {
-        r: {"tpot_ms": (ms(p["tpot_prompt"], tpot_tokens + 1) - ms(p["tpot_prompt"], 1)) / tpot_tokens,
-            "ttft_ms": {str(len(q)): ms(q, 1) for q in p["ttft_prompts"]}}
+        r: {
+            "tpot_ms": (ms(p["tpot_prompt"], tpot_tokens + 1) - ms(p["tpot_prompt"], 1)) / tpot_tokens,
+            "ttft_ms": {str(len(q)): ms(q, 1) for q in p["ttft_prompts"]},
+        }
         for r, p in plan.items()
-    }  # fmt: skip
+    }
