@@ -1,6 +1,6 @@
 """Where an engine step's time goes, by kernel bucket (torch.profiler), at a model shape, phase by phase.
 
-  python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,prefill --cublas
+  python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,mixed256,prefill
 
 One turnout.LLM (default selection) steps through each phase: decodeN, N requests of distinct prompts run
 until all decode, then timed and profiled steps; mixedN, the same with a new short prompt prefilled in each
@@ -9,16 +9,13 @@ max_tokens 1 at a time. While profiled, the LM head and the sampler run between 
 record_function ranges, so their kernels are "lm_head" and "sampling"; the rest go by name (BUCKETS).
 busy = the union of kernel spans per step; idle = wall - busy (host gaps; PDL-overlapped kernels sum past
 busy); floor = max(bytes, FLOPs) of the step at the H200's ceilings. --gaps puts each interval with no
-kernel running under the innermost host stage at its midpoint (HOST_STAGES); --cublas times cuBLAS against
-turnout's GEMV at the linears.
+kernel running under the innermost host stage at its midpoint (HOST_STAGES).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import itertools
-import math
 import os
 import random
 import sys
@@ -50,7 +47,6 @@ BUCKETS = [
     ("memcpy/memset", ("memcpy", "memset", "copy", "fill")),
 ]  # fmt: skip
 H200 = CEILINGS["H200"]
-CUBLAS_M = (1, 256)  # rows of the linears --cublas times
 # --gaps: each host stage of turnout.bench.STAGES profiled, as its record_function label; a gap goes to the
 # latest-starting range that covers its midpoint, the innermost stage
 MIXED_PROMPT = 32  # mixedN: N decode rows beside the prefill of one new request of this many tokens
@@ -200,51 +196,7 @@ def run_phase(llm, phase: str, a: argparse.Namespace, rng: random.Random, shape:
     return {**res, "idle_us": wall - res["busy_us"], "floor_us": floor, "seconds": time.perf_counter() - t0}
 
 
-def linear_shapes(cfg: dict) -> list[tuple[str, int, int, int]]:
-    """(name, N, K, times per step) of the decoder's matmuls, the LM head last."""
-    h, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
-    hd = cfg.get("head_dim") or h // heads
-    q, kv, i = heads * hd, cfg.get("num_key_value_heads", heads) * hd, cfg["intermediate_size"]
-    return [("qkv", q + 2 * kv, h, layers), ("o", h, q, layers), ("gate_up", 2 * i, h, layers),
-            ("down", h, i, layers), ("lm_head", cfg["vocab_size"], h, 1)]  # fmt: skip
-
-
-def median_us(fn, x: torch.Tensor, ws: list[torch.Tensor]) -> float:
-    """triton's do_bench median of fn(x, w), w taking each of ws in turn, in µs."""
-    from triton.testing import do_bench
-
-    w = itertools.cycle(ws)
-    return do_bench(lambda: fn(x, next(w)), return_mode="median") * 1e3
-
-
-def cublas_rows(cfg: dict, ms: tuple[int, ...] = CUBLAS_M) -> tuple[list[dict], list[dict]]:
-    """torch.matmul (cuBLAS) at each linear and M, turnout's gemv at M = 1, over weight copies that hold 4x
-    the L2 together; then the sums over one step's layers."""
-    from turnout.bench import gemv
-
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
-    rows = []
-    for name, n, k, per in linear_shapes(cfg):
-        nbytes = 2 * n * k
-        ws = [torch.empty(n, k, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02)
-              for _ in range(min(64, max(2, math.ceil(4 * l2 / nbytes))))]  # fmt: skip
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cub = median_us(lambda a, b: torch.matmul(a, b.T), x, ws)
-            gv = median_us(gemv, x, ws) if m == 1 else None
-            fl = nbytes / H200.bytes_per_s * 1e6
-            rows.append({"shape": name, "M": m, "N": n, "K": k, "per_step": per, "cublas_us": cub,
-                         "gemv_us": gv, "floor_us": fl, "cublas_%floor": 100 * fl / cub,
-                         "gemv_%floor": gv and 100 * fl / gv})  # fmt: skip
-        del ws
-        torch.cuda.empty_cache()
-    total = lambda m, c: (
-        sum(r["per_step"] * r[c] for r in rows if r["M"] == m) if c != "gemv_us" or m == 1 else None
-    )
-    return rows, [{"M": m, **{c: total(m, c) for c in ("cublas_us", "gemv_us", "floor_us")}} for m in ms]
-
-
-def report(results: list[dict], extra: dict) -> None:
+def report(results: list[dict]) -> None:
     for r in results:
         if "error" in r:
             print(f"\n== {r['phase']}: FAILED {r['error']}")
@@ -256,12 +208,6 @@ def report(results: list[dict], extra: dict) -> None:
                 print("\n" + table(r[key]))
     keys = ("phase", "wall_us", "profiled_wall_us", "busy_us", "idle_us", "kernel_us", "floor_us")
     print("\n" + table([{k: r[k] for k in keys} for r in results if "error" not in r]))
-    if "cublas_error" in extra:
-        print(f"\n== linears: FAILED {extra['cublas_error']}")
-    if "cublas" in extra:
-        print("\n== linears, us (median): torch.matmul, turnout's gemv; floor: weight bytes at the H200's")
-        print(table([{k: v for k, v in r.items() if k != "per_step"} for r in extra["cublas"]]))
-        print("\n" + table(extra["cublas_step"]))
 
 
 def main() -> None:
@@ -276,30 +222,22 @@ def main() -> None:
     ap.add_argument("--prof-steps", type=int, default=5, help="decode steps profiled")
     ap.add_argument("--top", type=int, default=10, help="kernels listed per phase")
     ap.add_argument("--gaps", action="store_true", help="also: GPU-idle time by the host stage it falls in")
-    ap.add_argument("--cublas", action="store_true", help="also time the linears: cuBLAS, turnout's gemv")
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/profile", help="JSON dir")
     args = ap.parse_args()
     if args.random_model not in SHAPES:
         sys.exit(f"unknown shape {args.random_model}; known: {', '.join(sorted(SHAPES))}")
     if not torch.cuda.is_available():
-        print("no CUDA: a smoke run of the engine path, without kernel times or --cublas", file=sys.stderr)
+        print("no CUDA: a smoke run of the engine path, without kernel times", file=sys.stderr)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
     out = str(Path(args.out) / f"{stamp}-step-{args.random_model}.json")
     phases, results = args.phases.split(","), []
-    extra: dict = {"model": f"{args.random_model}-shaped, random bf16 weights"}
-    if args.cublas and torch.cuda.is_available():  # first, on an empty GPU
-        try:
-            cfg = SHAPES[args.random_model][1]
-            extra["cublas"], extra["cublas_step"] = cublas_rows(cfg)
-        except Exception:
-            traceback.print_exc()
-            extra["cublas_error"] = traceback.format_exc().strip().splitlines()[-1]
-        write_json(out, results, args, **extra)
+    model = f"{args.random_model}-shaped, random bf16 weights"
     max_len = max(args.prefill_len, args.context + args.warmup + args.steps + args.prof_steps + 512) + 1024
     path = random_model(args.random_model)
     shape = Shape.from_checkpoint(path, 2)
-    batches = [decode_rows(p) for p in phases if p != "prefill"]
-    kw = {"max_num_seqs": max(batches)} if max(batches, default=0) > 256 else {}
+    # running rows at once: a mixedN step admits a new request beside its N decode rows
+    rows = max((decode_rows(p) + p.startswith("mixed") for p in phases if p != "prefill"), default=0)
+    kw = {"max_num_seqs": rows} if rows > 256 else {}
     if args.prefill_len > 16384:  # past the default budget of a large GPU: still one step
         kw["max_num_batched_tokens"] = args.prefill_len
     from turnout import LLM
@@ -313,9 +251,9 @@ def main() -> None:
             res = {"phase": phase, "error": " | ".join(traceback.format_exc().strip().splitlines()[-3:])}
         results.append(res)
         print(phase, {k: v for k, v in res.items() if k not in ("buckets", "top")}, flush=True)
-        write_json(out, results, args, **extra)
+        write_json(out, results, args, model=model)
     llm.shutdown()
-    report(results, extra)
+    report(results)
 
 
 if __name__ == "__main__":

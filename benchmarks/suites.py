@@ -107,11 +107,10 @@ SUITES = {
          for w in ("throughput", "latency")]),
     "profile-step": Suite(
         "Engine steps kernel bucket by bucket (torch profiler) on the Qwen3-8B shape, default selection: "
-        "batch-1 and batch-256 decode at 512 tokens of context, one 16,384-token prefill; wall, GPU busy "
-        "and idle per step, the floors; then cuBLAS against turnout's GEMV at the shape's linears (one "
-        "record adds nano-vllm's bench up from such records' kernel rates)",
-        ["python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,prefill "
-         "--cublas --out {out}"]),
+        "batch-1 and batch-256 decode at 512 tokens of context, 256 decode rows beside a short prefill, "
+        "one 16,384-token prefill; wall, GPU busy and idle per step, the floors",
+        ["python benchmarks/profile_step.py --random-model qwen3-8b --phases decode1,decode256,mixed256,"
+         "prefill --out {out}"]),
     "conformance": Suite(
         "The attention conformance suite on every installed backend (relative error against float64), the "
         "fused-kernel tests and the GPU end-to-end tests",

@@ -9,7 +9,7 @@ import torch
 
 from turnout import LLM, SamplingParams
 from turnout.attention import AttentionMetadata, AttentionSpec, CudagraphSupport
-from turnout.attention.per_phase import PerPhaseBackend, SplitStep, phase_support
+from turnout.attention.per_phase import PerPhaseBackend, phase_support
 from turnout.config import EngineConfig
 from turnout.errors import ConfigError, SelectionError
 from turnout.models.info import ModelInfo
@@ -86,47 +86,6 @@ def test_each_step_goes_to_its_phase(naive, tiny_llama):
     assert type(builder.build(meta([1, 1, 1]))).__name__ == "CPUMetadata"  # cpu's builder
     assert builder.build(meta([1, 5, 1])) is None and builder.build(meta([7])) is None  # naive's: all rows
     assert (impl.decode.backend.name, impl.mixed.backend.name) == ("cpu", "naive")
-
-
-def test_a_mixed_step_leading_with_decode_rows_is_split_between_the_halves(naive, tiny_llama):
-    """Decode rows before a prefill go to the decode half, the rest to the mixed half; the step's output
-    and KV cache equal each backend's over the whole step."""
-    backend = select_all(
-        EngineConfig(model=str(tiny_llama), attention_backend="cpu+naive"), _info(tiny_llama)
-    ).backend
-    g = torch.Generator().manual_seed(0)
-    qlens, ctx, heads, kv_heads, d, block = [1, 1, 5, 1], 9, 4, 2, 8, 16
-    spec = AttentionSpec(heads, kv_heads, d, torch.float32, block, d**-0.5, num_layers=1)
-    seq_lens = torch.tensor([ctx + q for q in qlens], dtype=torch.int32)
-    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
-    table = torch.arange(len(qlens), dtype=torch.int32)[:, None] * 2 + torch.tensor(
-        [[1, 0]], dtype=torch.int32
-    )
-    slots = torch.cat([table[b, 0] * block + torch.arange(ctx, ctx + q) for b, q in enumerate(qlens)])
-    t = int(qsl[-1])
-    meta = lambda: AttentionMetadata(slots, qsl, seq_lens, table, max(qlens), ctx + max(qlens), t, 2)
-    q, k, v = (torch.randn(t, h, d, generator=g) for h in (heads, kv_heads, kv_heads))
-    cache0 = torch.randn(backend.kv_cache_shape(2 * len(qlens), block, kv_heads, d), generator=g)
-    outs, caches = [], []
-    for b in (backend, backend.decode, backend.mixed):
-        builder, impl, m, cache = (
-            b.make_builder(spec, 0),
-            b.make_impl(spec, spec.layer(0)),
-            meta(),
-            cache0.clone(),
-        )
-        m.backend_data = builder.build(m)
-        outs.append(impl.forward(q, k, v, cache, m))
-        caches.append(cache)
-        if b is backend:
-            assert isinstance(m.backend_data, SplitStep) and m.backend_data.num_decode == 2
-            assert type(m.backend_data.decode.backend_data).__name__ == "CPUMetadata"  # cpu's, 2 rows
-            assert (
-                m.backend_data.decode.num_actual_tokens == 2 and m.backend_data.mixed.num_actual_tokens == 6
-            )
-    for out, cache in zip(outs[1:], caches[1:]):
-        torch.testing.assert_close(outs[0], out)
-        torch.testing.assert_close(caches[0], cache)
 
 
 def test_explain_names_both_halves(naive, tiny_llama, capsys):

@@ -1,21 +1,17 @@
-"""Attention per phase: one backend for decode rows, another for prefill rows.
+"""Attention per phase: one backend for uniform-decode steps, another for every other step.
 
 The attention twin of FULL_AND_PIECEWISE's (decode, mixed) pair. A step whose every request runs one
 token (max_query_len == 1: eager decode steps and the FULL uniform-decode graphs, which are captured with
-it) goes to `decode`. A mixed step that leads with decode rows (meta.num_decode_tokens, as vLLM orders a
-batch decode first) is split: `decode` attends those rows and `mixed` the rest, each over its own metadata
-(SplitStep), so wide decode's steady state (hundreds of decode rows beside a short prefill) pays the decode
-kernel's price for its decode rows. Every other step (prefill, chunked prefill, the FULL mixed graphs,
-captured with num_decode_tokens 0) goes to `mixed` whole. PerPhaseBackend composes the two: its builder is
-both halves' builders, and each layer's impl holds both halves' impls. Both halves read and write one KV
-cache, so they must declare the same kv_cache_shape, and block_size must suit both. Graph support is per
-phase: FULL on uniform decode follows `decode`'s level, FULL on mixed batches needs `mixed` at ALWAYS.
+it) goes to `decode`; prefill, chunked-prefill and mixed steps (and the PIECEWISE graphs' eager holes) go
+to `mixed`. PerPhaseBackend composes the two: its builder is both halves' builders, of which the step's
+phase picks one, and each layer's impl holds both halves' impls. Both halves read and write one KV cache,
+so they must declare the same kv_cache_shape, and block_size must suit both. Graph support is per phase:
+FULL on uniform decode follows `decode`'s level, FULL on mixed batches needs `mixed` at ALWAYS.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -58,58 +54,15 @@ def decode_step(meta: AttentionMetadata) -> bool:
     return meta.max_query_len == 1
 
 
-@dataclass(frozen=True)
-class SplitStep:
-    """A mixed step's backend_data: its first num_decode rows attended by `decode` over decode's
-    metadata, the rest by `mixed` over mixed's (each with its half's backend_data)."""
-
-    num_decode: int
-    decode: AttentionMetadata
-    mixed: AttentionMetadata
-
-
-def split_rows(meta: AttentionMetadata, d: int) -> tuple[AttentionMetadata, AttentionMetadata]:
-    """meta's first d requests, each running one token, and the requests after them, as two steps' metadata
-    (max_seq_len kept as an upper bound)."""
-    head = replace(
-        meta,
-        slot_mapping=meta.slot_mapping[:d],
-        query_start_loc=meta.query_start_loc[: d + 1],
-        seq_lens=meta.seq_lens[:d],
-        block_table=meta.block_table[:d],
-        max_query_len=1,
-        num_actual_tokens=d,
-        num_decode_tokens=d,
-        backend_data=None,
-    )
-    tail = replace(
-        meta,
-        slot_mapping=meta.slot_mapping[d:],
-        query_start_loc=meta.query_start_loc[d:] - d,
-        seq_lens=meta.seq_lens[d:],
-        block_table=meta.block_table[d:],
-        num_actual_tokens=meta.num_actual_tokens - d,
-        num_decode_tokens=0,
-        backend_data=None,
-    )
-    return head, tail
-
-
 class PerPhaseBuilder(AttentionMetadataBuilder):
-    """Both halves' builders of one KV-cache group; a step is built by its phase's, or split between them."""
+    """Both halves' builders of one KV-cache group; a step is built by its phase's."""
 
     def __init__(self, decode: AttentionMetadataBuilder, mixed: AttentionMetadataBuilder) -> None:
         super().__init__(decode.backend, decode.spec, decode.group)
         self.decode, self.mixed = decode, mixed
 
     def build(self, meta: AttentionMetadata) -> Any:
-        if decode_step(meta):
-            return self.decode.build(meta)
-        if not meta.num_decode_tokens:
-            return self.mixed.build(meta)
-        head, tail = split_rows(meta, meta.num_decode_tokens)
-        head.backend_data, tail.backend_data = self.decode.build(head), self.mixed.build(tail)
-        return SplitStep(meta.num_decode_tokens, head, tail)
+        return (self.decode if decode_step(meta) else self.mixed).build(meta)
 
     def prepare_cudagraphs(self, max_num_reqs: int, max_blocks_per_req: int) -> None:
         for b in (self.decode, self.mixed):
@@ -131,10 +84,6 @@ class PerPhaseImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        if isinstance(split := meta.backend_data, SplitStep):
-            d = split.num_decode
-            head = self.decode.forward(q[:d], k[:d], v[:d], kv_cache, split.decode)
-            return torch.cat((head, self.mixed.forward(q[d:], k[d:], v[d:], kv_cache, split.mixed)))
         return (self.decode if decode_step(meta) else self.mixed).forward(q, k, v, kv_cache, meta)
 
 
