@@ -3,6 +3,9 @@ tokens afterwards, every KV block free, no prefix-cache entry or statistic, no p
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 
 from turnout import LLM, SamplingParams
@@ -47,3 +50,16 @@ def test_warm_up_requests_fit_the_context(tiny_llama):
     assert not llm.engine.requests
     with pytest.raises(ValueError, match=r"prompt 0: this model's context is 64 tokens, .* = 70;"):
         llm.generate([[5] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
+
+
+def test_warm_up_stops_at_the_token_budget(tiny_llama, caplog):
+    """Bands of sequence length end at max_num_batched_tokens: longer prompts run in chunks of the budget."""
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=64, attention_backend="cpu")
+    try:
+        assert llm.engine.max_model_len > 64
+        with caplog.at_level(logging.INFO, logger="turnout"):
+            llm.engine._warm_up()
+        done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up: ")]
+        assert len(done) == 1 and re.fullmatch(r"warm-up: \d+ steps up to 64 tokens in [\d.]+s", done[0])
+    finally:
+        llm.shutdown()
