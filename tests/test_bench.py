@@ -693,3 +693,14 @@ def test_wide_records_and_every_engines_time_over_the_floor_reach_the_report(tmp
     assert "Roofline floor: 40,000 output tok/s." in text and "x floor: each engine's time over" in text
     (line,) = [x for x in report.vllm_headline() if "random-qwen3-8b" in x]
     assert "wide decode 0.80x and 0.85x vLLM's, its first run 2.50x the floor's time" in line
+
+
+def test_a_record_folder_gets_a_name_of_plain_characters(tmp_path):
+    """A per-phase pair's "+" and a device's spaces become "-" in the file name records.write picks."""
+    results = Path(__file__).parents[1] / "benchmarks/results/wide"
+    recs = json.loads((results / "2026-12-06-0404-h100-wide-qwen3-8b-default.json").read_text())
+    first = records.write(recs, tmp_path, "wide", "NVIDIA H100 80GB HBM3")
+    again = records.write(recs, tmp_path, "wide", "NVIDIA H100 80GB HBM3")
+    stem = first.name.removesuffix(".json")
+    assert stem[16:] == "h100-80gb-hbm3-wide-triton-flash_attn-async" and again.name == f"{stem}-2.json"
+    assert json.loads(first.read_text()) == recs

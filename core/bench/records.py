@@ -126,18 +126,19 @@ def write(
     records: list[dict[str, Any]] | dict[str, Any], out: str | Path, workload: str, device: str
 ) -> Path:
     """records (turnout bench's, each checked) or one document (bench serve's) to out: a .json file, or a
-    folder that gets <UTC date-time>-<device>-<workload>[-<attention>][-async].json; a name already taken
-    gets -2, -3, ..., so no run overwrites another's file."""
+    folder that gets <UTC date-time>-<device>-<workload>[-<attention>][-async].json, spelt in [a-z0-9_-]; a
+    name already taken gets -2, -3, ..., so no run overwrites another's file."""
     for rec in records if isinstance(records, list) else ():
         check(rec)
     path = Path(out)
     if path.suffix != ".json":
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
-        slug = re.sub(r"[^a-z0-9]+", "-", device.lower().split("(")[0]).strip("-").removeprefix("nvidia-")
+        slug = lambda s: re.sub(r"[^a-z0-9_]+", "-", s.lower()).strip("-")  # a name any path or URL takes
         recs = records if isinstance(records, list) else []
         cfg = next((r["config"] for r in recs if r["engine"] == "turnout"), {})
         tag = "".join(f"-{t}" for t in (cfg.get("attention"), cfg.get("async_scheduling") and "async") if t)
-        base, i = path / f"{stamp}-{slug}-{workload}{tag}", 1
+        name = slug(f"{device.split('(')[0].lower().removeprefix('nvidia ')}-{workload}{tag}")
+        base, i = path / f"{stamp}-{name}", 1
         path = Path(f"{base}.json")
         while path.exists():
             i += 1
