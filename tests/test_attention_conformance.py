@@ -466,9 +466,9 @@ def test_triton_fp8_store_rounds_as_torch() -> None:
         for scale in (1.0, 0.037):
             x = torch.cat(
                 [torch.randn(4001, generator=gen) * m for m in (0.01, 1.0, 100.0)]
-            )  # 12003 + 13 edges: 16 | n
-            x = torch.cat([x, torch.tensor(edges) * scale]).to(dtype).view(-1, 1, 16)
-            cache = torch.zeros(2, x.shape[0], 1, 1, 16, dtype=FP8, device=DEVICE)
+            )  # 12003 + 13 edges + 272 zeros: tokens of one 256-wide head, a program each in the interpreter
+            x = torch.cat([x, torch.tensor(edges) * scale, torch.zeros(272)]).to(dtype).view(-1, 1, 256)
+            cache = torch.zeros(2, x.shape[0], 1, 1, 256, dtype=FP8, device=DEVICE)
             slots = torch.arange(x.shape[0], device=DEVICE)
             kn.store_kv(x.to(DEVICE), x.to(DEVICE), cache, slots, scale, scale)
             want = fp8_quantize(x, scale).view(torch.uint8).to(DEVICE)
