@@ -64,9 +64,9 @@ def traced(llm, reqs, width: int) -> tuple[float, int, list[dict]]:
         buckets[-(-s["running"] // width)].append(s)
     rows = []
     for b, xs in sorted(buckets.items()):
-        running, seconds = f"{(b - 1) * width + 1}-{b * width}" if b else "0", sum(x["step"] for x in xs)
+        running, spent = f"{(b - 1) * width + 1}-{b * width}" if b else "0", sum(x["step"] for x in xs)
         ms = {f"{n}_ms": round(1e3 * sum(x.get(n, 0.0) for x in xs) / len(xs), 2) for n in TIMED}
-        rows.append({"running": running, "steps": len(xs), "seconds": round(seconds, 3), **ms})
+        rows.append({"running": running, "steps": len(xs), "seconds": round(spent, 3), **ms})
     return seconds, tokens, rows
 
 
