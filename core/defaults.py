@@ -8,17 +8,17 @@ from typing import Any
 from turnout.attention.backend import AttentionBackend
 from turnout.config import EngineConfig
 from turnout.graphs.dispatcher import MAX_CAPTURE_SIZE
-from turnout.graphs.modes import GraphPolicy, RuntimeMode
+from turnout.graphs.modes import EAGER, GraphPolicy, RuntimeMode
 from turnout.platform import Platform
 
 LARGE_GPU_BYTES = 70 * 2**30
 
 
 def fit_defaults(
-    config: EngineConfig, platform: Platform, backend: AttentionBackend, graph: GraphPolicy | None = None
+    config: EngineConfig, platform: Platform, backend: AttentionBackend, graph: GraphPolicy = EAGER
 ) -> dict[str, tuple[Any, str]]:
     """{field: (value, why)} for every fitted field that config leaves as None; graph is the graph policy
-    that runs (None: eager)."""
+    that runs."""
     fitted: dict[str, tuple[Any, str]] = {}
     if config.block_size is None:
         fitted["block_size"] = (backend.preferred_block_size, f"{backend.name}'s preferred KV block size")
@@ -26,7 +26,7 @@ def fit_defaults(
         fitted["max_num_batched_tokens"] = _token_budget(platform)
     if config.max_num_seqs is None:
         tokens = config.max_num_batched_tokens or fitted["max_num_batched_tokens"][0]
-        full_decode = platform.is_cuda and graph is not None and graph.decode is RuntimeMode.FULL
+        full_decode = platform.is_cuda and graph.decode is RuntimeMode.FULL
         top = MAX_CAPTURE_SIZE if full_decode and config.cudagraph_capture_sizes is None else None
         fitted["max_num_seqs"] = _max_num_seqs(platform, tokens, config.num_gpu_blocks_override, top)
     return fitted

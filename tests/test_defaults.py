@@ -63,8 +63,8 @@ def test_max_num_seqs_is_vllms_llm_default_for_the_device_unless_set():
 def test_max_num_seqs_stays_within_the_largest_decode_graph():
     # a decode step wider than the largest FULL graph runs eager, host-bound (benchmarks/results/host-step/)
     cpu = CPUAttentionBackend()
-    policy = {p.name: p for p in BUILTIN_POLICIES}
-    seqs = lambda config, graph: fit_defaults(config, H200, cpu, policy.get(graph))["max_num_seqs"]  # noqa: E731
+    policy = {p.name: (p,) for p in BUILTIN_POLICIES}  # None: fit_defaults' default
+    seqs = lambda config, graph: fit_defaults(config, H200, cpu, *policy.get(graph, ()))["max_num_seqs"]  # noqa: E731
     for graph in ("FULL_AND_PIECEWISE", "FULL", "FULL_DECODE_ONLY"):
         value, why = seqs(EngineConfig(), graph)
         assert value == 512 == default_capture_sizes(value)[-1], graph

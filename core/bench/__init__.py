@@ -2,7 +2,7 @@
 (serve.py), and what the scripts in benchmarks/ use, which import turnout through the public facades and
 this one only (the `benchmarks` contract of pyproject.toml): random-weight checkpoints, records, roofline
 ceilings, the engine's stages for timers and profilers (profiling.py: `stages`, the profiling hook), and the
-GEMV that profile_step.py times against cuBLAS.
+workloads' runners.
 
 Names but the CLI's are imported on first use: `turnout --help` stays light."""
 
@@ -15,7 +15,6 @@ _MODULES = {  # module -> the names imported from it on first use
     "turnout.bench.roofline": ("CEILINGS", "Shape"),
     "turnout.bench.profiling": ("STAGES", "stages", "memory_reports"),
     "turnout.bench.workloads": ("run", "sync", "timed", "warm_up", "wide"),
-    "turnout.layers.gemv": ("gemv",),  # measured on its own
     "turnout.platform": ("current_platform",),
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}

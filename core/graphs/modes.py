@@ -44,8 +44,8 @@ class GraphPolicy:
         return self.decode is not RuntimeMode.NONE or self.mixed is not RuntimeMode.NONE
 
 
-EAGER = GraphPolicy("NONE", RuntimeMode.NONE, RuntimeMode.NONE)
-"""The policy of a run that captures nothing: every step eager."""
+EAGER = GraphPolicy("NONE", RuntimeMode.NONE, RuntimeMode.NONE, description="eager everywhere")
+"""The built-in NONE policy, and the one a run that captures nothing runs: every step eager."""
 
 
 def _downgrade_pair(

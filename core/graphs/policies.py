@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from turnout.graphs.modes import GraphPolicy, RuntimeMode
+from turnout.graphs.modes import EAGER, GraphPolicy, RuntimeMode
 from turnout.hookspecs import hookimpl
 
-N, P, F = RuntimeMode.NONE, RuntimeMode.PIECEWISE, RuntimeMode.FULL
+N, P, F = RuntimeMode.NONE, RuntimeMode.PIECEWISE, RuntimeMode.FULL  # EAGER is (N, N)
 
 BUILTIN_POLICIES = [
-    GraphPolicy("NONE", N, N, description="eager everywhere"),
+    EAGER,
     GraphPolicy("PIECEWISE", P, P, description="graphs between attention calls, attention eager"),
     GraphPolicy("FULL", F, F, description="whole forward in one graph, attention included"),
     GraphPolicy("FULL_DECODE_ONLY", F, N, description="FULL for uniform decode, eager for mixed"),
