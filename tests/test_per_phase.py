@@ -77,14 +77,18 @@ def test_each_step_goes_to_its_phase(naive, tiny_llama):
     def meta(query_lens: list[int]) -> AttentionMetadata:
         qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
         lens = torch.tensor(query_lens, dtype=torch.int32) + 4
-        t = int(qsl[-1])
+        t, ql = int(qsl[-1]), torch.tensor(query_lens)
         table = torch.zeros(len(query_lens), 2, dtype=torch.int32)
-        return AttentionMetadata(torch.arange(t), qsl, lens, table, max(query_lens), int(lens.max()), t)
+        lead = int((ql != 1).int().argmax()) if (ql != 1).any() else len(query_lens)  # the runner's count
+        return AttentionMetadata(torch.arange(t), qsl, lens, table, max(query_lens), int(lens.max()), t, lead)
 
     spec = AttentionSpec(4, 2, 8, torch.float32, 16, 8**-0.5, num_layers=1)
     builder, impl = backend.make_builder(spec, 0), backend.make_impl(spec, spec.layer(0))
     assert type(builder.build(meta([1, 1, 1]))).__name__ == "CPUMetadata"  # cpu's builder
     assert builder.build(meta([1, 5, 1])) is None and builder.build(meta([7])) is None  # naive's: all rows
+    # wide decode's mixed step: decode rows lead and make at least half of the tokens
+    assert type(builder.build(meta([1, 1, 1, 1, 4]))).__name__ == "CPUMetadata"
+    assert builder.build(meta([1, 1, 1, 1, 5])) is None and builder.build(meta([5, 1, 1, 1, 1])) is None
     assert (impl.decode.backend.name, impl.mixed.backend.name) == ("cpu", "naive")
 
 
@@ -172,17 +176,15 @@ def test_halves_must_share_one_kv_layout(naive, tiny_llama):
 
 
 @pytest.mark.parametrize(
-    "decode, mixed, level",
+    "decode, level",
     [
-        ("ALWAYS", "ALWAYS", "ALWAYS"),
-        ("ALWAYS", "UNIFORM_DECODE", "UNIFORM_DECODE"),  # triton for decode, flashinfer for prefill
-        ("UNIFORM_DECODE", "ALWAYS", "ALWAYS"),  # flashinfer for decode, triton for the rest
-        ("ALWAYS", "NEVER", "UNIFORM_DECODE"),  # FULL decode graphs, PIECEWISE holes for the rest
-        ("NEVER", "ALWAYS", "NEVER"),
+        ("ALWAYS", "UNIFORM_DECODE"),  # FULL decode graphs, PIECEWISE holes for the rest
+        ("UNIFORM_DECODE", "UNIFORM_DECODE"),  # flashinfer for decode
+        ("NEVER", "NEVER"),
     ],
 )
-def test_graph_support_follows_each_phase(decode, mixed, level):
-    assert phase_support(CudagraphSupport[decode], CudagraphSupport[mixed]) is CudagraphSupport[level]
+def test_graph_support_follows_the_decode_half(decode, level):
+    assert phase_support(CudagraphSupport[decode]) is CudagraphSupport[level]
 
 
 def _info(model) -> ModelInfo:

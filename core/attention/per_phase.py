@@ -1,12 +1,15 @@
-"""Attention per phase: one backend for uniform-decode steps, another for every other step.
+"""Attention per phase: one backend for decode steps, another for prefill steps.
 
-The attention twin of FULL_AND_PIECEWISE's (decode, mixed) pair. A step whose every request runs one
-token (max_query_len == 1: eager decode steps and the FULL uniform-decode graphs, which are captured with
-it) goes to `decode`; prefill, chunked-prefill and mixed steps (and the PIECEWISE graphs' eager holes) go
-to `mixed`. PerPhaseBackend composes the two: its builder is both halves' builders, of which the step's
-phase picks one, and each layer's impl holds both halves' impls. Both halves read and write one KV cache,
-so they must declare the same kv_cache_shape, and block_size must suit both. Graph support is per phase:
-FULL on uniform decode follows `decode`'s level, FULL on mixed batches needs `mixed` at ALWAYS.
+The attention twin of FULL_AND_PIECEWISE's (decode, mixed) pair. A step whose tokens are mostly decode
+rows goes to `decode`: uniform decode (max_query_len == 1: eager decode steps and the FULL uniform-decode
+graphs, which are captured with it), and a mixed step whose leading decode rows are at least half its
+tokens, as in wide decode, where short prompts join hundreds of decoding requests. Every backend serves any
+batch, and a decode kernel reads each row's KV once where a prefill kernel tiles rows as queries. Prefill,
+chunked-prefill and the other mixed steps go to `mixed`. PerPhaseBackend composes the two: its builder is
+both halves' builders, of which the step's phase picks one, and each layer's impl holds both halves' impls.
+Both halves read and write one KV cache, so they must declare the same kv_cache_shape, and block_size must
+suit both. Graph support: FULL on uniform decode follows `decode`'s level; FULL on mixed batches is never
+replayed, since a captured mixed graph would fix one half for batches that choose per step.
 """
 
 from __future__ import annotations
@@ -38,20 +41,19 @@ def split_name(name: str) -> tuple[str, str] | None:
     return decode.strip(), mixed.strip()
 
 
-def phase_support(decode: CudagraphSupport, mixed: CudagraphSupport) -> CudagraphSupport:
+def phase_support(decode: CudagraphSupport) -> CudagraphSupport:
     """The level the pair can replay, on the scale the graph downgrade rules read: FULL uniform decode
-    runs `decode` and needs it at UNIFORM_DECODE or more; FULL mixed batches run `mixed` and need it at
-    ALWAYS."""
+    runs `decode` and needs it at UNIFORM_DECODE or more. A mixed batch picks its half from its rows
+    (decode_step), which a captured graph cannot, so the pair never reaches ALWAYS."""
     if decode < CudagraphSupport.UNIFORM_DECODE:
         return CudagraphSupport.NEVER
-    if mixed == CudagraphSupport.ALWAYS:
-        return CudagraphSupport.ALWAYS
     return CudagraphSupport.UNIFORM_DECODE
 
 
 def decode_step(meta: AttentionMetadata) -> bool:
-    """Whether a step is `decode`'s: every request runs one token."""
-    return meta.max_query_len == 1
+    """Whether a step is `decode`'s: every request runs one token, or the leading decode rows are at least
+    half of its tokens."""
+    return meta.max_query_len == 1 or 2 * meta.num_decode_tokens >= meta.num_actual_tokens
 
 
 class PerPhaseBuilder(AttentionMetadataBuilder):
@@ -88,7 +90,7 @@ class PerPhaseImpl(AttentionImpl):
 
 
 class PerPhaseBackend(AttentionBackend):
-    """`decode` serves uniform-decode steps, `mixed` every other step, over one shared KV cache: a
+    """`decode` serves decode steps, `mixed` every other step (decode_step), over one shared KV cache: a
     composition of two backends, named "decode+mixed", that declares what both serve."""
 
     name = "decode+mixed"  # set per instance
@@ -103,7 +105,7 @@ class PerPhaseBackend(AttentionBackend):
         self.dtypes = tuple(d for d in decode.dtypes if d in mixed.dtypes)
         self.block_size_multiple = math.lcm(decode.block_size_multiple, mixed.block_size_multiple)
         self.preferred_block_size = self._preferred_block_size()
-        self.cudagraph_support = phase_support(decode.cudagraph_support, mixed.cudagraph_support)
+        self.cudagraph_support = phase_support(decode.cudagraph_support)
         self.attention_features = frozenset(decode.attention_features) & frozenset(mixed.attention_features)
         self.kv_cache_dtypes = tuple(d for d in decode.kv_cache_dtypes if d in mixed.kv_cache_dtypes)
         self.kv_cache_specs = tuple(s for s in decode.kv_cache_specs if s in mixed.kv_cache_specs)
