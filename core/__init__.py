@@ -22,6 +22,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputsParams",
     "TurnoutError",
+    "cache_dir",
     "hookimpl",
 ]
 
@@ -32,6 +33,7 @@ _LAZY = {
     "RequestOutput": "turnout.outputs",
     "EngineConfig": "turnout.config",
     "Platform": "turnout.platform",
+    "cache_dir": "turnout.loader.default_model",
 }
 
 

@@ -60,6 +60,23 @@ def test_warm_up_stops_at_the_token_budget(tiny_llama, caplog):
         with caplog.at_level(logging.INFO, logger="turnout"):
             llm.engine._warm_up()
         done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up: ")]
-        assert len(done) == 1 and re.fullmatch(r"warm-up: \d+ steps up to 64 tokens in [\d.]+s", done[0])
+        assert len(done) == 1 and re.fullmatch(
+            r"warm-up: \d+ steps up to 64 tokens and \d+ requests in [\d.]+s", done[0]
+        )
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_warm_up_runs_the_widest_batch(tiny_llama, caplog, async_scheduling):
+    """A step of max_num_seqs requests (decode rows beside a new prompt) runs before any user request."""
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_seqs=12, max_model_len=64, attention_backend="cpu",
+              enforce_eager=True, async_scheduling=async_scheduling)  # fmt: skip
+    try:
+        with caplog.at_level(logging.INFO, logger="turnout"):
+            llm.engine._warm_up()
+        done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up: ")]
+        assert len(done) == 1 and " and 12 requests in " in done[0], done
+        assert llm.engine.scheduler.bm.num_free_blocks == llm.engine.scheduler.bm.num_blocks
     finally:
         llm.shutdown()

@@ -31,7 +31,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse._SubPar
         "--vllm-site", default=VLLM_SITE, help=f"vllm's folder, the vllm peer's PYTHONPATH ({VLLM_SITE})"
     )
     g.add_argument("--peer-timeout", type=float, default=900, help="seconds one peer may run")
-    g.add_argument("--cold-cache", action="store_true", help="a fresh, empty Triton kernel cache")
+    g.add_argument("--cold-cache", action="store_true", help="fresh, empty kernel caches (Triton's, FA4's)")
     g.add_argument("--out", help="a .json file or a folder (default: benchmarks/results/<workload>)")
     g.add_argument("--plot", metavar="PNG", help="draw turnout, the peers and the floor (needs matplotlib)")
     add_engine_args(common)

@@ -81,6 +81,7 @@ class Bench:
         self.schema = self.structured_schema() if args.workload == "structured" else None
         if args.cold_cache:
             os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="turnout-triton-")
+            os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = tempfile.mkdtemp(prefix="turnout-fa4-")
         cfg = engine_config_from_args(args)
         update: dict[str, Any] = {}
         if args.random_model:

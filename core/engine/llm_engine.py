@@ -214,11 +214,34 @@ class LLMEngine:
             if n < length + 1:
                 break
             length *= 2
+        widest, wide_steps = self._warm_up_widest(tokens)
+        steps += wide_steps
         self.step()  # hands the last finished ids to the workers, which drop their per-request state
         for req_id in list(self.requests):
             self.pop_finished(req_id)
         self.scheduler = self._new_scheduler()
-        logger.info("warm-up: %d steps up to %d tokens in %.1fs", steps, n, time.perf_counter() - t0)
+        logger.info(
+            "warm-up: %d steps up to %d tokens and %d requests in %.1fs",
+            steps,
+            n,
+            widest,
+            time.perf_counter() - t0,
+        )
+
+    def _warm_up_widest(self, tokens: Callable[[int, int], list[int]]) -> tuple[int, int]:
+        """The widest batches: max_num_seqs - 1 two-token prompts prefill in one step, then one more joins
+        their decode rows, a mixed step of max_num_seqs requests. Kernels may pick their variant by batch
+        size (FA4 adds a batch lookup past 256 requests), so wide decode's first steps must not compile.
+        Returns (the most requests a step ran, steps)."""
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)  # running after the mixed step
+        width = min(self.config.max_num_seqs, self.config.max_num_batched_tokens // 2)
+        for i in range(width - 1):
+            self.add_request(tokens(2, 3 * i + 1), params, req_id=f"warmup-wide-{i}")
+        self.step()
+        self.add_request(tokens(2, 3 * width), params, req_id="warmup-wide-last")
+        self.step()
+        widest = len(self.scheduler.running)
+        return widest, 2 + self._run_to_end()
 
     def _run_to_end(self) -> int:
         """Step until every request has finished; the number of steps."""

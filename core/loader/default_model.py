@@ -51,6 +51,8 @@ def default_gguf_path() -> Path:
 
 
 def cache_dir() -> Path:
+    """turnout's cache folder (TURNOUT_CACHE_DIR, else ~/.cache/turnout): the converted default model,
+    tuning records, and the kernels that Triton and the plugins compile, kept for later processes."""
     return envs.CACHE_DIR.value or Path.home() / ".cache" / "turnout"
 
 

@@ -28,12 +28,14 @@ query_start_loc[-1] (graph padding) may be left unwritten.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+import turnout
 from turnout import Platform, Priority
 from turnout.attention import (
     LAYER_FEATURES,
@@ -78,6 +80,10 @@ class _WrongVersion(Exception):
 
 
 def _import_fa4() -> Callable:
+    # FA4 compiles each kernel variant on its first call, seconds apiece; its persistent cache (read when
+    # flash_attn.cute is imported) keeps them beside turnout's other caches for later processes
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(turnout.cache_dir() / "flash_attn_cute"))
     from flash_attn.cute import flash_attn_varlen_func
 
     return flash_attn_varlen_func
