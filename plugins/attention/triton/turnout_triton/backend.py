@@ -83,6 +83,7 @@ class TritonAttentionImpl(AttentionImpl):
             q, k, v, kv_cache, meta.slot_mapping, *lens, layer.scale, meta.max_query_len, splits, counts,
             sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap,
             k_scale=layer.k_scale, v_scale=layer.v_scale, kv_lora_rank=self.spec.kv_lora_rank,
+            num_decode_tokens=meta.num_decode_tokens,
         )  # fmt: skip
 
 

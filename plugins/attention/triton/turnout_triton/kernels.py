@@ -272,23 +272,25 @@ def _attend_tile(
     return m_new, den, acc
 
 
-@triton.jit(do_not_specialize=["num_reqs", "s_bt"])
+@triton.jit(do_not_specialize=["num_reqs", "first_tile", "s_bt"])
 def _prefill_kernel(
-    q, k_cache, v_cache, out, cu, seq_lens, block_table, scale_log2, num_reqs, k_scale, v_scale,
+    q, k_cache, v_cache, out, cu, seq_lens, block_table, scale_log2, num_reqs, first_tile, k_scale, v_scale,
     s_qt, s_qh, s_ot, s_oh, s_cb, s_cs, s_ch, s_bt,
     QPK: tl.constexpr, QPK_P2: tl.constexpr, HEAD: tl.constexpr, HEAD_P2: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, K_T: tl.constexpr,
     PREC: tl.constexpr, PDL: tl.constexpr, WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, FP8: tl.constexpr,
     PE: tl.constexpr, PE_P2: tl.constexpr,
 ):  # fmt: skip
-    """Grid (T // BLOCK_Q + B, num_kv_heads). Requests with query_len 1 are left to the decode kernel.
+    """Grid (T // BLOCK_Q + B - first_tile, num_kv_heads) over query tiles from first_tile on, the first
+    tile of the first request that may run more than one token. Requests with query_len 1 are left to the
+    decode kernel.
 
-    Program pid takes query tile num_programs - 1 - pid, so the last tiles of a request, which see the
-    most keys, start first and the short ones fill the tail. Key tiles strictly below the causal
+    Program pid takes query tile first_tile + num_programs - 1 - pid, so the last tiles of a request, which
+    see the most keys, start first and the short ones fill the tail. Key tiles strictly below the causal
     diagonal of the tile's first row run unmasked; the one or two tiles that cross it are masked."""
     _pdl_wait(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_P2
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid = first_tile + tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
     b = _find_request(cu, num_reqs, pid, BLOCK_Q)
     q0 = tl.load(cu + b)
@@ -550,12 +552,14 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     kv_lora_rank: int | None = None,
+    num_decode_tokens: int = 0,
 ) -> torch.Tensor:
     """Write k, v to the cache at slot_mapping, then q [T, H, D] against the cache -> [T, H, D]. Rows past
     query_start_loc[-1] (padding) stay unwritten. sliding_window, logits_soft_cap, k_scale and v_scale: the
     layer's (None: none), as turnout.attention.AttentionLayerSpec defines them; the scales apply where the
     cache is float8_e4m3fn. kv_lora_rank: the latent layout (the module docstring): k alone is written, and
-    the output is [T, H, kv_lora_rank].
+    the output is [T, H, kv_lora_rank]. num_decode_tokens: leading requests known to run one token each
+    (AttentionMetadata's; 0 where unknown), which the prefill kernel's grid leaves out.
 
     The decode kernel always runs (its programs skip requests with query_len != 1) and writes the k, v of
     the requests it serves; store_kv and the prefill kernel run only when max_query_len > 1 (the prefill
@@ -595,7 +599,8 @@ def paged_attention(
     )  # fmt: skip
     if max_query_len > 1:
         _launch_prefill(q, kv_cache, out, query_start_loc, seq_lens, block_table, scale, None,
-                        sliding_window, logits_soft_cap, k_scale, v_scale, kv_lora_rank)  # fmt: skip
+                        sliding_window, logits_soft_cap, k_scale, v_scale, kv_lora_rank,
+                        num_decode_tokens)  # fmt: skip
     return out
 
 
@@ -656,8 +661,10 @@ def _launch_prefill(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     kv_lora_rank: int | None = None,
+    skip: int = 0,
 ) -> object:
-    """Launch the prefill kernel; returns what the launch returns (the compiled kernel, on a GPU)."""
+    """Launch the prefill kernel over the requests after the first `skip`, which run one token each;
+    returns what the launch returns (the compiled kernel, on a GPU; None when no tile is left)."""
     t, h, hs = q.shape
     kc, vc, head, latent = _layout(kv_cache, hs, kv_lora_rank)
     _, bs, kvh, _ = kc.shape
@@ -668,10 +675,13 @@ def _launch_prefill(
     fp32 = q.dtype == torch.float32
     cfg = _fit_config(config or _prefill_config(hp2, qpk_p2, fp32, bool(kv_lora_rank)), qpk_p2)
     bq = cfg["block_m"] // qpk_p2
-    return _prefill_kernel[(t // bq + b, kvh)](
-        q, kc, vc, out, query_start_loc, seq_lens, block_table, scale * LOG2E, b, k_scale, v_scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-        block_table.stride(0), QPK=qpk, QPK_P2=qpk_p2, HEAD=head, HEAD_P2=hp2, BLOCK_Q=bq,
+    first_tile = skip // bq + skip  # request `skip`'s first tile: cu[skip] == skip
+    if t // bq + b <= first_tile:
+        return None
+    return _prefill_kernel[(t // bq + b - first_tile, kvh)](
+        q, kc, vc, out, query_start_loc, seq_lens, block_table, scale * LOG2E, b, first_tile, k_scale,
+        v_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1),
+        kc.stride(2), block_table.stride(0), QPK=qpk, QPK_P2=qpk_p2, HEAD=head, HEAD_P2=hp2, BLOCK_Q=bq,
         BLOCK_N=cfg["block_n"], BLOCK_SIZE=bs, K_T=cfg["trans_k"], PREC=prec, FP8=_fp8(kv_cache),
         num_warps=cfg["warps"], num_stages=cfg["stages"], **_features(sliding_window, logits_soft_cap),
         **latent, **pdl_launch(),
