@@ -460,6 +460,8 @@ def vllm_headline() -> list[str]:
                 over = ours["first"].get("over_floor") if workload == "wide" else None
                 near = f", its first run {over:.2f}x the floor's time" if over else ""
                 runs = " on the first run and a repeat" if workload == "throughput" else ""
+                if recs[0]["device"] != head[0]["device"]:  # the line names head's device
+                    what += f" on {recs[0]['device']}"
                 figs.append(f"{what} {first:.2f}x and {repeat:.2f}x vLLM's{runs}{near} ({cite(path, '')})")
         if "latency" in by:
             path, recs = by["latency"]

@@ -108,7 +108,7 @@ def _print_order(pm: PluginManager, as_json: bool) -> int:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return 0
     print('the order "auto" tries attention backends in: highest priority first, ties by name, then plugin;')
-    print("decode: uniform-decode steps; mixed: prefill, chunked-prefill and mixed steps (mixed_priority)")
+    print("decode: steps of decode rows (at least half the tokens); mixed: the others (mixed_priority)")
     print_table(
         ["platform", "phase", "order (priority; why it cannot run there)"],
         [[r.platform + (" (here)" if r.here else ""), r.phase, r.describe()] for r in rows],

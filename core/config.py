@@ -68,7 +68,7 @@ class EngineConfig(BaseModel):
     attention_backend: str = Field(
         "auto",
         description="attention backend name, auto, or one per phase: 'decode+mixed' or a table "
-        "{decode = ..., mixed = ...} (uniform-decode steps to the first, the others to the second)",
+        "{decode = ..., mixed = ...} (decode steps to the first, the others to the second)",
     )
     executor: str = Field("auto", description="executor name, or auto")
     moe_kernel: str = Field("auto", description="MoE models: expert kernel name (triton, torch), or auto")

@@ -1,4 +1,4 @@
-"""Attention per phase: uniform-decode steps to one backend, the other steps to another, one KV cache."""
+"""Attention per phase: decode steps to one backend, the other steps to another, one KV cache."""
 
 from __future__ import annotations
 

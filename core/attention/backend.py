@@ -304,7 +304,7 @@ class AttentionBackend:
     priority: ClassVar[int] = 0
     # the rank for mixed and prefill steps under "auto"; None: priority. Where the valid backend it ranks
     # first is not the one priority ranks first, and the two can share one KV cache, "auto" composes that
-    # pair per phase (attention.per_phase): priority's for uniform-decode steps, this one's for the rest
+    # pair per phase (attention.per_phase): priority's for decode steps, this one's for the rest
     mixed_priority: ClassVar[int | None] = None
     device_types: ClassVar[tuple[str, ...]]  # e.g. ("cpu", "cuda")
     dtypes: ClassVar[tuple[torch.dtype, ...]]  # the CPU runs float32 unless it has native bfloat16

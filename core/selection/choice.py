@@ -64,7 +64,7 @@ class Candidate:
         return {k: getattr(self, k) for k in keys}
 
 
-PHASES = ("decode", "mixed")  # attention's: uniform-decode steps; prefill, chunked-prefill and mixed steps
+PHASES = ("decode", "mixed")  # attention's: decode steps (per_phase.decode_step); the others
 
 
 def ranked(candidates: Iterable[Candidate], phase: str = "decode") -> list[Candidate]:
