@@ -84,3 +84,18 @@ def test_backend_agrees_with_hf_step_by_step(small_qwen3, backend):
     ]
     rate = sum(a == b for a, b in zip(got, want)) / len(want)
     assert rate >= 0.95, rate
+
+
+def test_kv_cache_size_does_not_shrink_with_max_num_seqs(small_qwen3):
+    """The memory-profiling step runs max_num_seqs requests over a throwaway KV cache of a block each; that
+    cache gives way to the real one, so it must not count as activation memory (at the Qwen3-8B shape and
+    128-token blocks it was 9 GiB at 512 requests)."""
+    blocks = {}
+    for seqs in (8, 256):
+        llm = LLM(str(small_qwen3), dtype="bfloat16", block_size=128, max_num_seqs=seqs, enforce_eager=True,
+                  gpu_memory_utilization=0.3)  # fmt: skip
+        blocks[seqs] = llm.engine.scheduler.bm.num_blocks
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    assert abs(blocks[256] - blocks[8]) <= 32, blocks  # 248 blocks (124 MiB) apart when it counted

@@ -208,17 +208,19 @@ class ModelRunner:
             )
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._dummy_run(self.config.max_num_batched_tokens)
+        dummy_kv = self._dummy_run(self.config.max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - dummy_kv  # the real cache takes its place
         used_elsewhere = total - free - torch.cuda.memory_reserved(self.device)  # other processes, NCCL
         budget = total * self.config.gpu_memory_utilization - peak - used_elsewhere
         logger.info("memory: total %.1f GiB, peak step %.2f GiB", total / 2**30, peak / 2**30)
         return kv_cache.blocks_in(budget, self.attn_spec, self.num_kv_tensors)
 
-    def _dummy_run(self, num_tokens: int) -> None:
-        """A prefill of num_tokens over a throwaway KV cache: measures peak activation memory."""
+    def _dummy_run(self, num_tokens: int) -> int:
+        """A prefill of num_tokens over a throwaway KV cache: measures peak activation memory. Returns the
+        throwaway cache's bytes (a block for each of up to max_num_seqs requests), which were live at the
+        peak."""
         num_seqs = max(1, min(self.config.max_num_seqs, num_tokens))
         per_seq = num_tokens // num_seqs
         nb = block_table.blocks_for(per_seq, self.block_size)
@@ -233,7 +235,9 @@ class ModelRunner:
         self.sample_tokens()
         for tables in self.block_tables:
             tables.release([r.req_id for r in reqs])
+        kv_bytes = sum(t.numel() * t.element_size() for t in self.kv_cache_tensors)
         self.kv_caches, self.kv_cache_tensors = [], []
+        return kv_bytes
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache_tensors = kv_cache.allocate_kv_caches(
