@@ -23,6 +23,7 @@ from turnout_triton import kernels
 LOG2E = kernels.LOG2E
 INTS = {"counts", "cu", "seq_lens", "block_table"}
 FLOATS = {"scale_log2", "k_scale", "v_scale"}
+SCALARS = {"num_reqs", "first_tile", "block_size", "num_kv_heads"}  # i32, as are the strides (s_*)
 
 
 def compile_(fn, consts, fp8, **opts):
@@ -30,7 +31,7 @@ def compile_(fn, consts, fp8, **opts):
     for n in fn.arg_names:
         sig[n] = "constexpr" if n in consts else "*i32" if n in INTS else "*i64" if n == "slot_mapping" \\
             else "*fp32" if n in ("part_o", "part_lse") else "fp32" if n in FLOATS \\
-            else "i32" if n.startswith("s_") or n in ("num_reqs", "block_size", "num_kv_heads") \\
+            else "i32" if n.startswith("s_") or n in SCALARS \\
             else "*fp8e4nv" if fp8 and n in ("k_cache", "v_cache") else "*bf16"
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["cubin"]
