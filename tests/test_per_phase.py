@@ -189,3 +189,19 @@ def test_graph_support_follows_the_decode_half(decode, level):
 
 def _info(model) -> ModelInfo:
     return ModelInfo.from_dir(model)
+
+
+def test_warm_up_runs_the_decode_half_on_mixed_steps_at_every_band(naive, tiny_llama):
+    """A mixed step of mostly decode rows runs on the decode half, whose eager kernels may take variants by
+    sequence length (Triton's decode split count): the warm-up runs one at each band of length."""
+    llm = LLM(str(tiny_llama), attention_backend="cpu+naive", dtype="float32", max_num_batched_tokens=64,
+              block_size=16, enforce_eager=True)  # fmt: skip
+    try:
+        builder = llm.engine.executor.worker.runner.builders[0]
+        seen, build = [], builder.decode.build
+        builder.decode.build = lambda m: (seen.append((m.max_query_len, m.max_seq_len)), build(m))[1]
+        llm.engine._warm_up()
+        mixed = [length for q, length in seen if q > 1]
+        assert all(any(length >= n for length in mixed) for n in (17, 33, 64)), seen  # the bands' prompts
+    finally:
+        llm.shutdown()

@@ -190,24 +190,28 @@ class LLMEngine:
     def _warm_up(self) -> None:
         """Run synthetic requests through the real step path before the first user request, so that the
         kernels a workload hits are compiled (or loaded from the on-disk cache) at start-up: for each
-        power-of-two band of sequence length up to the token budget, a prefill step, a mixed step (decode
-        rows beside a prefill chunk), decode steps and, with prefix caching, a prefill after a cached
-        prefix. A longer prompt runs in chunks of at most the budget, and the FULL decode graphs are
-        captured at max_model_len, so bands past the budget would only spend GPU time. The scheduler and
-        its prefix cache are replaced afterwards, so no warm-up block or statistic outlives it."""
+        power-of-two band of sequence length up to the token budget, a prefill step, a mixed step (a decode
+        row beside a prefill chunk), a mixed step of mostly decode rows (two beside a two-token prompt,
+        which a per-phase pair runs on its decode half), decode steps and, with prefix caching, a prefill
+        after a cached prefix. A longer prompt runs in chunks of at most the budget, and the FULL decode
+        graphs are captured at max_model_len, so bands past the budget would only spend GPU time. The
+        scheduler and its prefix cache are replaced afterwards, so no warm-up block or statistic outlives
+        it."""
         t0 = time.perf_counter()
         vocab = self.info.hf_config.get("vocab_size", 32000)
         tokens = lambda n, salt: [(salt * 7919 + i * 104729) % vocab for i in range(n)]
         sample = SamplingParams(temperature=0.6, top_p=0.9, seed=0, max_tokens=3, ignore_eos=True)
         greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        length, steps = 16, 1
+        length, steps = 16, 0
         while True:
             # c: n + 3 prompt tokens and 2 outputs fit
             n = min(length + 1, self.max_model_len - 5, self.config.max_num_batched_tokens)
             self.add_request(tokens(n, length), sample, req_id=f"warmup-{length}-a")
             self.step()
             self.add_request(tokens(n // 2 + 1, length + 1), greedy, req_id=f"warmup-{length}-b")
-            steps += self._run_to_end()
+            self.step()
+            self.add_request(tokens(2, length + 2), greedy, req_id=f"warmup-{length}-d")
+            steps += 2 + self._run_to_end()
             if self.config.enable_prefix_caching:  # after a's full blocks, now cached
                 self.add_request(tokens(n, length) + [1] * 3, greedy, req_id=f"warmup-{length}-c")
                 steps += self._run_to_end()
