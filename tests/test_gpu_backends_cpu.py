@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import random
 import subprocess
 import sys
@@ -305,3 +306,21 @@ def test_auto_runs_fa4_for_mixed_steps_beside_the_triton_decode_kernel():
     assert att.chosen.obj.preferred_block_size == fa_backend.FA4_PAGE  # the mixed half's, which triton takes
     assert {p: h.name for p, h in att.phases.items()} == {"decode": "triton", "mixed": "flash_attn"}
     assert auto("fa2").chosen.name == "triton"
+
+
+@pytest.mark.skipif(not NO_FLASH_ATTN, reason="FA4 installed: importing it here would load CUDA libraries")
+def test_fa4_keeps_its_compiled_kernels_in_turnouts_cache(monkeypatch, tmp_path):
+    """FA4 reads its persistent-cache switches when flash_attn.cute is imported: the probe sets them first,
+    to a folder of turnout's cache, and leaves a user's own folder alone."""
+    monkeypatch.setenv("TURNOUT_CACHE_DIR", str(tmp_path / "tc"))
+    for var in ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ImportError):
+        fa_backend._import_fa4()
+    cache = tmp_path / "tc" / "flash_attn_cute"
+    assert cache.is_dir() and os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(cache)
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "mine"))
+    with pytest.raises(ImportError):
+        fa_backend._import_fa4()
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "mine")

@@ -28,6 +28,7 @@ query_start_loc[-1] (graph padding) may be left unwritten.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ from turnout.attention import (
     valid_rows,
 )
 from turnout_flash_attn.envs import CUDAGRAPH, FLASH_ATTN
+
+logger = logging.getLogger("turnout")
 
 NOT_INSTALLED = "flash_attn is not installed (pip install turnout-flash-attn[fa2] or flash-attn-4 on SM90+)"
 FA2_BLOCK = 256
@@ -82,8 +85,14 @@ class _WrongVersion(Exception):
 def _import_fa4() -> Callable:
     # FA4 compiles each kernel variant on its first call, seconds apiece; its persistent cache (read when
     # flash_attn.cute is imported) keeps them beside turnout's other caches for later processes
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(turnout.cache_dir() / "flash_attn_cute"))
+    cache = turnout.cache_dir() / "flash_attn_cute"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        logger.warning("FA4 compiles its kernels again in each process: cannot make %s (%s)", cache, e)
+    else:
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(cache))
     from flash_attn.cute import flash_attn_varlen_func
 
     return flash_attn_varlen_func
