@@ -224,13 +224,8 @@ class LLMEngine:
         for req_id in list(self.requests):
             self.pop_finished(req_id)
         self.scheduler = self._new_scheduler()
-        logger.info(
-            "warm-up: %d steps up to %d tokens and %d requests in %.1fs",
-            steps,
-            n,
-            widest,
-            time.perf_counter() - t0,
-        )
+        dt = time.perf_counter() - t0
+        logger.info("warm-up: %d steps up to %d tokens and %d requests in %.1fs", steps, n, widest, dt)
 
     def _warm_up_widest(self, tokens: Callable[[int, int], list[int]]) -> tuple[int, int]:
         """The widest batches: max_num_seqs - 1 two-token prompts prefill in one step, then one more joins

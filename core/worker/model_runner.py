@@ -235,9 +235,8 @@ class ModelRunner:
         self.sample_tokens()
         for tables in self.block_tables:
             tables.release([r.req_id for r in reqs])
-        kv_bytes = sum(t.numel() * t.element_size() for t in self.kv_cache_tensors)
         self.kv_caches, self.kv_cache_tensors = [], []
-        return kv_bytes
+        return self.kv_bytes_per_block() * nb * num_seqs
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache_tensors = kv_cache.allocate_kv_caches(

@@ -661,10 +661,10 @@ def _launch_prefill(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     kv_lora_rank: int | None = None,
-    skip: int = 0,
+    num_decode_tokens: int = 0,
 ) -> object:
-    """Launch the prefill kernel over the requests after the first `skip`, which run one token each;
-    returns what the launch returns (the compiled kernel, on a GPU; None when no tile is left)."""
+    """Launch the prefill kernel over the requests after the first num_decode_tokens, which run one token
+    each; returns what the launch returns (the compiled kernel, on a GPU; None when no tile is left)."""
     t, h, hs = q.shape
     kc, vc, head, latent = _layout(kv_cache, hs, kv_lora_rank)
     _, bs, kvh, _ = kc.shape
@@ -675,7 +675,8 @@ def _launch_prefill(
     fp32 = q.dtype == torch.float32
     cfg = _fit_config(config or _prefill_config(hp2, qpk_p2, fp32, bool(kv_lora_rank)), qpk_p2)
     bq = cfg["block_m"] // qpk_p2
-    first_tile = skip // bq + skip  # request `skip`'s first tile: cu[skip] == skip
+    nd = num_decode_tokens
+    first_tile = nd // bq + nd  # request nd's first tile: cu[nd] == nd
     if t // bq + b <= first_tile:
         return None
     return _prefill_kernel[(t // bq + b - first_tile, kvh)](
