@@ -704,3 +704,21 @@ def test_a_record_folder_gets_a_name_of_plain_characters(tmp_path):
     stem = first.name.removesuffix(".json")
     assert stem[16:] == "h100-80gb-hbm3-wide-triton-flash_attn-async" and again.name == f"{stem}-2.json"
     assert json.loads(first.read_text()) == recs
+
+
+def test_counted_run_reports_the_runs_preemptions_and_kv_blocks(tiny_qwen3):
+    """A cache of 26 four-token blocks for six requests growing to 99 tokens preempts some: the record counts
+    this run's preemptions alone (the engine's counter minus its value before) and the cache's blocks."""
+    from turnout import LLM
+    from turnout.bench.runner import counted_run
+
+    llm = LLM(
+        str(tiny_qwen3), attention_backend="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=6,
+        num_gpu_blocks_override=26, max_model_len=104,
+    )  # fmt: skip
+    reqs = [workloads.Req([7 + i] * (4 + i), max_tokens=90) for i in range(6)]
+    first = counted_run(llm, reqs)
+    total = llm.engine.stats()["preemptions"]
+    second = counted_run(llm, reqs)
+    assert first["num_preemptions"] == total > 0 and first["num_gpu_blocks"] == 26
+    assert second["num_preemptions"] == llm.engine.stats()["preemptions"] - total > 0

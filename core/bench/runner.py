@@ -430,13 +430,18 @@ def structured_metrics(
 
 
 def counted_run(llm: Any, reqs: list[workloads.Req]) -> dict[str, Any]:
-    """rate() of llm's run over reqs, and its prefix_cache_hit_rate in prompt tokens, where the engine counts
-    them (not data parallel) and the run looked some up: a repeat of the same prompts hits their cached
-    blocks."""
+    """rate() of llm's run over reqs, with what the engine counts where it counts (not data parallel): the
+    run's preemptions and KV blocks, and its prefix_cache_hit_rate in prompt tokens where it looked some up
+    (a repeat of the same prompts hits their cached blocks)."""
     stats = getattr(llm.engine, "stats", lambda: None)
     before = stats()
     m = rate(*workloads.run(llm, reqs))
-    if before is not None and (after := stats())["prefix_cache_queries"] > before["prefix_cache_queries"]:
+    if before is None:
+        return m
+    after = stats()
+    m["num_preemptions"] = after["preemptions"] - before["preemptions"]
+    m["num_gpu_blocks"] = after["total_blocks"]
+    if after["prefix_cache_queries"] > before["prefix_cache_queries"]:
         hits, queries = (after[k] - before[k] for k in ("prefix_cache_hits", "prefix_cache_queries"))
         m["prefix_cache_hit_rate"] = round(hits / queries, 4)
     return m
