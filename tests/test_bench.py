@@ -712,10 +712,8 @@ def test_counted_run_reports_the_runs_preemptions_and_kv_blocks(tiny_qwen3):
     from turnout import LLM
     from turnout.bench.runner import counted_run
 
-    llm = LLM(
-        str(tiny_qwen3), attention_backend="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=6,
-        num_gpu_blocks_override=26, max_model_len=104,
-    )  # fmt: skip
+    small = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=6, num_gpu_blocks_override=26)
+    llm = LLM(str(tiny_qwen3), attention_backend="cpu", max_model_len=104, **small)
     reqs = [workloads.Req([7 + i] * (4 + i), max_tokens=90) for i in range(6)]
     first = counted_run(llm, reqs)
     total = llm.engine.stats()["preemptions"]
