@@ -7,18 +7,15 @@ from typing import Any
 
 from turnout.attention.backend import AttentionBackend
 from turnout.config import EngineConfig
-from turnout.graphs.dispatcher import MAX_CAPTURE_SIZE
-from turnout.graphs.modes import EAGER, GraphPolicy, RuntimeMode
 from turnout.platform import Platform
 
 LARGE_GPU_BYTES = 70 * 2**30
 
 
 def fit_defaults(
-    config: EngineConfig, platform: Platform, backend: AttentionBackend, graph: GraphPolicy = EAGER
+    config: EngineConfig, platform: Platform, backend: AttentionBackend
 ) -> dict[str, tuple[Any, str]]:
-    """{field: (value, why)} for every fitted field that config leaves as None; graph is the graph policy
-    that runs."""
+    """{field: (value, why)} for every fitted field that config leaves as None."""
     fitted: dict[str, tuple[Any, str]] = {}
     if config.block_size is None:
         fitted["block_size"] = (backend.preferred_block_size, f"{backend.name}'s preferred KV block size")
@@ -26,9 +23,7 @@ def fit_defaults(
         fitted["max_num_batched_tokens"] = _token_budget(platform)
     if config.max_num_seqs is None:
         tokens = config.max_num_batched_tokens or fitted["max_num_batched_tokens"][0]
-        full_decode = platform.is_cuda and graph.decode is RuntimeMode.FULL
-        top = MAX_CAPTURE_SIZE if full_decode and config.cudagraph_capture_sizes is None else None
-        fitted["max_num_seqs"] = _max_num_seqs(platform, tokens, config.num_gpu_blocks_override, top)
+        fitted["max_num_seqs"] = _max_num_seqs(platform, tokens, config.num_gpu_blocks_override)
     return fitted
 
 
@@ -49,23 +44,19 @@ def _token_budget(platform: Platform) -> tuple[int, str]:
     return 8192, _device(platform)
 
 
-def _max_num_seqs(
-    platform: Platform, max_num_batched_tokens: int, num_blocks: int | None, largest_graph: int | None
-) -> tuple[int, str]:
+def _max_num_seqs(platform: Platform, max_num_batched_tokens: int, num_blocks: int | None) -> tuple[int, str]:
     """vLLM's offline LLM: 1024 running requests on a GPU of 70 GiB or more, 256 on a smaller one and on
     the CPU (vLLM's 256 a rank; turnout keeps 256 at any world size, as it keeps the CPU's 4096 tokens).
     Never more than a step's tokens (vLLM caps it so), nor than a fixed KV cache's blocks
     (num_gpu_blocks_override): each running request holds a block of its own. A cache sized from memory
     is known only once the weights are loaded, and the scheduler admits a request only while blocks are
-    free, so running requests stay within it anyway. Where decode steps replay FULL graphs of the default
-    capture sizes, never more than the largest (largest_graph): a wider decode step runs eager, and its
-    kernel launches then take longer on the host than the step on the GPU."""
+    free, so running requests stay within it anyway. The default capture sizes reach max_num_seqs
+    (default_capture_sizes), so a decode step of every running request replays a graph."""
     seqs = 1024 if platform.is_cuda and platform.total_memory >= LARGE_GPU_BYTES else 256
     why = f"{_device(platform)}: vLLM's offline default {seqs}"
     caps = (
         (max_num_batched_tokens, "max_num_batched_tokens", "no more requests than a step's tokens"),
         (num_blocks, "num_gpu_blocks_override", "each running request holds a KV block"),
-        (largest_graph, "the largest decode CUDA graph", "a wider decode step runs eager, bound by the host"),
     )
     for cap, name, because in caps:
         if cap is not None and cap < seqs:

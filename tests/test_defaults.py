@@ -11,7 +11,6 @@ from turnout import LLM
 from turnout.config import EngineConfig
 from turnout.defaults import fit_defaults
 from turnout.graphs.dispatcher import default_capture_sizes
-from turnout.graphs.policies import BUILTIN_POLICIES
 from turnout.platform import Platform
 
 H200 = Platform("cuda", "H200", 1, (9, 0), 141 << 30, (torch.float16, torch.bfloat16, torch.float32))
@@ -60,27 +59,25 @@ def test_max_num_seqs_is_vllms_llm_default_for_the_device_unless_set():
     assert seqs(EngineConfig(num_gpu_blocks_override=4096), H200)[0] == 1024
 
 
-def test_max_num_seqs_stays_within_the_largest_decode_graph():
-    # a decode step wider than the largest FULL graph runs eager, host-bound (benchmarks/results/host-step/)
+def test_max_num_seqs_is_not_capped_by_the_graph_policy():
+    # the default capture sizes reach max_num_seqs, so no graph policy lowers it
     cpu = CPUAttentionBackend()
-    policy = {p.name: (p,) for p in BUILTIN_POLICIES}  # None: fit_defaults' default
-    seqs = lambda config, graph: fit_defaults(config, H200, cpu, *policy.get(graph, ()))["max_num_seqs"]  # noqa: E731
-    for graph in ("FULL_AND_PIECEWISE", "FULL", "FULL_DECODE_ONLY"):
-        value, why = seqs(EngineConfig(), graph)
-        assert value == 512 == default_capture_sizes(value)[-1], graph
-        assert why.endswith("capped at the largest decode CUDA graph 512 (a wider decode step runs eager, "
-                            "bound by the host)")  # fmt: skip
-    for graph in ("PIECEWISE", "NONE", None):  # decode steps are not whole graphs: vLLM's 1024
-        assert seqs(EngineConfig(), graph)[0] == 1024, graph
-    assert seqs(EngineConfig(cudagraph_capture_sizes=[1, 2, 4]), "FULL")[0] == 1024  # the user's sizes
-    assert values(EngineConfig(), CPU, cpu)["max_num_seqs"] == 256  # no CUDA graphs on the CPU
+    assert values(EngineConfig(), H200, cpu)["max_num_seqs"] == 1024
+    assert values(EngineConfig(cudagraph_capture_sizes=[1, 2, 4]), H200, cpu)["max_num_seqs"] == 1024
+    assert values(EngineConfig(), CPU, cpu)["max_num_seqs"] == 256
 
 
-def test_graphs_capture_up_to_vllms_size_for_the_fitted_max_num_seqs():
-    # vLLM's max_cudagraph_capture_size: min(2 * max_num_seqs, 512); larger steps run eager in both engines
-    assert default_capture_sizes(1024)[-1] == default_capture_sizes(256)[-1] == 512
-    assert default_capture_sizes(1024) == default_capture_sizes(256)
+def test_default_graphs_cover_every_decode_step_of_max_num_seqs():
+    # vLLM's sizes to min(2 * max_num_seqs, 512); past 512, every 64 up to the first that covers
+    # max_num_seqs, so a decode step of all running requests replays a FULL graph instead of running
+    # eager, host-bound (benchmarks/results/host-step/, wide/)
+    assert default_capture_sizes(256) == [s for s in default_capture_sizes(1024) if s <= 512]
+    assert default_capture_sizes(1024)[-9:] == [512, 576, 640, 704, 768, 832, 896, 960, 1024]
+    assert default_capture_sizes(600)[-3:] == [512, 576, 640]
     assert default_capture_sizes(8) == [1, 2, 4, 8, 16]
+    for seqs in (1, 7, 256, 513, 1000, 1024, 2048):
+        sizes = default_capture_sizes(seqs)
+        assert sizes == sorted(set(sizes)) and sizes[-1] >= seqs
 
 
 def test_engine_and_workers_run_with_the_fitted_values(tiny_llama):

@@ -111,16 +111,11 @@ def test_explain_shows_max_num_seqs_fitted_to_the_device_unless_set(tiny_llama, 
         "cuda", "NVIDIA H200", 1, (9, 0), 141 << 30, (torch.float16, torch.bfloat16, torch.float32), True
     )
     monkeypatch.setattr("turnout.selection.pipeline.current_platform", lambda: h200)
-    gpu = {
-        "value": 512,
-        "source": "fitted: GPU with 141 GiB (>= 70): vLLM's offline default 1024, capped at the largest "
-        "decode CUDA graph 512 (a wider decode step runs eager, bound by the host)",
-    }
+    gpu = {"value": 1024, "source": "fitted: GPU with 141 GiB (>= 70): vLLM's offline default 1024"}
     assert _settings(*model, capsys=capsys)["max_num_seqs"] == gpu
-    eager = _settings(*model, "--enforce-eager", capsys=capsys)["max_num_seqs"]
-    assert eager == {"value": 1024, "source": "fitted: GPU with 141 GiB (>= 70): vLLM's offline default 1024"}
-    pp = _settings(*model, "--pipeline-parallel-size", "2", capsys=capsys)  # stages run eager, uncapped
-    assert pp["max_num_seqs"] == eager and pp["cudagraph_mode"]["value"] == "NONE"
+    assert _settings(*model, "--enforce-eager", capsys=capsys)["max_num_seqs"] == gpu
+    pp = _settings(*model, "--pipeline-parallel-size", "2", capsys=capsys)
+    assert pp["max_num_seqs"] == gpu and pp["cudagraph_mode"]["value"] == "NONE"
     assert "pipeline_parallel_size 2: stages run eager" in pp["cudagraph_mode"]["source"]
     capped = _settings(*model, "--max-num-batched-tokens", "512", capsys=capsys)["max_num_seqs"]
     assert capped["value"] == 512 and "capped at max_num_batched_tokens 512" in capped["source"]

@@ -13,14 +13,18 @@ from dataclasses import dataclass
 from turnout.graphs.modes import GraphPolicy, RuntimeMode
 
 MAX_CAPTURE_SIZE = 512  # vLLM's largest default capture size
+WIDE_STEP = 64  # capture sizes past MAX_CAPTURE_SIZE: multiples of this up to max_num_seqs
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    """vLLM's defaults: 1, 2, 4, then multiples of 8 below 256, then multiples of 16 up to the maximum,
-    which is min(2 * max_num_seqs, MAX_CAPTURE_SIZE)."""
+    """vLLM's defaults: 1, 2, 4, then multiples of 8 below 256, then multiples of 16 up to
+    min(2 * max_num_seqs, MAX_CAPTURE_SIZE). Past that, multiples of WIDE_STEP up to the first that covers
+    max_num_seqs, so that every decode step replays a graph: an eager step of 1024 requests is bound by its
+    kernel launches on the host."""
     top = min(2 * max_num_seqs, MAX_CAPTURE_SIZE)
     sizes = [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)]
-    return [s for s in sizes if s <= top]
+    wide = range(MAX_CAPTURE_SIZE + WIDE_STEP, max_num_seqs + WIDE_STEP, WIDE_STEP)
+    return [s for s in sizes if s <= top] + list(wide)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def select_all(
     graph = select_graph(pm, config)
     moe_kernel = moe.obj if moe is not None else None
     effective, graph_note = effective_graph(graph, attention.obj, moe_kernel, config, platform)
-    fitted = fit_defaults(config, platform, attention.obj, effective)
+    fitted = fit_defaults(config, platform, attention.obj)
     async_on, async_note = resolve_async_scheduling(config.async_scheduling, executor.obj, platform)
     if config.async_scheduling is None:
         fitted["async_scheduling"] = (async_on, async_note)
