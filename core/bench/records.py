@@ -46,7 +46,10 @@ VS_HF = {"ratio_vs_peer": "x HF generate_batch", "ratio_vs_hf_generate": "x HF g
 TAIL = {"over_floor": "x floor", "prefix_cache_hit_rate": "prefix-cache hits", "startup_s": "start-up (s)"}
 COLUMNS = {  # each workload's table (the CLI's and docs/performance.md's): key -> header
     "throughput": {**RUN, **VS, **VS_HF, **TAIL},
-    "wide": {**RUN, "seconds": "seconds", **VS, "floor_s": "floor (s)", **TAIL},
+    "wide": {
+        **RUN, "seconds": "seconds", **VS, "floor_s": "floor (s)", **TAIL,
+        "num_preemptions": "preemptions", "num_gpu_blocks": "KV blocks",
+    },
     "latency": {
         "engine": "engine", "run": "run", "tpot_ms": "TPOT (ms)", "ttft_ms": "TTFT (ms) by prompt",
         "tpot_ratio_vs_vllm": "TPOT / vLLM's", "ttft_ratio_vs_vllm": "TTFT / vLLM's by prompt",
