@@ -92,10 +92,11 @@ def _to_e4m3(x):
 
 @triton.jit
 def _to_cache(x, scale, cache_ptr, FP8: tl.constexpr):
-    """x as the cache at cache_ptr stores it: x itself, or under FP8 e4m3(x / scale). (One return: the
-    compiler types every return of a function, constexpr branches included.)"""
+    """x as the cache at cache_ptr stores it: x itself, or under FP8 e4m3(x / scale), the quotient correctly
+    rounded as torch's (div_rn: on CUDA `/` is div.full.f32, up to 2 ulp off, which moves ties to another
+    e4m3 value). (One return: the compiler types every return of a function, constexpr branches included.)"""
     if FP8:
-        y = _to_e4m3(x.to(tl.float32) / scale).to(cache_ptr.dtype.element_ty)
+        y = _to_e4m3(tl.math.div_rn(x.to(tl.float32), scale)).to(cache_ptr.dtype.element_ty)
     else:
         y = x
     return y
