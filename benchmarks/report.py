@@ -91,13 +91,16 @@ FLOOR_LEGEND = (
 )
 
 
-def settings(cfg: dict[str, Any]) -> str:
-    """The turnout settings a record ran with, as the section's tables tell them apart."""
+def settings(cfg: dict[str, Any], command: str = "") -> str:
+    """The turnout settings a record ran with, as the section's tables tell them apart; max_num_seqs where
+    its command sets it."""
     engine = cfg.get("engine", {})
     on = cfg.get("async_scheduling", engine.get("async_scheduling"))  # else the request; unset was off
     words = [f"attention {cfg.get('attention')}", f"async scheduling {'on' if on else 'off'}"]
     if engine.get("enable_prefix_caching") is False:
         words.append("prefix caching off")
+    if "--max-num-seqs" in command:
+        words.append(f"max_num_seqs {cfg.get('max_num_seqs')}")
     return ", ".join(words + [f"graphs {cfg.get('graph_mode')}", str(cfg.get("dtype"))])
 
 
@@ -108,7 +111,12 @@ def bench_section(suite: str) -> list[str]:
     for path, recs in files(suite):
         ours = next((r for r in recs if r["engine"] == "turnout"), recs[0])
         cfg, engines = ours["config"], tuple(sorted({r["engine"] for r in recs}))
-        key = (ours["model"], settings(cfg), engines, cfg.get("engine", {}).get("tuned"))
+        key = (
+            ours["model"],
+            settings(cfg, ours.get("command", "")),
+            engines,
+            cfg.get("engine", {}).get("tuned"),
+        )
         if key in seen or not isinstance(recs, list):
             continue
         seen.add(key)
