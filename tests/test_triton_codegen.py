@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-SCRIPT = """
+PRELUDE = """
+import re
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -34,8 +35,12 @@ def compile_(fn, consts, fp8, **opts):
             else "i32" if n.startswith("s_") or n in SCALARS \\
             else "*fp8e4nv" if fp8 and n in ("k_cache", "v_cache") else "*bf16"
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["cubin"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm  # ptx, cubin, ...
+"""
 
+SCRIPT = (
+    PRELUDE
+    + """
 
 for window, cap, cache in (v.split(":") for v in sys.argv[1:]):
     window, cap, fp8, mla = int(window), float(cap) * LOG2E, cache == "fp8", cache == "mla"
@@ -62,6 +67,36 @@ for window, cap, cache in (v.split(":") for v in sys.argv[1:]):
     compile_(kernels._store_kv_kernel, store, fp8, num_warps=4)
 print("compiled")
 """
+)
+
+# the float32 division opcodes in the PTX of the store kernel over an FP8 cache, and of the decode kernel
+# (which writes decode steps' keys itself) over an FP8 and a bf16 cache
+DIVISIONS = (
+    PRELUDE
+    + """
+def divisions(fn, fp8, consts, **opts):
+    ptx = compile_(fn, dict(HEAD=128, HEAD_P2=128, PDL=True, FP8=fp8, **consts), fp8, **opts)["ptx"]
+    print(" ".join(sorted(set(re.findall(r"div\\.[a-z.]*f32", ptx)))))
+
+
+divisions(kernels._store_kv_kernel, True, dict(KVH_P2=8, K_ONLY=False), num_warps=4)
+cfg = kernels._decode_config(128, 4, False, sm90=True)
+tiles = dict(QPK=4, ROWS=cfg["rows"], BLOCK_N=cfg["block_n"], NUM_SPLITS=4, SPLIT_KEYS=512, MAX_SPLITS=16,
+             WINDOW=0, SOFT_CAP=0.0, PREC="tf32", BLOCK_SIZE=16, PE=0, PE_P2=1)
+for fp8 in (True, False):
+    divisions(kernels._decode_kernel, fp8, tiles, num_warps=cfg["warps"], num_stages=cfg["stages"])
+"""
+)
+
+
+def _compile(script: str, *args: str) -> subprocess.CompletedProcess:
+    """script in a fresh process with triton's NVIDIA backend (skips where there is none)."""
+    if importlib.util.find_spec("triton") is None or not importlib.util.find_spec("triton.backends.nvidia"):
+        pytest.skip("needs triton with its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, without its warning
+    return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -69,12 +104,17 @@ def test_the_per_layer_feature_variants_compile_for_sm90() -> None:
     """A sliding window, a soft-cap, and both (window:cap:cache; 0 is none), on the bf16 paths' H200 tiles,
     over a bf16 cache and an FP8 one (kv_cache_dtype fp8); and the MLA latent layout at DeepSeek-V2-Lite's
     shape. (triton is not imported here: this process may need it under the interpreter.)"""
-    if importlib.util.find_spec("triton") is None or not importlib.util.find_spec("triton.backends.nvidia"):
-        pytest.skip("needs triton with its NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, without its warning
-    res = subprocess.run(
-        [sys.executable, "-c", SCRIPT, "7:0:bf16", "0:50:bf16", "4096:50:bf16", "0:0:fp8", "7:50:fp8",
-         "0:0:mla"], env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    res = _compile(SCRIPT, "7:0:bf16", "0:50:bf16", "4096:50:bf16", "0:0:fp8", "7:50:fp8", "0:0:mla")
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_fp8_cache_writes_divide_correctly_rounded():
+    """x / k_scale before the e4m3 rounding is IEEE division (div.rn.f32), as torch's: Triton's `/` compiles
+    to div.full.f32 (up to 2 ulp off), which moves ties to the other e4m3 neighbour of torch's value. The
+    interpreter divides exactly, so only the compiled code shows it."""
+    res = _compile(DIVISIONS)
+    assert res.returncode == 0, res.stderr[-3000:]
+    store, decode_fp8, decode_bf16 = res.stdout.split("\n")[:3]
+    assert store == "div.rn.f32", res.stdout
+    assert "div.rn.f32" in decode_fp8.split() and "div.rn.f32" not in decode_bf16.split(), res.stdout
