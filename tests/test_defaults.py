@@ -59,14 +59,6 @@ def test_max_num_seqs_is_vllms_llm_default_for_the_device_unless_set():
     assert seqs(EngineConfig(num_gpu_blocks_override=4096), H200)[0] == 1024
 
 
-def test_max_num_seqs_is_not_capped_by_the_graph_policy():
-    # the default capture sizes reach max_num_seqs, so no graph policy lowers it
-    cpu = CPUAttentionBackend()
-    assert values(EngineConfig(), H200, cpu)["max_num_seqs"] == 1024
-    assert values(EngineConfig(cudagraph_capture_sizes=[1, 2, 4]), H200, cpu)["max_num_seqs"] == 1024
-    assert values(EngineConfig(), CPU, cpu)["max_num_seqs"] == 256
-
-
 def test_default_graphs_cover_every_decode_step_of_max_num_seqs():
     # vLLM's sizes to min(2 * max_num_seqs, 512); past 512, every 64 up to the first that covers
     # max_num_seqs, so a decode step of all running requests replays a FULL graph instead of running
