@@ -8,8 +8,10 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -813,7 +815,22 @@ def _serve_parser(sub: Any) -> None:
     s.set_defaults(fn=cmd_serve)
 
 
+def redeliver_ignored_interrupt(unraisable: Any) -> None:
+    """sys.unraisablehook: a Ctrl-C that lands in a callback whose exceptions Python only prints (an
+    import lock's weakref callback, a __del__) is delivered to the main thread again, where it stops the
+    command; anything else goes to Python's hook. The signal is sent again a moment later, from a timer
+    thread: sent inside the hook, it would be raised in the hook, and dropped again."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        main = threading.main_thread().ident
+        timer = threading.Timer(0.01, signal.pthread_kill, (main, signal.SIGINT))
+        timer.daemon = True
+        timer.start()
+    else:
+        sys.__unraisablehook__(unraisable)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    sys.unraisablehook = redeliver_ignored_interrupt
     level = envs.LOG_LEVEL.value
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(level)

@@ -496,10 +496,29 @@ def _interrupted(tiny_llama, tmp_path, rows: list[dict], ready) -> tuple[int, st
     return rc, err.read_text()
 
 
+def test_ctrl_c_in_a_callback_python_ignores_still_stops_the_command():
+    # a SIGINT that lands in an import lock's weakref callback is one Python prints and drops
+    code = (
+        "import sys, time\n"
+        "from turnout.cli import redeliver_ignored_interrupt\n"
+        "sys.unraisablehook = redeliver_ignored_interrupt\n"
+        "class Dying:\n"
+        "    def __del__(self):\n"
+        "        raise KeyboardInterrupt\n"
+        "Dying()\n"
+        "try:\n"
+        "    time.sleep(5)\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(130)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130 and "Exception ignored" not in proc.stderr, proc.stderr
+
+
 def test_ctrl_c_keeps_the_finished_rows_and_never_empties_the_output(tiny_llama, tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text("old\n")
-    slow = {"id": "slow", "prompt": "w3", "max_tokens": 510, "ignore_eos": True, "n": 4, "temperature": 1.0}
+    slow = {"id": "slow", "prompt": "w3", "max_tokens": 510, "ignore_eos": True, "n": 16, "temperature": 1.0}
     rc, err = _interrupted(tiny_llama, tmp_path, [slow], lambda lines: time.sleep(0.3) or True)  # no row done
     assert rc == 130 and "interrupted" in err.splitlines() and out.read_text() == "old\n", err
     quick = [{"id": f"q{i}", "prompt": "w1 w2", "max_tokens": 1} for i in range(3)]
