@@ -37,6 +37,15 @@ class Block:
     group: int = 0  # the KV-cache group that holds it
 
 
+class _Blocks(dict):
+    """Block by block id, each made when first used: a pool can hold a hundred thousand blocks (a tiny model
+    in the CPU's KV bytes), of which a run may use few."""
+
+    def __missing__(self, block_id: int) -> Block:
+        block = self[block_id] = Block(block_id)
+        return block
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -64,8 +73,8 @@ class BlockManager:
         self.full = [g for g in range(self.num_groups) if g not in self.windowed]
         self.null = NULL_BLOCK if self.windowed else None  # kept out of the pool where a window frees blocks
         first = NULL_BLOCK + 1 if self.windowed else 0
-        self.blocks = [Block(i) for i in range(self.num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(first, self.num_blocks))
+        self.blocks = _Blocks()
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(first, self.num_blocks))
         self.cached: list[dict[int, int]] = [
             {} for _ in range(self.num_groups)
         ]  # per group: hash -> block id
