@@ -4,6 +4,7 @@ subcommand."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import threading
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -815,10 +816,12 @@ def _serve_parser(sub: Any) -> None:
     s.set_defaults(fn=cmd_serve)
 
 
-def redeliver_ignored_interrupt(unraisable: Any) -> None:
+def redeliver_ignored_interrupt(
+    unraisable: Any, forward: Callable[[Any], object] = sys.__unraisablehook__
+) -> None:
     """sys.unraisablehook: a Ctrl-C that lands in a callback whose exceptions Python only prints (an
     import lock's weakref callback, a __del__) is delivered to the main thread again, where it stops the
-    command; anything else goes to Python's hook. The signal is sent again a moment later, from a timer
+    command; anything else goes to `forward`. The signal is sent again a moment later, from a timer
     thread: sent inside the hook, it would be raised in the hook, and dropped again."""
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
         main = threading.main_thread().ident
@@ -826,11 +829,20 @@ def redeliver_ignored_interrupt(unraisable: Any) -> None:
         timer.daemon = True
         timer.start()
     else:
-        sys.__unraisablehook__(unraisable)
+        forward(unraisable)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    sys.unraisablehook = redeliver_ignored_interrupt
+    """The `turnout` command: its exit code (EXIT_CODES); no traceback reaches the user."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(redeliver_ignored_interrupt, forward=hook)
+    try:
+        return _main(argv)
+    finally:
+        sys.unraisablehook = hook
+
+
+def _main(argv: Sequence[str] | None) -> int:
     level = envs.LOG_LEVEL.value
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logger.setLevel(level)

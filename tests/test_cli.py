@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_cli
 
 from turnout import hookimpl
 from turnout.models.info import ModelInfo
@@ -77,14 +78,14 @@ def test_explain_shows_all_kinds_and_config_choice(third_party, tiny_llama, tmp_
 
 
 def test_explain_bad_choices_exit_nonzero_with_one_line(tiny_llama):
-    p = run("explain", "--model", str(tiny_llama), "--attention-backend", "nosuchbackend", check=False)
+    p = run_cli("explain", "--model", str(tiny_llama), "--attention-backend", "nosuchbackend", check=False)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1].startswith("error: unknown attention backend 'nosuchbackend'")
-    p = run("explain", "--model", str(tiny_llama), "--attention-backend", "flashinfer", check=False)
+    p = run_cli("explain", "--model", str(tiny_llama), "--attention-backend", "flashinfer", check=False)
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 2 and "'flashinfer' cannot be used: needs device cuda, have cpu" in last
     assert "valid here: cpu" in last
-    p = run("explain", "--model", str(tiny_llama), "--cudagraph-mode", "SOMETIMES", check=False)
+    p = run_cli("explain", "--model", str(tiny_llama), "--cudagraph-mode", "SOMETIMES", check=False)
     assert p.returncode == 2 and "unknown graph policy 'SOMETIMES'" in p.stderr
 
 
@@ -101,7 +102,7 @@ def test_generate_json_and_generation_with_broken_plugin(third_party, tiny_llama
 def test_generate_input_jsonl(tiny_llama, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text('{"prompt": "w1 w2"}\n{"prompt": "w9 w8 w7"}\n')
-    run(
+    run_cli(
         "generate", "--model", str(tiny_llama), "--input", str(inp), "--output", str(out), "--max-tokens", "3"
     )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -132,7 +133,7 @@ def test_generate_input_jsonl(tiny_llama, tmp_path):
     ],
 )
 def test_generate_bad_input_one_line_error(tiny_llama, args, rc, needle):
-    p = run("generate", "--model", str(tiny_llama), *args, check=False)
+    p = run_cli("generate", "--model", str(tiny_llama), *args, check=False)
     assert p.returncode == rc
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and needle in errors[0] and "Traceback" not in p.stderr, p.stderr
@@ -155,10 +156,10 @@ def test_generate_missing_weights(tiny_llama, tmp_path):
     bad = tmp_path / "m"
     shutil.copytree(tiny_llama, bad)
     (bad / "model.safetensors").write_bytes(b"\x00" * 100)
-    p = run("generate", "--model", str(bad), "--prompt", "w1", check=False)
+    p = run_cli("generate", "--model", str(bad), "--prompt", "w1", check=False)
     assert p.returncode == 2 and "model.safetensors" in p.stderr.strip().splitlines()[-1]
     (bad / "model.safetensors").unlink()
-    p = run("generate", "--model", str(bad), "--prompt", "w1", check=False)
+    p = run_cli("generate", "--model", str(bad), "--prompt", "w1", check=False)
     assert p.returncode == 2 and "error:" in p.stderr.strip().splitlines()[-1]
 
 
@@ -204,7 +205,7 @@ def test_pip_installed_third_party_backend_is_listed_explained_and_chosen(tiny_l
 
 def test_output_is_jsonl_also_for_one_prompt(tmp_path):
     out = tmp_path / "out.jsonl"
-    run("generate", "--chat", "--prompt", "Say hi.", "--max-tokens", "4", "--output", str(out))
+    run_cli("generate", "--chat", "--prompt", "Say hi.", "--max-tokens", "4", "--output", str(out))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["id"] == 0 and rows[0]["prompt"] == "Say hi."
     assert rows[0]["finish_reason"] in ("stop", "length") and 0 < len(rows[0]["token_ids"]) <= 4
@@ -233,7 +234,7 @@ JSONL_ROWS = [
 def test_jsonl_rows_apply_their_settings_and_fail_alone(tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(JSONL_ROWS) + "\n")
-    p = run("generate", "--chat", "--input", str(inp), "--output", str(out), check=False)
+    p = run_cli("generate", "--chat", "--input", str(inp), "--output", str(out), check=False)
     assert p.returncode == 1 and "Traceback" not in p.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == [0, 1, 2, 3, 4, 5, 6, 7, "count", 9, 10, 11, 12]
@@ -404,12 +405,12 @@ def test_file_errors_fail_before_the_model_loads(tmp_path, capsys):
 def test_version_abbreviations_and_a_missing_model(tiny_llama, tmp_path):
     from turnout import __version__
 
-    assert run("--version").stdout == f"turnout {__version__}\n"
+    assert run_cli("--version").stdout == f"turnout {__version__}\n"
     for args in (["tune"], ["bench", "throughput"]):  # subparsers built outside cli.py, too
-        p = run(*args, "--random-mod", "nosuch", check=False)
+        p = run_cli(*args, "--random-mod", "nosuch", check=False)
         assert p.returncode == 2 and "unrecognized arguments: --random-mod" in p.stderr, p.stderr
     for cmd in ("generate", "explain"):
-        p = run(cmd, "--model", str(tmp_path / "nope"), check=False)
+        p = run_cli(cmd, "--model", str(tmp_path / "nope"), check=False)
         assert p.returncode == 2
         assert p.stderr.strip().splitlines()[-1] == (
             f"error: model {tmp_path / 'nope'} does not exist; pass an HF-style model folder or a .gguf file"
@@ -438,7 +439,9 @@ BAD_ROWS = [
 def test_every_bad_jsonl_row_gets_one_stderr_line_with_its_line_and_id(tiny_llama, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join(BAD_ROWS) + "\n")
-    p = run("generate", "--model", str(tiny_llama), "--input", str(inp), "--output", str(out), check=False)
+    p = run_cli(
+        "generate", "--model", str(tiny_llama), "--input", str(inp), "--output", str(out), check=False
+    )
     assert p.returncode == 1 and "Traceback" not in p.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["a", "b", "c", 3, 7, "e", 6]
@@ -457,7 +460,7 @@ def test_every_bad_jsonl_row_gets_one_stderr_line_with_its_line_and_id(tiny_llam
 def test_one_jsonl_prompt_shows_token_progress(tiny_llama, tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"prompt": "w1", "max_tokens": 5, "ignore_eos": true}\n')
-    p = run("generate", "--model", str(tiny_llama), "--input", str(inp))
+    p = run_cli("generate", "--model", str(tiny_llama), "--input", str(inp))
     assert "generate: 100%" in p.stderr and "5/5" in p.stderr and "tok/s" in p.stderr
     assert len(json.loads(p.stdout)["token_ids"]) == 5
 

@@ -4,13 +4,11 @@ gets exactly one output row in input order, and the engine is left with no reque
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 from pathlib import Path
 
 import pytest
+from cli_runner import run_cli
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -113,28 +111,9 @@ def shared():
     llm.engine.shutdown()
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.format(record))  # a record with exc_info formats its traceback
-
-
-def run_cli(argv: list[str]) -> tuple[int, str, str]:
-    """cli.main in process: (exit code, stdout, stderr and log)."""
-    out, err, log = io.StringIO(), io.StringIO(), _Lines()
-    logging.getLogger("turnout").addHandler(log)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                rc = cli.main(argv)
-            except SystemExit as e:  # argparse's usage errors
-                rc = e.code if isinstance(e.code, int) else 2
-    finally:
-        logging.getLogger("turnout").removeHandler(log)
-    return rc, out.getvalue(), err.getvalue() + "\n".join(log.lines)
+def _run(*argv: str) -> tuple[int, str, str]:
+    p = run_cli(*argv, check=False)
+    return p.returncode, p.stdout, p.stderr
 
 
 def check_clean(rc: int, err: str, engine: LLM) -> None:
@@ -154,7 +133,7 @@ def test_fuzz_jsonl_input(shared: LLM, tmp_path: Path) -> None:
     def case(lines: list[str], chat: bool) -> None:
         inp.write_bytes("\n".join(lines).encode("utf-8", "surrogateescape"))
         argv = ["generate", "--input", str(inp), "--output", str(out), "--max-tokens", "2"]
-        rc, _, err = run_cli(argv + (["--chat"] if chat else []))
+        rc, _, err = _run(*argv, *(["--chat"] if chat else []))
         check_clean(rc, err, shared)
         got = [json.loads(line) for line in out.read_text().splitlines()]
         assert len(got) == sum(1 for line in lines if line.strip())  # one row per prompt, blank lines none
@@ -189,7 +168,7 @@ def test_fuzz_generate_flags(shared: LLM, tmp_path: Path) -> None:
         argv = ["generate", *[f"{f}={v}" for f, v in flags], *switches, *[f"--prompt={p}" for p in prompts]]
         argv += ["--output", str(tmp_path / "o.jsonl")] if output else []
         argv += ["--max-tokens", "2", "--n", "1", "--best-of", "1"]  # the last flag wins: keep cases cheap
-        rc, _, err = run_cli(argv)
+        rc, _, err = _run(*argv)
         check_clean(rc, err, shared)
 
     case()
@@ -222,7 +201,7 @@ def test_fuzz_explain_flags(tiny_llama: Path) -> None:
     )
     def case(flags: list[tuple[str, str]], model: str | None, as_json: bool) -> None:
         argv = ["explain"] + (["--json"] if as_json else []) + (["--model", model] if model else [])
-        rc, out, err = run_cli(argv + [f"{f}={v}" for f, v in flags])
+        rc, out, err = _run(*argv, *[f"{f}={v}" for f, v in flags])
         assert "Traceback" not in err, err
         assert rc in (cli.EXIT_OK, cli.EXIT_USAGE), (rc, err)
         if rc == cli.EXIT_USAGE:
@@ -235,10 +214,8 @@ def test_fuzz_explain_flags(tiny_llama: Path) -> None:
 
 def test_plain_output_keeps_what_was_asked(shared: LLM) -> None:
     """Plain text cannot show logprobs: asking for them prints JSONL instead of dropping them."""
-    rc, out, err = run_cli(["generate", "--prompt", "Hi", "--max-tokens", "2", "--logprobs", "1"])
+    rc, out, err = _run("generate", "--prompt", "Hi", "--max-tokens", "2", "--logprobs", "1")
     rec = json.loads(out)
     assert rc == 0 and len(rec["logprobs"]) == len(rec["token_ids"]) == 2 and "Traceback" not in err
-    rc, out, _ = run_cli(
-        ["generate", "--prompt", "Hi", "--max-tokens", "2", "--n", "2", "--sampling-seed", "1"]
-    )
+    rc, out, _ = _run("generate", "--prompt", "Hi", "--max-tokens", "2", "--n", "2", "--sampling-seed", "1")
     assert rc == 0 and out.count("\n\n") == 2  # two answers, each followed by a blank line
