@@ -816,9 +816,7 @@ def _serve_parser(sub: Any) -> None:
     s.set_defaults(fn=cmd_serve)
 
 
-def redeliver_ignored_interrupt(
-    unraisable: Any, forward: Callable[[Any], object] = sys.__unraisablehook__
-) -> None:
+def _redeliver_ignored_interrupt(unraisable: Any, forward: Callable[[Any], object]) -> None:
     """sys.unraisablehook: a Ctrl-C that lands in a callback whose exceptions Python only prints (an
     import lock's weakref callback, a __del__) is delivered to the main thread again, where it stops the
     command; anything else goes to `forward`. The signal is sent again a moment later, from a timer
@@ -835,7 +833,7 @@ def redeliver_ignored_interrupt(
 def main(argv: Sequence[str] | None = None) -> int:
     """The `turnout` command: its exit code (EXIT_CODES); no traceback reaches the user."""
     hook = sys.unraisablehook
-    sys.unraisablehook = functools.partial(redeliver_ignored_interrupt, forward=hook)
+    sys.unraisablehook = functools.partial(_redeliver_ignored_interrupt, forward=hook)
     try:
         return _main(argv)
     finally:

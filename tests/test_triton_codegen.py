@@ -36,6 +36,13 @@ def compile_(fn, consts, fp8, **opts):
             else "*fp8e4nv" if fp8 and n in ("k_cache", "v_cache") else "*bf16"
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm  # ptx, cubin, ...
+
+
+def decode_tiles(head, qpk, mla=False):  # the tiles and launch options an H200 gets, the register cap too
+    cfg = kernels._decode_config(head, qpk, False, sm90=True, latent=mla)
+    tiles = dict(QPK=qpk, ROWS=cfg["rows"], BLOCK_N=cfg["block_n"], NUM_SPLITS=4, SPLIT_KEYS=512,
+                 MAX_SPLITS=16)
+    return tiles, dict(num_warps=cfg["warps"], num_stages=cfg["stages"], **kernels._maxnreg(cfg))
 """
 
 SCRIPT = (
@@ -48,12 +55,9 @@ for window, cap, cache in (v.split(":") for v in sys.argv[1:]):
     head, pe, qpks = (512, 64, (16, 8)) if mla else (128, 0, (2, 4))
     feats = dict(WINDOW=window, SOFT_CAP=cap, PDL=True, PREC="tf32", HEAD=head, HEAD_P2=head, BLOCK_SIZE=16,
                  FP8=fp8, PE=pe, PE_P2=pe or 1)
-    for qpk in qpks:  # the tiles an H200 gets at 16 / 8 and 32 / 8 heads, the register cap included
-        cfg = kernels._decode_config(head, qpk, False, sm90=True, latent=mla)
-        tiles = dict(QPK=qpk, ROWS=cfg["rows"], BLOCK_N=cfg["block_n"], NUM_SPLITS=4, SPLIT_KEYS=512,
-                     MAX_SPLITS=16)
-        compile_(kernels._decode_kernel, dict(**tiles, **feats), fp8, num_warps=cfg["warps"],
-                 num_stages=cfg["stages"], **kernels._maxnreg(cfg))
+    for qpk in qpks:  # the tiles an H200 gets at 16 / 8 and 32 / 8 heads
+        tiles, opts = decode_tiles(head, qpk, mla)
+        compile_(kernels._decode_kernel, dict(**tiles, **feats), fp8, **opts)
     if mla:
         cfg = kernels._fit_config(kernels._prefill_config(head, 16, False, latent=True), 16)
         compile_(kernels._prefill_kernel, dict(QPK=16, QPK_P2=16, BLOCK_Q=cfg["block_m"] // 16,
@@ -80,11 +84,10 @@ def divisions(fn, fp8, consts, **opts):
 
 
 divisions(kernels._store_kv_kernel, True, dict(KVH_P2=8, K_ONLY=False), num_warps=4)
-cfg = kernels._decode_config(128, 4, False, sm90=True)
-tiles = dict(QPK=4, ROWS=cfg["rows"], BLOCK_N=cfg["block_n"], NUM_SPLITS=4, SPLIT_KEYS=512, MAX_SPLITS=16,
-             WINDOW=0, SOFT_CAP=0.0, PREC="tf32", BLOCK_SIZE=16, PE=0, PE_P2=1)
+tiles, opts = decode_tiles(128, 4)
+tiles.update(WINDOW=0, SOFT_CAP=0.0, PREC="tf32", BLOCK_SIZE=16, PE=0, PE_P2=1)
 for fp8 in (True, False):
-    divisions(kernels._decode_kernel, fp8, tiles, num_warps=cfg["warps"], num_stages=cfg["stages"])
+    divisions(kernels._decode_kernel, fp8, tiles, **opts)
 """
 )
 
