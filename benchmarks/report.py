@@ -91,15 +91,15 @@ FLOOR_LEGEND = (
 )
 
 
-def settings(cfg: dict[str, Any], command: str = "") -> str:
+def settings(cfg: dict[str, Any]) -> str:
     """The turnout settings a record ran with, as the section's tables tell them apart; max_num_seqs where
-    its command sets it."""
+    the record holds the value the engine ran with."""
     engine = cfg.get("engine", {})
     on = cfg.get("async_scheduling", engine.get("async_scheduling"))  # else the request; unset was off
     words = [f"attention {cfg.get('attention')}", f"async scheduling {'on' if on else 'off'}"]
     if engine.get("enable_prefix_caching") is False:
         words.append("prefix caching off")
-    if "--max-num-seqs" in command:
+    if cfg.get("max_num_seqs") is not None:
         words.append(f"max_num_seqs {cfg.get('max_num_seqs')}")
     return ", ".join(words + [f"graphs {cfg.get('graph_mode')}", str(cfg.get("dtype"))])
 
@@ -113,7 +113,7 @@ def bench_section(suite: str) -> list[str]:
         cfg, engines = ours["config"], tuple(sorted({r["engine"] for r in recs}))
         key = (
             ours["model"],
-            settings(cfg, ours.get("command", "")),
+            settings(cfg),
             engines,
             cfg.get("engine", {}).get("tuned"),
         )
