@@ -1,8 +1,9 @@
 """The examples of the README and of its reference pages (docs/cli.md, python-api.md, server.md,
 configuration.md), run as written on the embedded model: the `turnout` lines of their bash blocks (with a
-small --max-tokens, each distinct line once), their Python snippets, their serve blocks with the curl
-requests and the openai client (the port substituted, and a small max_tokens where the answer is only
-read for being there), and the promise about engines built at a script's top level."""
+small --max-tokens, each distinct line once, through the console script's cli.main in this process), their
+Python snippets, their serve blocks with the curl requests and the openai client (the port substituted, and
+a small max_tokens where the answer is only read for being there), and the promise about engines built at a
+script's top level."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from cli_runner import run_cli
 from test_server import Server
 
 pytestmark = pytest.mark.slow
@@ -23,7 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ("cli", "python-api", "server", "configuration")  # the pages under docs/ whose examples run here
 PAGES = {p: (ROOT / p).read_text() for p in ("README.md", *(f"docs/{n}.md" for n in REFERENCE))}
 README = PAGES["README.md"]
-BIN = Path(sys.executable).with_name("turnout")
 README_URL = "http://127.0.0.1:8000"
 MAX_TOKENS = "4"
 
@@ -74,7 +75,8 @@ def run(argv: list[str], cwd: Path, timeout: float = 240) -> subprocess.Complete
 
 
 @pytest.mark.parametrize("argv", turnout_lines(), ids=shlex.join)
-def test_use_line_runs(argv: list[str], tmp_path: Path) -> None:
+def test_use_line_runs(argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In this process, through the console script's cli.main (test_cli runs the script itself)."""
     args = argv[1:]
     if args[0] == "generate":
         if "--max-tokens" in args:
@@ -85,8 +87,8 @@ def test_use_line_runs(argv: list[str], tmp_path: Path) -> None:
             args.append("--json")
         if "--input" in args:  # the README's own JSONL lines
             (tmp_path / args[args.index("--input") + 1]).write_text(blocks("json")[0])
-    p = run([str(BIN), *args], tmp_path)
-    assert p.returncode == 0, p.stderr
+    monkeypatch.chdir(tmp_path)
+    p = run_cli(*args)
     if args[0] in ("plugins", "explain"):
         assert json.loads(p.stdout) if "--json" in args else p.stdout.strip()
     elif "--output" in args:
