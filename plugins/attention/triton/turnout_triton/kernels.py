@@ -85,8 +85,8 @@ def _to_e4m3(x):
     a = tl.minimum(tl.maximum(x, -448.0), 448.0)
     bits = a.to(tl.uint32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-    mag = (tl.abs(a) + 24576.0) - 24576.0
-    sub = tl.where((bits >> 31) != 0, -mag, mag)  # the sign of zero kept
+    mag = ((tl.abs(a) + 24576.0) - 24576.0).to(tl.uint32, bitcast=True)
+    sub = (mag | (bits & 0x80000000)).to(tl.float32, bitcast=True)  # a's sign, on zero too (-0.0 is 0x80)
     return tl.where(tl.abs(a) < 0.015625, sub, normal)
 
 
