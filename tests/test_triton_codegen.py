@@ -74,20 +74,27 @@ print("compiled")
 )
 
 # the float32 division opcodes in the PTX of the store kernel over an FP8 cache, and of the decode kernel
-# (which writes decode steps' keys itself) over an FP8 and a bf16 cache
+# (which writes decode steps' keys itself) over an FP8 and a bf16 cache; then the store's float negations
 DIVISIONS = (
     PRELUDE
     + """
-def divisions(fn, fp8, consts, **opts):
-    ptx = compile_(fn, dict(HEAD=128, HEAD_P2=128, PDL=True, FP8=fp8, **consts), fp8, **opts)["ptx"]
-    print(" ".join(sorted(set(re.findall(r"div\\.[a-z.]*f32", ptx)))))
+def ptx(fn, fp8, consts, **opts):
+    return compile_(fn, dict(HEAD=128, HEAD_P2=128, PDL=True, FP8=fp8, **consts), fp8, **opts)["ptx"]
 
 
-divisions(kernels._store_kv_kernel, True, dict(KVH_P2=8, K_ONLY=False), num_warps=4)
+def ops(code, pattern):
+    print(" ".join(sorted(set(re.findall(pattern, code)))))
+
+
+DIV = r"div\\.[a-z.]*f32"
+store = ptx(kernels._store_kv_kernel, True, dict(KVH_P2=8, K_ONLY=False), num_warps=4)
+ops(store, DIV)
 tiles, opts = decode_tiles(128, 4)
 tiles.update(WINDOW=0, SOFT_CAP=0.0, PREC="tf32", BLOCK_SIZE=16, PE=0, PE_P2=1)
 for fp8 in (True, False):
-    divisions(kernels._decode_kernel, fp8, tiles, **opts)
+    ops(ptx(kernels._decode_kernel, fp8, tiles, **opts), DIV)
+zero = "|".join(["0f00000000", *re.findall(r"mov\\.[bf]32\\s+(%\\w+), 0f00000000;", store)])
+ops(store, rf"neg\\.[a-z.]*f32|sub\\.[a-z.]*f32\\s+%\\w+, (?:{zero}),")  # -x, or 0 - x (Triton 3.6's -x)
 """
 )
 
@@ -112,12 +119,15 @@ def test_the_per_layer_feature_variants_compile_for_sm90() -> None:
 
 
 @pytest.mark.slow
-def test_fp8_cache_writes_divide_correctly_rounded():
+def test_fp8_cache_writes_divide_correctly_rounded_and_negate_no_float():
     """x / k_scale before the e4m3 rounding is IEEE division (div.rn.f32), as torch's: Triton's `/` compiles
-    to div.full.f32 (up to 2 ulp off), which moves ties to the other e4m3 neighbour of torch's value. The
-    interpreter divides exactly, so only the compiled code shows it."""
+    to div.full.f32 (up to 2 ulp off), which moves ties to the other e4m3 neighbour of torch's value. And a
+    subnormal's sign is x's sign bit, put on by OR: no float negation, which Triton 3.6 compiles to 0 - mag
+    and so stores -0 as +0 (0x00, where torch's cast gives 0x80). The interpreter divides exactly and
+    negates as numpy does, so only the compiled code shows either."""
     res = _compile(DIVISIONS)
     assert res.returncode == 0, res.stderr[-3000:]
-    store, decode_fp8, decode_bf16 = res.stdout.split("\n")[:3]
+    store, decode_fp8, decode_bf16, negations = res.stdout.split("\n")[:4]
     assert store == "div.rn.f32", res.stdout
     assert "div.rn.f32" in decode_fp8.split() and "div.rn.f32" not in decode_bf16.split(), res.stdout
+    assert negations == "", res.stdout
