@@ -75,7 +75,7 @@ print("compiled")
 
 # the float32 division opcodes in the PTX of the store kernel over an FP8 cache, and of the decode kernel
 # (which writes decode steps' keys itself) over an FP8 and a bf16 cache; then the store's float negations
-DIVISIONS = (
+FP8_WRITES = (
     PRELUDE
     + """
 def ptx(fn, fp8, consts, **opts):
@@ -125,7 +125,7 @@ def test_fp8_cache_writes_divide_correctly_rounded_and_negate_no_float():
     subnormal's sign is x's sign bit, put on by OR: no float negation, which Triton 3.6 compiles to 0 - mag
     and so stores -0 as +0 (0x00, where torch's cast gives 0x80). The interpreter divides exactly and
     negates as numpy does, so only the compiled code shows either."""
-    res = _compile(DIVISIONS)
+    res = _compile(FP8_WRITES)
     assert res.returncode == 0, res.stderr[-3000:]
     store, decode_fp8, decode_bf16, negations = res.stdout.split("\n")[:4]
     assert store == "div.rn.f32", res.stdout
