@@ -1,6 +1,7 @@
-"""On a CUDA machine only: the bundled Mistral, Mixtral, Gemma 2 and Gemma 3 plugins agree with HF
-transformers (bf16, the same GPU) step by step on the same history, under the default selection, over
-prompts longer than every sliding window."""
+"""On a CUDA machine only: the bundled Mistral, Mixtral, Gemma 2, Gemma 3 and DeepSeek-V2 plugins agree with
+HF transformers (bf16, the same GPU) step by step on the same history, under the default selection, over
+prompts longer than every sliding window. DeepSeek-V2 runs at DeepSeek-V2-Lite's attention widths, so its
+latent KV cache goes through the Triton kernels' latent tiles (512 + 64 values a token)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,24 @@ COMMON = dict(
     max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, sliding_window=WINDOW,
     tie_word_embeddings=False,
 )  # fmt: skip
-CONFIGS = {  # the model's HF config class and its own keys
-    "mistral": ("MistralConfig", dict(intermediate_size=512, num_hidden_layers=2)),
-    "mixtral": ("MixtralConfig", dict(intermediate_size=128, num_hidden_layers=2, num_local_experts=4,
-                                      num_experts_per_tok=2)),
-    "gemma2": ("Gemma2Config", dict(intermediate_size=512, num_hidden_layers=3, query_pre_attn_scalar=128,
-                                    attn_logit_softcapping=30.0, final_logit_softcapping=20.0)),
-    "gemma3": ("Gemma3TextConfig", dict(intermediate_size=512, num_hidden_layers=3, query_pre_attn_scalar=128,
-                                        layer_types=["sliding_attention"] * 2 + ["full_attention"])),
+MLA = dict(
+    vocab_size=TOKENIZER_VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+    topk_method="greedy", first_k_dense_replace=1, max_position_embeddings=1024, bos_token_id=1,
+    eos_token_id=2, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+)  # fmt: skip
+CONFIGS = {  # the model's HF config class and its keys
+    "mistral": ("MistralConfig", COMMON | dict(intermediate_size=512, num_hidden_layers=2)),
+    "mixtral": ("MixtralConfig", COMMON | dict(intermediate_size=128, num_hidden_layers=2,
+                                               num_local_experts=4, num_experts_per_tok=2)),
+    "gemma2": ("Gemma2Config", COMMON | dict(intermediate_size=512, num_hidden_layers=3,
+                                             query_pre_attn_scalar=128, attn_logit_softcapping=30.0,
+                                             final_logit_softcapping=20.0)),
+    "gemma3": ("Gemma3TextConfig", COMMON | dict(intermediate_size=512, num_hidden_layers=3,
+                                                 query_pre_attn_scalar=128,
+                                                 layer_types=["sliding_attention"] * 2 + ["full_attention"])),
+    "deepseek_v2": ("DeepseekV2Config", MLA),
 }  # fmt: skip
 
 
@@ -36,9 +47,9 @@ CONFIGS = {  # the model's HF config class and its own keys
 def checkpoint(request, tmp_path_factory):
     import transformers
 
-    cls, own = CONFIGS[request.param]
+    cls, keys = CONFIGS[request.param]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**COMMON, **own))
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**keys))
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
