@@ -86,6 +86,48 @@ def test_shape_from_checkpoint_counts_hf_parameters(tmp_path):
     assert shape.kv_bytes_per_token == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
 
 
+def test_shape_of_a_latent_cache_and_routed_experts(tmp_path):
+    """DeepSeek-V2: one latent vector of kv_lora_rank + qk_rope_head_dim a token and layer, as HF's own cache
+    holds it, against K (qk_nope + qk_rope) and V (v_head_dim) of every head; routed experts counted from
+    HF's parameters."""
+    import torch
+    import transformers
+
+    config = transformers.DeepseekV2Config(
+        vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16,
+        q_lora_rank=None, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1,
+    )  # fmt: skip
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    with torch.no_grad():
+        cache = hf(torch.arange(5)[None], use_cache=True).past_key_values
+    hf_bytes = sum(t.numel() * 2 for layer in cache.layers for t in (layer.keys, layer.values)) // 5
+    shape = roofline.Shape.from_checkpoint(tmp_path, dtype_bytes=2)
+    assert shape.kv_bytes_per_token == hf_bytes == 2 * (32 + 8) * 2
+    assert shape.standard_kv_bytes_per_token == 2 * 4 * (24 + 8 + 16) * 2
+    assert roofline.Shape.from_checkpoint(tmp_path, 2, kv_dtype_bytes=1).kv_bytes_per_token == 2 * (32 + 8)
+    experts = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
+    assert experts == 8 * 3 * 64 * 32 and (shape.expert_params, shape.expert_share) == (experts, 2 / 8)
+
+
+def test_roofline_reads_the_experts_a_batch_reaches():
+    # 1000 weights, 600 of them in routed experts; a token routes to a quarter of them
+    shape = roofline.Shape(
+        1000, 10, 4, 2, expert_params=600, expert_share=0.25, standard_kv_bytes_per_token=10
+    )
+    ceiling = roofline.Ceiling(bytes_per_s=1e3, flops_per_s=1e4, where="test")
+    one = roofline.floor(shape, [(3, 0, 2)], ceiling)
+    # one request: each step reads 400 + 600 / 4 = 550 weights, 2 steps; KV 10 * (4 decode reads + 4 written)
+    assert one.bytes == pytest.approx(2 * 2 * 550 + 10 * 8)
+    # 4 tokens through the model, each multiplying 550 weights; attention pairs 1 + 2 + 3 + 4
+    assert one.flops == pytest.approx(2 * 550 * 4 + 4 * 10)
+    # two requests at once reach 1 - 0.75^2 of the experts a step
+    two = roofline.floor(shape, [(3, 0, 2), (3, 0, 2)], ceiling)
+    assert two.bytes == pytest.approx(2 * 2 * (400 + 600 * (1 - 0.75**2)) + 10 * 16)
+
+
 def _record(workload: str, **metrics) -> dict:
     base = dict(engine="turnout", model="m", device="d", commit="c", date="t", command="x", config={})
     return {"workload": workload, "run": "first", **base, **metrics}

@@ -117,7 +117,10 @@ class Bench:
         if args.random_model:
             self.model = f"random-{args.random_model}"
         nbytes = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
-        self.shape = roofline.Shape.from_checkpoint(self.model_dir, nbytes, self.cfg.quantization == "fp8")
+        kv_nbytes = 1 if self.cfg.kv_cache_dtype.startswith("fp8") else nbytes
+        self.shape = roofline.Shape.from_checkpoint(
+            self.model_dir, nbytes, self.cfg.quantization == "fp8", kv_nbytes
+        )
         self.prov = records.provenance()
         self.device = self.prov["device"]
         self.ceiling = roofline.ceiling_for(self.device)
@@ -130,7 +133,10 @@ class Bench:
         """A record of one run; turnout's (no config given) with this run's config and start-up time."""
         rec = {"workload": self.args.workload, "engine": engine, "model": self.model, **self.prov, "run": run}
         if config is None:
-            config, metrics = self.turnout_config(), {**metrics, "startup_s": self.startup_s}
+            kv = {"kv_bytes_per_token": self.shape.kv_bytes_per_token}
+            if self.shape.standard_kv_bytes_per_token != self.shape.kv_bytes_per_token:
+                kv["standard_kv_bytes_per_token"] = self.shape.standard_kv_bytes_per_token
+            config, metrics = self.turnout_config(), {**metrics, "startup_s": self.startup_s, **kv}
         return rec | {k: v for k, v in metrics.items() if v is not None} | {"config": config}
 
     def turnout_config(self) -> dict[str, Any]:
@@ -396,7 +402,15 @@ class Bench:
 
     def roofline_line(self, recs: list[dict]) -> str:
         """The ceilings, and the floor of each of turnout's runs; each record's time over it is its
-        over_floor (TPOT and TTFT: tpot_over_floor, ttft_over_floor)."""
+        over_floor (TPOT and TTFT: tpot_over_floor, ttft_over_floor). A latent KV cache's bytes a token come
+        first, against what K and V of every attention head would take."""
+        kv, standard = self.shape.kv_bytes_per_token, self.shape.standard_kv_bytes_per_token
+        if standard != kv:  # a latent KV cache
+            less = f"{standard / kv:.1f}x less than K and V of every head take ({standard:,})"
+            return f"KV cache: {kv:,} bytes a token, {less}\n{self._roofline_line(recs)}"
+        return self._roofline_line(recs)
+
+    def _roofline_line(self, recs: list[dict]) -> str:
         if not self.ceiling:
             return f"roofline: no ceiling known for {self.device}"
         c, fmt = self.ceiling, records.fmt
