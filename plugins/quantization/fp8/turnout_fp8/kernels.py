@@ -175,11 +175,11 @@ def _gemv_kernel(
 def gemv_tiles(m: int, block: tuple[int, int] | None) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages): the accumulator holds M_P2 x BLOCK_N x BLOCK_K floats, 64 a
     thread up to 64 rows. At M = 1, the fastest of an H100 sweep over every linear of a 36-layer Qwen3-8B
-    stack in one CUDA graph (results/fp8/*-gemv-stages-*): 8 x 512 tiles on 2 warps, 3 in flight, for row
-    scales; block scales take at most one 128-wide scale block a tile."""
+    stack in one CUDA graph (results/fp8/*-gemv-stages.json): 8 x 512 tiles on 2 warps, 3 in flight, for row
+    scales; 8 x 128 (one scale block wide) on 2 warps, 6 in flight, for block scales."""
     m_p2 = triton.next_power_of_2(m)
     if block:
-        warps, block_k, stages, widest = 4, min(128, max(16, 8192 // m_p2)), 4, 32
+        warps, block_k, stages, widest = 2, min(128, max(16, 8192 // m_p2)), 6, 8
     else:
         warps, block_k, stages, widest = 2, max(16, 512 // m_p2), 3, 8
     return max(1, min(widest, 2048 * warps // (m_p2 * block_k))), block_k, warps, stages
