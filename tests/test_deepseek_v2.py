@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from turnout_deepseek_v2.model import deepseek_routing
 
 from turnout import LLM, SamplingParams, TurnoutError
@@ -174,20 +175,30 @@ def test_an_fp8_kv_cache_is_refused(checkpoint) -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_fp8_kv_b_proj_matches_hf_dequantized(checkpoint, tmp_path: Path, device: str) -> None:
-    """kv_b_proj (with the other projections) in HF's block FP8: the absorbed W_UK and W_UV are the weight
-    the layer computes with (dequantized at load on the CPU, read off its FP8 GEMM on CUDA), so greedy tokens
-    equal HF's on the checkpoint dequantized."""
+def test_fp8_kv_b_proj_matches_hf_dequantized(checkpoint, tmp_path: Path, device: str, monkeypatch) -> None:
+    """kv_b_proj (with the other projections and the experts) in HF's block FP8: the absorbed W_UK and W_UV
+    are the checkpoint's kv_b_proj dequantized (dequantized at load on the CPU, read off its FP8 GEMM on
+    CUDA), and greedy tokens equal HF's on the checkpoint dequantized. On CUDA every FP8 linear takes the
+    GEMV, whose activations stay unquantized; the routes that quantize them to FP8 differ from the
+    dequantized checkpoint by that rounding, and tests/test_fp8_gpu.py checks each against float64."""
     if device == "cuda" and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
         pytest.skip("needs a CUDA GPU with FP8 (sm89+)")
+    if device == "cuda":
+        from turnout_fp8 import kernels
+
+        monkeypatch.setitem(kernels.ROUTES, "block", [(1 << 62, "gemv")])
     path, _ = checkpoint("q-proj-greedy")
     names = (*LINEAR_NAMES, "kv_b_proj")
     fp8 = quantize_checkpoint(path, tmp_path / "fp8", block=(16, 32), linear_names=names)
     ref = dequantized_checkpoint(fp8, tmp_path / "ref")
     llm = LLM(str(fp8), **KW)
     assert llm.selection.quantization.chosen.name == "fp8"
-    kv_b = llm.engine.executor.worker.runner.model.model.layers[0].self_attn.kv_b_proj
-    assert (kv_b.quant_method is not None) == (device == "cuda")
+    attn = llm.engine.executor.worker.runner.model.model.layers[0].self_attn
+    assert (attn.kv_b_proj.quant_method is not None) == (device == "cuda")
+    want = load_file(ref / "model.safetensors")["model.layers.0.self_attn.kv_b_proj.weight"]
+    w_uk, w_uv = attn.absorbed(torch.float32)
+    got = torch.cat([w_uk, w_uv], 1).reshape(want.shape)
+    torch.testing.assert_close(got.cpu(), want.float(), rtol=0, atol=0)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_greedy(ref, PROMPTS, MAX_NEW, attn_implementation="eager")
 
