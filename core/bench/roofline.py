@@ -77,12 +77,14 @@ class Shape:
             kv_bytes = layers * (rank + rope) * kv_dtype_bytes
             attn_flops = 2 * layers * heads * (2 * rank + rope)  # QK^T over rank + rope, PV over rank
             standard = layers * heads * (cfg["qk_nope_head_dim"] + rope + cfg["v_head_dim"]) * kv_dtype_bytes
-            return cls(weight_params, kv_bytes, attn_flops, dtype_bytes, 0, 0, share, standard)
+            return cls(weight_params, kv_bytes, attn_flops, dtype_bytes, expert_share=share,
+                       standard_kv_bytes_per_token=standard)  # fmt: skip
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
         kv_bytes = 2 * layers * kv_heads * head_dim * kv_dtype_bytes
         attn_flops = 4 * layers * heads * head_dim  # QK^T and PV, 2 FLOPs per multiply-add
-        return cls(weight_params, kv_bytes, attn_flops, dtype_bytes, 0, 0, share, kv_bytes)
+        return cls(weight_params, kv_bytes, attn_flops, dtype_bytes, expert_share=share,
+                   standard_kv_bytes_per_token=kv_bytes)  # fmt: skip
 
 
 def _safetensors_params(model_dir: Path) -> tuple[int, int, int, int, int]:

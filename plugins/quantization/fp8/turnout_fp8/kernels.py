@@ -178,11 +178,8 @@ def gemv_tiles(m: int, block: tuple[int, int] | None) -> tuple[int, int, int, in
     stack in one CUDA graph (results/fp8/*-gemv-stages.json): 8 x 512 tiles on 2 warps, 3 in flight, for row
     scales; 8 x 128 (one scale block wide) on 2 warps, 6 in flight, for block scales."""
     m_p2 = triton.next_power_of_2(m)
-    if block:
-        warps, block_k, stages, widest = 2, min(128, max(16, 8192 // m_p2)), 6, 8
-    else:
-        warps, block_k, stages, widest = 2, max(16, 512 // m_p2), 3, 8
-    return max(1, min(widest, 2048 * warps // (m_p2 * block_k))), block_k, warps, stages
+    block_k = min(128, max(16, 8192 // m_p2)) if block else max(16, 512 // m_p2)
+    return max(1, min(8, 4096 // (m_p2 * block_k))), block_k, 2, 6 if block else 3
 
 
 def fp8_gemv(
