@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shlex
 from pathlib import Path
 
@@ -107,16 +108,32 @@ def test_shape_of_a_latent_cache_and_routed_experts(tmp_path):
     shape = roofline.Shape.from_checkpoint(tmp_path, dtype_bytes=2)
     assert shape.kv_bytes_per_token == hf_bytes == 2 * (32 + 8) * 2
     assert shape.standard_kv_bytes_per_token == 2 * 4 * (24 + 8 + 16) * 2
-    assert roofline.Shape.from_checkpoint(tmp_path, 2, kv_dtype_bytes=1).kv_bytes_per_token == 2 * (32 + 8)
+    fp8 = shape.cached_in(1)  # an FP8 cache: one byte a value
+    assert (fp8.kv_bytes_per_token, fp8.standard_kv_bytes_per_token) == (2 * (32 + 8), 2 * 4 * (24 + 8 + 16))
     experts = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
     assert experts == 8 * 3 * 64 * 32 and (shape.expert_params, shape.expert_share) == (experts, 2 / 8)
 
 
+def test_records_count_the_kv_cache_the_engine_allocates(tmp_path, caplog):
+    """kv_bytes_per_token in turnout's records is what the engine allocates a token: float32 values, and one
+    byte each where the checkpoint's kv_cache_scheme makes the default (auto) an FP8 cache."""
+    from test_fp8_kv_scales import with_kv_scales
+
+    src = make_tiny_model(tmp_path / "m", "llama", vocab_size=10240)  # nano-vllm's prompt ids fit
+    sizes = ["--max-model-len", "256", "--num-prompts", "2", "--max-input-len", "16", "--max-output-len", "2"]
+    for model, value_bytes in ((src, 4), (with_kv_scales(src, tmp_path / "fp8-kv"), 1)):
+        out, _ = tmp_path / f"{model.name}.json", caplog.clear()
+        with caplog.at_level("INFO"):
+            assert main(["bench", "throughput", "--model", str(model), *sizes, "--out", str(out)]) == 0
+        allocated = int(re.search(r"\((\d+) bytes a token a rank\)", caplog.text).group(1))
+        for rec in json.loads(out.read_text()):
+            assert rec["kv_bytes_per_token"] == allocated == 2 * 2 * 2 * 16 * value_bytes  # K, V; 2 layers
+            assert "standard_kv_bytes_per_token" not in rec
+
+
 def test_roofline_reads_the_experts_a_batch_reaches():
     # 1000 weights, 600 of them in routed experts; a token routes to a quarter of them
-    shape = roofline.Shape(
-        1000, 10, 4, 2, expert_params=600, expert_share=0.25, standard_kv_bytes_per_token=10
-    )
+    shape = roofline.Shape(1000, 10, 4, 2, expert_params=600, expert_share=0.25)
     ceiling = roofline.Ceiling(bytes_per_s=1e3, flops_per_s=1e4, where="test")
     one = roofline.floor(shape, [(3, 0, 2)], ceiling)
     # one request: each step reads 400 + 600 / 4 = 550 weights, 2 steps; KV 10 * (4 decode reads + 4 written)

@@ -34,9 +34,9 @@ def ceiling_for(device: str) -> Ceiling | None:
 @dataclass(frozen=True)
 class Shape:
     """What a model step costs: matmul weights (the LM head included, the embedding gather not), KV bytes
-    per token over all layers, and attention FLOPs per (query, key) pair over all layers. A token runs
-    through expert_share of the routed experts' weights; standard_kv_bytes_per_token is what K and V of
-    every attention head would take (more than kv_bytes_per_token where a latent vector is cached)."""
+    per token over all layers (values of dtype_bytes), and attention FLOPs per (query, key) pair over all
+    layers. A token runs through expert_share of the routed experts' weights. standard_kv_bytes_per_token:
+    what K and V of every attention head would take, where a latent vector is cached instead (MLA)."""
 
     weight_params: int
     kv_bytes_per_token: int
@@ -45,46 +45,42 @@ class Shape:
     fp8_params: int = 0  # of weight_params, those read as one byte and multiplied in FP8
     expert_params: int = 0  # of weight_params, the routed experts'
     expert_share: float = 1.0  # experts a token routes to over routed experts
-    standard_kv_bytes_per_token: int = 0
+    standard_kv_bytes_per_token: int | None = None
+
+    def cached_in(self, nbytes: int) -> Shape:
+        """This shape with its KV cache in values of nbytes (an FP8 cache: 1)."""
+        per_value = lambda b: b and b * nbytes // self.dtype_bytes  # noqa: E731
+        return replace(self, kv_bytes_per_token=per_value(self.kv_bytes_per_token),
+                       standard_kv_bytes_per_token=per_value(self.standard_kv_bytes_per_token))  # fmt: skip
 
     @classmethod
-    def from_checkpoint(
-        cls,
-        model_dir: str | Path,
-        dtype_bytes: int,
-        fp8_linears: bool = False,
-        kv_dtype_bytes: int | None = None,
-    ) -> Shape:
+    def from_checkpoint(cls, model_dir: str | Path, dtype_bytes: int, fp8_linears: bool = False) -> Shape:
         """fp8_linears: the decoder's linear weights run in FP8 (quantized at load); an FP8 checkpoint's
-        e4m3 tensors count as FP8 either way. kv_dtype_bytes: a cached value's, dtype_bytes if None."""
+        e4m3 tensors count as FP8 either way."""
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         params, embed, fp8, linear, experts = _safetensors_params(Path(model_dir))
         tied = cfg.get("tie_word_embeddings", False)  # a tied embedding is read as the LM head
-        shape = cls.from_config(cfg, params if tied else params - embed, dtype_bytes, kv_dtype_bytes)
+        shape = cls.from_config(cfg, params if tied else params - embed, dtype_bytes)
         return replace(shape, fp8_params=linear if fp8_linears else fp8, expert_params=experts)
 
     @classmethod
-    def from_config(
-        cls, cfg: dict[str, Any], weight_params: int, dtype_bytes: int, kv_dtype_bytes: int | None = None
-    ) -> Shape:
+    def from_config(cls, cfg: dict[str, Any], weight_params: int, dtype_bytes: int) -> Shape:
         """The shape of an HF config's attention and routing, with weight_params matmul weights."""
-        kv_dtype_bytes = kv_dtype_bytes or dtype_bytes
         heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
         routed = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts")
         share = cfg["num_experts_per_tok"] / routed if routed else 1.0
         if rank := cfg.get("kv_lora_rank"):  # MLA: one latent vector a token and layer, attention absorbed
             rope = cfg["qk_rope_head_dim"]
-            kv_bytes = layers * (rank + rope) * kv_dtype_bytes
+            kv_bytes = layers * (rank + rope) * dtype_bytes
             attn_flops = 2 * layers * heads * (2 * rank + rope)  # QK^T over rank + rope, PV over rank
-            standard = layers * heads * (cfg["qk_nope_head_dim"] + rope + cfg["v_head_dim"]) * kv_dtype_bytes
+            standard = layers * heads * (cfg["qk_nope_head_dim"] + rope + cfg["v_head_dim"]) * dtype_bytes
             return cls(weight_params, kv_bytes, attn_flops, dtype_bytes, expert_share=share,
                        standard_kv_bytes_per_token=standard)  # fmt: skip
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
-        kv_bytes = 2 * layers * kv_heads * head_dim * kv_dtype_bytes
+        kv_bytes = 2 * layers * kv_heads * head_dim * dtype_bytes
         attn_flops = 4 * layers * heads * head_dim  # QK^T and PV, 2 FLOPs per multiply-add
-        return cls(weight_params, kv_bytes, attn_flops, dtype_bytes, expert_share=share,
-                   standard_kv_bytes_per_token=kv_bytes)  # fmt: skip
+        return cls(weight_params, kv_bytes, attn_flops, dtype_bytes, expert_share=share)
 
 
 def _safetensors_params(model_dir: Path) -> tuple[int, int, int, int, int]:

@@ -117,10 +117,11 @@ class Bench:
         if args.random_model:
             self.model = f"random-{args.random_model}"
         nbytes = {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
-        kv_nbytes = 1 if self.cfg.kv_cache_dtype.startswith("fp8") else nbytes
-        self.shape = roofline.Shape.from_checkpoint(
-            self.model_dir, nbytes, self.cfg.quantization == "fp8", kv_nbytes
+        # the KV cache's values take the size of the dtype that the started engine resolves (start)
+        self.checkpoint_shape = roofline.Shape.from_checkpoint(
+            self.model_dir, nbytes, self.cfg.quantization == "fp8"
         )
+        self.shape = self.checkpoint_shape
         self.prov = records.provenance()
         self.device = self.prov["device"]
         self.ceiling = roofline.ceiling_for(self.device)
@@ -133,9 +134,8 @@ class Bench:
         """A record of one run; turnout's (no config given) with this run's config and start-up time."""
         rec = {"workload": self.args.workload, "engine": engine, "model": self.model, **self.prov, "run": run}
         if config is None:
-            kv = {"kv_bytes_per_token": self.shape.kv_bytes_per_token}
-            if self.shape.standard_kv_bytes_per_token != self.shape.kv_bytes_per_token:
-                kv["standard_kv_bytes_per_token"] = self.shape.standard_kv_bytes_per_token
+            kv = {"kv_bytes_per_token": self.shape.kv_bytes_per_token,
+                  "standard_kv_bytes_per_token": self.shape.standard_kv_bytes_per_token}  # fmt: skip
             config, metrics = self.turnout_config(), {**metrics, "startup_s": self.startup_s, **kv}
         return rec | {k: v for k, v in metrics.items() if v is not None} | {"config": config}
 
@@ -193,6 +193,7 @@ class Bench:
         llm = LLM(config=self.cfg.model_copy(update=overrides))
         self.startup_s = round(time.perf_counter() - t0, 2)
         self.selection = workloads.selection(llm)
+        self.shape = self.checkpoint_shape.cached_in(llm.selection.kv_cache_torch_dtype.itemsize)
         workloads.warm_up(llm)
         return llm
 
@@ -405,7 +406,7 @@ class Bench:
         over_floor (TPOT and TTFT: tpot_over_floor, ttft_over_floor). A latent KV cache's bytes a token come
         first, against what K and V of every attention head would take."""
         kv, standard = self.shape.kv_bytes_per_token, self.shape.standard_kv_bytes_per_token
-        if standard != kv:  # a latent KV cache
+        if standard:  # a latent KV cache
             less = f"{standard / kv:.1f}x less than K and V of every head take ({standard:,})"
             return f"KV cache: {kv:,} bytes a token, {less}\n{self._roofline_line(recs)}"
         return self._roofline_line(recs)
