@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from turnout.layers import fused, gemv
+from turnout.layers import fused
 
 
 @dataclass
 class PendingSiluMul:
     """silu(gate) * up of x = gate_up [M, 2I], which the next row-parallel linear computes as its GEMV reads
-    x (gemv's silu_mul prologue)."""
+    x (gemv's silu_mul prologue), in its quantization method's input quantization, or materializes."""
 
     x: torch.Tensor  # [M, 2I]
 
@@ -24,8 +24,9 @@ class PendingSiluMul:
 
 class SiluAndMul(nn.Module):
     """[..., 2d] -> [..., d]: silu(gate) * up, gate first as in gate_up_proj. One fused kernel on CUDA.
-    feeds_linear: the output goes straight into a turnout row-parallel linear; at decode sizes that
-    linear's GEMV then applies it, and the output is a PendingSiluMul that only such a linear accepts."""
+    feeds_linear: the output goes straight into a turnout row-parallel linear, so on CUDA it is a
+    PendingSiluMul that only such a linear accepts (applied in its GEMV at decode sizes, in its quantization
+    method's input quantization, or materialized first)."""
 
     def __init__(self, feeds_linear: bool = False) -> None:
         super().__init__()
@@ -33,7 +34,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | PendingSiluMul:
         """x [..., 2d] -> silu(x[..., :d]) * x[..., d:], in x's dtype (or the PendingSiluMul above)."""
-        if self.feeds_linear and fused.enabled(x) and gemv.enabled(x):
+        if self.feeds_linear and fused.enabled(x) and x.dim() == 2:
             return PendingSiluMul(x)
         if fused.enabled(x):
             return fused.silu_and_mul(x)

@@ -60,7 +60,8 @@ def _param(*shape: int, loader) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b, W split by output rows: each rank holds out_features / tp rows of W [out, in] and b,
     and returns its slice of y, [N, out_features / tp], not gathered (a RowParallelLinear takes it next).
-    Its input may be a PendingNorm (RMSNorm(feeds_linear=True)), applied in the decode GEMV's prologue."""
+    Its input may be a PendingNorm (RMSNorm(feeds_linear=True)), applied in the decode GEMV's prologue, by
+    the quantization method (LinearMethod.apply_pending), or materialized first."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -87,10 +88,11 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         """x [N, in_features] -> this rank's [N, out_features / tp]."""
         if self.quant_method is not None:
-            x = x.materialize() if isinstance(x, PendingNorm) else x
+            if isinstance(x, PendingNorm):
+                return self.quant_method.apply_pending(self, x, self.bias)
             return self.quant_method.apply(self, x, self.bias)
         if isinstance(x, PendingNorm):
-            if gemv.enabled(x.x, self.weight):  # the norm runs in the GEMV's prologue
+            if gemv.enabled(x.x, self.weight) and x.x.shape[1] <= gemv.NORM_MAX_K:  # the GEMV's prologue
                 norm = (x.weight, x.eps)
                 return gemv.gemv(x.x, self.weight, self.bias, norm=norm, residual=x.residual,
                                  residual_out=x.residual_out)[0]  # fmt: skip
@@ -177,8 +179,13 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor | PendingSiluMul) -> torch.Tensor:
         """x [N, in_features / tp] -> [N, out_features], summed over the TP ranks."""
         if self.quant_method is not None:
-            x = x.materialize() if isinstance(x, PendingSiluMul) else x
-            y = tp_all_reduce(self.quant_method.apply(self, x, None))
+            pending = isinstance(x, PendingSiluMul)
+            y = (
+                self.quant_method.apply_pending(self, x, None)
+                if pending
+                else self.quant_method.apply(self, x, None)
+            )
+            y = tp_all_reduce(y)
             return y if self.bias is None else y + self.bias
         if isinstance(x, PendingSiluMul):
             if gemv.enabled(x.x, self.weight):  # SiLU-and-mul runs in the GEMV's prologue

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from turnout.layers import fused, gemv
+from turnout.layers import fused
 
 
 @dataclass
@@ -34,8 +34,9 @@ class RMSNorm(nn.Module):
     dtype, and returns (normed, x + residual): the fused residual add of a pre-norm decoder.
 
     On CUDA one fused kernel (layers/fused.py) does it all. feeds_linear: the output goes straight into a
-    turnout column-parallel linear; at decode sizes (gemv.enabled) the norm then runs in that linear's GEMV
-    prologue, and the output is a PendingNorm that only such a linear accepts."""
+    turnout column-parallel linear, so on CUDA it is a PendingNorm that only such a linear accepts; the
+    linear runs the norm in its GEMV's prologue at decode sizes (gemv.enabled), or in its quantization
+    method's input quantization (LinearMethod.apply_pending), or else materializes it first."""
 
     unit_offset = False  # True in GemmaRMSNorm: the weight is applied as (1 + w)
 
@@ -54,7 +55,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | PendingNorm | tuple[torch.Tensor | PendingNorm, torch.Tensor]:
         """x [..., hidden] -> normed, or with residual (same shape) -> (norm(x + residual), x + residual)."""
-        if self.feeds_linear and fused.enabled(x) and gemv.enabled(x) and x.shape[-1] <= gemv.NORM_MAX_K:
+        if self.feeds_linear and fused.enabled(x) and x.dim() == 2:
             res_out = x if residual is None else torch.empty_like(x)
             pending = PendingNorm(x, residual, self.weight, self.eps, res_out)
             return pending if residual is None else (pending, res_out)

@@ -12,7 +12,9 @@ For each tensor-parallel linear layer of the model (`turnout.layers.ColumnParall
 `LinearMethod` (or None to leave the layer as it is). Before the checkpoint loads, `create_weights` gives the
 layer its parameters (the quantized weight and its scales, each with a `weight_loader` that keeps this
 rank's shard: the layer's `shard_rows` / `shard_cols` say where each checkpoint part goes); after it loads,
-`process_weights_after_loading` checks and converts them; each forward calls `apply`.
+`process_weights_after_loading` checks and converts them; each forward calls `apply`, or `apply_pending` where
+the layer's input is a norm or activation deferred into it (`turnout.layers.PendingNorm`, `PendingSiluMul`),
+which a method that quantizes its input may compute in the same kernel as that quantization.
 
 A method whose `replaces` includes "moe" returns a `MoEMethod` for each `turnout.layers.FusedMoE` layer
 (`moe_method`): it gives the layer its quantized expert parameters (`w13_weight`, `w2_weight` and their
@@ -44,9 +46,11 @@ import torch
 from torch import nn
 
 from turnout.errors import ConfigError, WeightLoadError
+from turnout.layers.activation import PendingSiluMul
 from turnout.layers.attention import Attention
 from turnout.layers.linear import ColumnParallelLinear, RowParallelLinear
 from turnout.layers.moe import FusedMoE, num_experts
+from turnout.layers.norm import PendingNorm
 from turnout.platform import Platform
 from turnout.priority import Priority
 
@@ -100,6 +104,14 @@ class LinearMethod:
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [N, in of this rank] (compute dtype) -> [N, out of this rank] (compute dtype), bias added."""
         raise NotImplementedError
+
+    def apply_pending(
+        self, layer: LinearLayer, x: PendingNorm | PendingSiluMul, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`apply` for an input still to be computed: an RMSNorm (with its residual add, whose sum goes to
+        x.residual_out) or a SiLU-and-mul deferred into this layer. The default materializes it and calls
+        apply; a method may compute it fused with its own input quantization, writing x.residual_out."""
+        return self.apply(layer, x.materialize(), bias)
 
 
 class MoEMethod:

@@ -4,7 +4,9 @@ Three routes, chosen by rows M and the scale layout (`ROUTES`):
 - "gemv" (decode): `fp8_gemv`, a Triton GEMV that streams the FP8 weights once (half the bytes of bf16)
   with x in float32, the scales applied per scale block or per row; no activation is quantized.
 - "triton": x quantized per token or per 1 x bk group (`quant_fp8`, or the checkpoint's static input
-  scale), then `fp8_gemm`, a Triton FP8 GEMM (block scales applied per K tile, row scales at the end).
+  scale), then `fp8_gemm`, a Triton FP8 GEMM (block scales applied per K tile, row scales at the end). An
+  input still to be computed (turnout.layers.PendingNorm, PendingSiluMul) is computed in the quantizing
+  kernel (`norm_quant`, `silu_mul_quant`), which writes e4m3 and the scales, never the compute-dtype row.
 - "cublas": x quantized likewise, then cuBLASLt's FP8 GEMM through torch._scaled_mm (row-wise scales, or
   1 x 128 by 128 x 128 block scaling).
 
@@ -19,6 +21,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from turnout.layers import PendingNorm, PendingSiluMul
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -37,6 +41,80 @@ def _quant_kernel(x, q, s, stride_x, stride_q, stride_sm, stride_sg, K, GROUP, B
     tl.store(s + row * stride_sm + g * stride_sg, scale)
 
 
+@triton.jit
+def _quant_row(v, q, s, stride_sg, K, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Store row v [BLOCK] (float32, zero past K) as _quant_kernel does: e4m3 at q, the scale of each 1 x
+    GROUP slice (GROUP divides BLOCK) at s + g * stride_sg."""
+    groups: tl.constexpr = BLOCK // GROUP
+    v2 = tl.reshape(v, (groups, GROUP))
+    scale = tl.maximum(tl.max(tl.abs(v2), 1), 1e-10) / 448.0  # [groups]
+    qv = tl.reshape(tl.clamp(v2 / scale[:, None], -448.0, 448.0), (BLOCK,))
+    cols = tl.arange(0, BLOCK)
+    tl.store(q + cols, qv.to(q.dtype.element_ty), mask=cols < K)
+    g = tl.arange(0, groups)
+    tl.store(s + g * stride_sg, scale, mask=g * GROUP < K)
+
+
+@triton.jit
+def _norm_quant_kernel(
+    x, res, w, res_out, q, s, stride_x, stride_r, stride_ro, stride_q, stride_sm, stride_sg, K, eps,
+    HAS_RES: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Grid (M,): RMSNorm(x [+ res]) of one row as turnout's rms_norm kernel rounds it (x + res to res_out
+    in x's dtype; the normed row in x's dtype), then quantized by _quant_row."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < K
+    xv = tl.load(x + row * stride_x + cols, mask=m, other=0.0)
+    if HAS_RES:
+        r = tl.load(res + row * stride_r + cols, mask=m, other=0.0)
+        xv = (xv.to(tl.float32) + r.to(tl.float32)).to(xv.dtype)
+        tl.store(res_out + row * stride_ro + cols, xv, mask=m)
+    xf = xv.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / K + eps)
+    wv = tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
+    y = (wv * (xf * rstd).to(xv.dtype).to(tl.float32)).to(xv.dtype).to(tl.float32)
+    _quant_row(y, q + row * stride_q, s + row * stride_sm, stride_sg, K, GROUP, BLOCK)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(
+    x, q, s, stride_x, stride_q, stride_sm, stride_sg, K, GROUP: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Grid (M,): silu(gate) * up of one row of x = [gate | up] ([2K]) as turnout's act_and_mul kernel
+    rounds it (SiLU rounded to x's dtype before the product, the product to x's dtype), then quantized."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < K
+    g = tl.load(x + row * stride_x + cols, mask=m, other=0.0)
+    u = tl.load(x + row * stride_x + K + cols, mask=m, other=0.0).to(tl.float32)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    y = (act * u).to(g.dtype).to(tl.float32)
+    _quant_row(y, q + row * stride_q, s + row * stride_sm, stride_sg, K, GROUP, BLOCK)
+
+
+FUSED_MAX_K = 16384  # norm_quant and silu_mul_quant hold a row in one program's registers
+
+
+def _quant_buffers(
+    m: int, k: int, group: int, col_major: bool, rows: int | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [rows, K] e4m3, scale [rows, K / group] float32), M-fastest scales where col_major; rows past M
+    are zero with scale 1."""
+    rows = rows or m
+    n_groups = triton.cdiv(k, group)
+    q = torch.empty(rows, k, dtype=FP8, device=device)
+    if col_major:
+        s = torch.empty(n_groups, rows, dtype=torch.float32, device=device).t()
+    else:
+        s = torch.empty(rows, n_groups, dtype=torch.float32, device=device)
+    if rows > m:
+        q[m:].zero_()
+        s[m:].fill_(1.0)
+    return q, s
+
+
 def quant_fp8(
     x: torch.Tensor, group: int | None = None, col_major: bool = False, rows: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,21 +122,54 @@ def quant_fp8(
     1 x group slice, amax / 448; col_major lays the scales out M-fastest, as cuBLASLt's 1 x 128 scaling
     reads them. rows (default M) pads the result: rows past M are zero with scale 1."""
     m, k = x.shape
-    rows, group = rows or m, group or k
-    n_groups = triton.cdiv(k, group)
-    q = torch.empty(rows, k, dtype=FP8, device=x.device)
-    if col_major:
-        s = torch.empty(n_groups, rows, dtype=torch.float32, device=x.device).t()
-    else:
-        s = torch.empty(rows, n_groups, dtype=torch.float32, device=x.device)
-    if rows > m:
-        q[m:].zero_()
-        s[m:].fill_(1.0)
+    group = group or k
+    q, s = _quant_buffers(m, k, group, col_major, rows, x.device)
     block = triton.next_power_of_2(group)
     if m:
-        _quant_kernel[(m, n_groups)](
+        _quant_kernel[(m, triton.cdiv(k, group))](
             x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1), k, group,
             BLOCK=block, num_warps=min(16, max(1, block // 512)),
+        )  # fmt: skip
+    return q, s
+
+
+def fusable(x: PendingNorm | PendingSiluMul, group: int | None) -> bool:
+    """Whether norm_quant / silu_mul_quant take x: a row of at most FUSED_MAX_K values, and per-token scales
+    or power-of-two groups."""
+    k = x.x.shape[1] // (2 if isinstance(x, PendingSiluMul) else 1)
+    return k <= FUSED_MAX_K and (
+        group is None or group & (group - 1) == 0 and group <= triton.next_power_of_2(k)
+    )
+
+
+def norm_quant(
+    p: PendingNorm, group: int | None = None, col_major: bool = False, rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant_fp8(p.materialize(), ...) in one kernel, the same bits; x + residual goes to p.residual_out."""
+    m, k = p.x.shape
+    block = triton.next_power_of_2(k)
+    q, s = _quant_buffers(m, k, group or k, col_major, rows, p.x.device)
+    res = p.residual if p.residual is not None else p.x
+    if m:
+        _norm_quant_kernel[(m,)](
+            p.x, res, p.weight, p.residual_out, q, s, p.x.stride(0), res.stride(0), p.residual_out.stride(0),
+            q.stride(0), s.stride(0), s.stride(1), k, p.eps, HAS_RES=p.residual is not None,
+            GROUP=group or block, BLOCK=block, num_warps=max(1, min(8, block // 256)),
+        )  # fmt: skip
+    return q, s
+
+
+def silu_mul_quant(
+    x: torch.Tensor, group: int | None = None, col_major: bool = False, rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant_fp8(silu_and_mul(x), ...) in one kernel, the same bits; x = [gate | up] [M, 2K]."""
+    m, k = x.shape[0], x.shape[1] // 2
+    block = triton.next_power_of_2(k)
+    q, s = _quant_buffers(m, k, group or k, col_major, rows, x.device)
+    if m:
+        _silu_mul_quant_kernel[(m,)](
+            x, q, s, x.stride(0), q.stride(0), s.stride(0), s.stride(1), k, GROUP=group or block, BLOCK=block,
+            num_warps=min(16, max(1, block // 512)),
         )  # fmt: skip
     return q, s
 
@@ -238,7 +349,7 @@ def cublas_block_scaling(device_index: int) -> bool:
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | PendingNorm | PendingSiluMul,
     w: torch.Tensor,
     ws: torch.Tensor,
     block: tuple[int, int] | None,
@@ -246,24 +357,40 @@ def fp8_linear(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """The FP8 linear layer's forward by `route`; input_scale [1, 1] for static activations (per-channel
-    scales only)."""
-    x = x.contiguous()
-    m = x.shape[0]
-    r = route(m, *w.shape, block, x.device)
+    scales only). x may be a norm or SiLU-and-mul still to be computed: the routes that quantize dynamically
+    compute it in their quant kernel where `fusable`; otherwise it is materialized first."""
+    rows_x = x.x if isinstance(x, (PendingNorm, PendingSiluMul)) else x  # [M, ...] in the compute dtype
+    m, group = rows_x.shape[0], block[1] if block is not None else None
+    r = route(m, *w.shape, block, rows_x.device)
+    if rows_x is not x and (r == "gemv" or input_scale is not None or not fusable(x, group)):
+        x = x.materialize()
     if r == "gemv":
-        y = fp8_gemv(x, w, ws, block)
+        y = fp8_gemv(x.contiguous(), w, ws, block)
     else:
-        if block is not None:  # cuBLASLt's M-major 1 x 128 scales need 16-byte rows: M padded to 4
-            rows = -(-m // 4) * 4 if r == "cublas" else m
-            xq, xs = quant_fp8(x, block[1], col_major=r == "cublas", rows=rows)
-        elif input_scale is not None:
-            xq = (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-            xs = input_scale.expand(m, 1).contiguous()
-        else:
-            xq, xs = quant_fp8(x)
+        xq, xs = _quantize(x, m, r == "cublas" and group is not None, group, input_scale)
         if r == "cublas":  # block scales: cuBLASLt's 1 x 128 by 128 x 128 scaling (CUDA 12.9 and later)
             scale_b = ws.t() if block is not None else ws.view(1, -1)
-            y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)[:m]
+            y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale_b, out_dtype=rows_x.dtype)[:m]
         else:
-            y = fp8_gemm(xq, xs, w, ws, block, x.dtype)
+            y = fp8_gemm(xq, xs, w, ws, block, rows_x.dtype)
     return y if bias is None else y + bias
+
+
+def _quantize(
+    x: torch.Tensor | PendingNorm | PendingSiluMul,
+    m: int,
+    col_major: bool,
+    group: int | None,
+    input_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's e4m3 rows and scales for the GEMM routes; col_major (cuBLASLt's M-major 1 x 128 scales) pads the
+    rows to 4, as those scales need 16-byte rows."""
+    rows = -(-m // 4) * 4 if col_major else m
+    if isinstance(x, PendingNorm):
+        return norm_quant(x, group, col_major, rows)
+    if isinstance(x, PendingSiluMul):
+        return silu_mul_quant(x.x, group, col_major, rows)
+    if input_scale is not None:
+        xq = (x.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return xq, input_scale.expand(m, 1).contiguous()
+    return quant_fp8(x.contiguous(), group, col_major, rows)

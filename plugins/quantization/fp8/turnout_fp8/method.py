@@ -332,11 +332,14 @@ class Fp8LinearMethod(LinearMethod):
         )
 
     def apply(self, layer: LinearLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [N, K] -> [N, out] through the FP8 kernels (CUDA only: the CPU computes dequantized)."""
+        """x [N, K] -> [N, out] through the FP8 kernels (CUDA only: the CPU computes dequantized). As
+        apply_pending, x may be a PendingNorm or PendingSiluMul, which the activation quant computes."""
         from turnout_fp8 import kernels
 
         s = self.scheme
         return kernels.fp8_linear(x, layer.weight, self.weight_scale, s.block, self.input_scale, bias)
+
+    apply_pending = apply
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
