@@ -19,6 +19,7 @@ class PendingSiluMul:
     x: torch.Tensor  # [M, 2I]
 
     def materialize(self) -> torch.Tensor:
+        """silu(gate) * up [M, I], computed now by the fused kernel."""
         return fused.silu_and_mul(self.x)
 
 

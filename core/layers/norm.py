@@ -23,6 +23,7 @@ class PendingNorm:
     residual_out: torch.Tensor  # [M, K]; x itself when residual is None (nothing to add)
 
     def materialize(self) -> torch.Tensor:
+        """The normed rows [M, K], computed now by the fused norm kernel (x + residual to residual_out)."""
         if self.residual is None:
             return fused.rms_norm(self.x, self.weight, self.eps)
         return fused.rms_norm(self.x, self.weight, self.eps, self.residual, self.residual_out)[0]
