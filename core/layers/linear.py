@@ -179,13 +179,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor | PendingSiluMul) -> torch.Tensor:
         """x [N, in_features / tp] -> [N, out_features], summed over the TP ranks."""
         if self.quant_method is not None:
-            pending = isinstance(x, PendingSiluMul)
-            y = (
-                self.quant_method.apply_pending(self, x, None)
-                if pending
-                else self.quant_method.apply(self, x, None)
+            qm = self.quant_method
+            y = tp_all_reduce(
+                qm.apply_pending(self, x, None) if isinstance(x, PendingSiluMul) else qm.apply(self, x, None)
             )
-            y = tp_all_reduce(y)
             return y if self.bias is None else y + self.bias
         if isinstance(x, PendingSiluMul):
             if gemv.enabled(x.x, self.weight):  # SiLU-and-mul runs in the GEMV's prologue
