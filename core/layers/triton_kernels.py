@@ -27,6 +27,35 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+# Row helpers, public through turnout.layers, so that a plugin's kernel computing a norm or an activation
+# in its prologue rounds exactly as these kernels do.
+@triton.jit
+def add_residual(x, r):
+    """x + r in float32, rounded to x's dtype: the residual stream as torch and every kernel here add it."""
+    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def rms_norm_weighted(x, w, rstd, UNIT_OFFSET: tl.constexpr):
+    """RMSNorm's output in float32 for x (activation dtype) and rstd (broadcast against x): with UNIT_OFFSET
+    (Gemma) (1 + w) times the unrounded normed x, else w times the normed x rounded to x's dtype first. The
+    caller rounds once, to its output's dtype."""
+    xf = x.to(tl.float32) * rstd
+    if UNIT_OFFSET:
+        y = xf * (1.0 + w.to(tl.float32))
+    else:
+        y = w.to(tl.float32) * xf.to(x.dtype).to(tl.float32)
+    return y
+
+
+@triton.jit
+def silu_mul(g, u):
+    """silu(g) * u in float32, SiLU rounded to g's dtype before the product as torch rounds it. The caller
+    rounds the product."""
+    gf = g.to(tl.float32)
+    return (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32) * u.to(tl.float32)
+
+
 @triton.jit
 def rms_norm_kernel(
     x, res, w, out, res_out, s_xt, s_xh, s_rt, s_ot, s_oh, s_rot, n, eps,
@@ -40,16 +69,11 @@ def rms_norm_kernel(
     m = cols < n
     xv = tl.load(x + t * s_xt + h * s_xh + cols, mask=m, other=0.0)
     if HAS_RES:
-        r = tl.load(res + t * s_rt + cols, mask=m, other=0.0)
-        xv = (xv.to(tl.float32) + r.to(tl.float32)).to(xv.dtype)
+        xv = add_residual(xv, tl.load(res + t * s_rt + cols, mask=m, other=0.0))
         tl.store(res_out + t * s_rot + cols, xv, mask=m)
     xf = xv.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-    wv = tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        y = xf * rstd * (1.0 + wv)
-    else:
-        y = wv * (xf * rstd).to(xv.dtype).to(tl.float32)
+    y = rms_norm_weighted(xv, tl.load(w + cols, mask=m, other=0.0), rstd, UNIT_OFFSET)
     tl.store(out + t * s_ot + h * s_oh + cols, y.to(out.dtype.element_ty), mask=m)
 
 
@@ -78,12 +102,8 @@ def qk_norm_rope_kernel(
         w1 = tl.load(q_w + i, mask=qm, other=0.0) + tl.load(k_w + i, mask=km, other=0.0)
         w2 = tl.load(q_w + HALF + i, mask=qm, other=0.0)
         w2 += tl.load(k_w + HALF + i, mask=km, other=0.0)
-        if UNIT_OFFSET:
-            x1 = (f1 * rstd[:, None] * (1.0 + w1.to(tl.float32))).to(dt)
-            x2 = (f2 * rstd[:, None] * (1.0 + w2.to(tl.float32))).to(dt)
-        else:
-            x1 = (w1.to(tl.float32) * (f1 * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
-            x2 = (w2.to(tl.float32) * (f2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+        x1 = rms_norm_weighted(x1, w1, rstd[:, None], UNIT_OFFSET).to(dt)
+        x2 = rms_norm_weighted(x2, w2, rstd[:, None], UNIT_OFFSET).to(dt)
     pos = tl.load(positions + t)
     c = tl.load(cos + pos * s_c + i, mask=i < HALF, other=0.0).to(dt).to(tl.float32)  # [1, HALF_P2]
     s = tl.load(sin + pos * s_c + i, mask=i < HALF, other=0.0).to(dt).to(tl.float32)
@@ -142,14 +162,13 @@ def gemv_kernel(
         mk = (ms < M) & (ks[None, :] < K)
         h = tl.load(x + ms * s_xm + ks[None, :], mask=mk, other=0.0)  # [MP, BK]
         if HAS_RES:
-            r = tl.load(res + ms * s_rm + ks[None, :], mask=mk, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            h = add_residual(h, tl.load(res + ms * s_rm + ks[None, :], mask=mk, other=0.0))
             if pid == 0:
                 tl.store(res_out + ms * s_rom + ks[None, :], h, mask=mk)
         hf = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 1) / K + eps)  # [MP]
-        nw = tl.load(norm_w + ks, mask=ks < K, other=0.0).to(tl.float32)
-        xt = (nw[None, :] * (hf * rstd[:, None]).to(h.dtype).to(tl.float32)).to(h.dtype)
+        nw = tl.load(norm_w + ks, mask=ks < K, other=0.0)[None, :]
+        xt = rms_norm_weighted(h, nw, rstd[:, None], False).to(h.dtype)
         acc += tl.sum(xt.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :], axis=2)
     else:
         for k0 in range(0, K, BLOCK_K):
@@ -159,9 +178,8 @@ def gemv_kernel(
             wt = tl.where(k0 > 0, wt, w0)  # [BN, BK]; tile 0 was read before pdl_wait
             xt = tl.load(x + ms * s_xm + kk[None, :], mask=mk, other=0.0)  # [MP, BK]
             if SILU_MUL:  # x is [M, 2K]: gate, then up
-                u = tl.load(x + ms * s_xm + K + kk[None, :], mask=mk, other=0.0).to(tl.float32)
-                gf = xt.to(tl.float32)
-                xt = ((gf / (1.0 + tl.exp(-gf))).to(xt.dtype).to(tl.float32) * u).to(xt.dtype)
+                u = tl.load(x + ms * s_xm + K + kk[None, :], mask=mk, other=0.0)
+                xt = silu_mul(xt, u).to(xt.dtype)
             acc += tl.sum(xt.to(tl.float32)[:, None, :] * wt.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(bias + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from turnout.layers import PendingNorm, PendingSiluMul
+from turnout.layers import PendingNorm, PendingSiluMul, add_residual, rms_norm_weighted, silu_mul
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -68,13 +68,12 @@ def _norm_quant_kernel(
     m = cols < K
     xv = tl.load(x + row * stride_x + cols, mask=m, other=0.0)
     if HAS_RES:
-        r = tl.load(res + row * stride_r + cols, mask=m, other=0.0)
-        xv = (xv.to(tl.float32) + r.to(tl.float32)).to(xv.dtype)
+        xv = add_residual(xv, tl.load(res + row * stride_r + cols, mask=m, other=0.0))
         tl.store(res_out + row * stride_ro + cols, xv, mask=m)
     xf = xv.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / K + eps)
-    wv = tl.load(w + cols, mask=m, other=0.0).to(tl.float32)
-    y = (wv * (xf * rstd).to(xv.dtype).to(tl.float32)).to(xv.dtype).to(tl.float32)
+    y = rms_norm_weighted(xv, tl.load(w + cols, mask=m, other=0.0), rstd, False)
+    y = y.to(xv.dtype).to(tl.float32)
     _quant_row(y, q + row * stride_q, s + row * stride_sm, stride_sg, K, GROUP, BLOCK)
 
 
@@ -88,10 +87,7 @@ def _silu_mul_quant_kernel(
     cols = tl.arange(0, BLOCK)
     m = cols < K
     g = tl.load(x + row * stride_x + cols, mask=m, other=0.0)
-    u = tl.load(x + row * stride_x + K + cols, mask=m, other=0.0).to(tl.float32)
-    gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-    y = (act * u).to(g.dtype).to(tl.float32)
+    y = silu_mul(g, tl.load(x + row * stride_x + K + cols, mask=m, other=0.0)).to(g.dtype).to(tl.float32)
     _quant_row(y, q + row * stride_q, s + row * stride_sm, stride_sg, K, GROUP, BLOCK)
 
 
@@ -289,13 +285,12 @@ def _gemv_kernel(
         xm = (rm < M) & (kk[None, :] < K)
         if SILU_MUL:
             g = tl.load(x + rm * stride_xm + kk[None, :], mask=xm, other=0.0)
-            u = tl.load(x + rm * stride_xm + K + kk[None, :], mask=xm, other=0.0).to(tl.float32)
-            gf = g.to(tl.float32)
-            xv = ((gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32) * u).to(g.dtype).to(tl.float32)
+            u = tl.load(x + rm * stride_xm + K + kk[None, :], mask=xm, other=0.0)
+            xv = silu_mul(g, u).to(g.dtype).to(tl.float32)
         elif NORM:
             xv = _gemv_x(x, res, rm, kk, M, K, stride_xm, stride_rm, HAS_RES)
-            nw = tl.load(norm_w + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
-            xv = (nw * (xv.to(tl.float32) * rstd).to(xv.dtype).to(tl.float32)).to(xv.dtype).to(tl.float32)
+            nw = tl.load(norm_w + kk, mask=kk < K, other=0.0)[None, :]
+            xv = rms_norm_weighted(xv, nw, rstd, False).to(xv.dtype).to(tl.float32)
         else:
             xv = tl.load(x + rm * stride_xm + kk[None, :], mask=xm, other=0.0).to(tl.float32)
         if BLOCKED:
@@ -313,8 +308,7 @@ def _gemv_x(x, res, rm, kk, M, K, stride_xm, stride_rm, HAS_RES: tl.constexpr):
     m = (rm < M) & (kk[None, :] < K)
     xv = tl.load(x + rm * stride_xm + kk[None, :], mask=m, other=0.0)
     if HAS_RES:
-        r = tl.load(res + rm * stride_rm + kk[None, :], mask=m, other=0.0)
-        xv = (xv.to(tl.float32) + r.to(tl.float32)).to(xv.dtype)
+        xv = add_residual(xv, tl.load(res + rm * stride_rm + kk[None, :], mask=m, other=0.0))
     return xv
 
 
