@@ -1,8 +1,7 @@
-"""turnout-fp8 computing the RMSNorm or SiLU-and-mul that feeds an FP8 linear: in the kernel that quantizes
-it (`norm_quant`, `silu_mul_quant`), against the two kernels it replaces (turnout's fused rms_norm or
-silu_and_mul, then quant_fp8: the same bits) and against a float64 reference of the norm or activation,
-within e4m3's rounding; and in the decode GEMV's prologue (`fp8_gemv`), against the GEMV of the
-materialized input. Off CUDA the kernels run under TRITON_INTERPRET=1."""
+"""turnout-fp8's fused input quantization: the RMSNorm or SiLU-and-mul that feeds an FP8 linear, computed in
+the kernel that quantizes it (`norm_quant`, `silu_mul_quant`), against the two kernels it replaces
+(turnout's fused rms_norm or silu_and_mul, then quant_fp8: the same bits) and against a float64 reference
+of the norm or activation, within e4m3's rounding. Off CUDA the kernels run under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -126,47 +125,3 @@ def test_fp8_linear_on_a_pending_norm_gives_the_materialized_bits(kn, m: int) ->
     got = kn.fp8_linear(pending, wq, ws, None, None, None)
     assert torch.equal(got, want)
     assert torch.equal(pending.residual_out, eager.residual_out)
-
-
-def _fp8_weight(n: int, k: int, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random [N, K] weight in e4m3 and its float32 scales, per row or per block."""
-    wf = torch.randn(n, k, device=DEV) / k**0.5
-    if block is None:
-        ws = wf.abs().amax(1) / 448
-        return (wf / ws[:, None]).to(torch.float8_e4m3fn), ws
-    bn, bk = block
-    ws = wf.abs().reshape(n // bn, bn, k // bk, bk).amax((1, 3)) / 448
-    full = ws.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-    return (wf / full).to(torch.float8_e4m3fn), ws
-
-
-@pytest.mark.parametrize("block", [None, (64, 64)], ids=["channel", "block64"])
-@pytest.mark.parametrize("residual", [False, True])
-def test_gemv_prologue_norm_is_the_gemv_of_the_norm(kn, block, residual: bool) -> None:
-    """The GEMV's RMSNorm prologue (its own pass for each row's sum of squares) against the GEMV of
-    turnout's rms_norm output: to the last bits of the norm's float32 sum, with x + residual exact."""
-    torch.manual_seed(7)
-    k, n = 320 if block is None else 256, 192
-    x = torch.randn(1, k, device=DEV).to(torch.bfloat16) * 2
-    res = torch.randn(1, k, device=DEV).to(torch.bfloat16) if residual else None
-    nw = (torch.rand(k, device=DEV) + 0.5).to(torch.bfloat16)
-    wq, ws = _fp8_weight(n, k, block)
-    eager = PendingNorm(x, res, nw, 1e-6, x if res is None else torch.empty_like(x))
-    want = kn.fp8_gemv(eager.materialize(), wq, ws, block)
-    pending = PendingNorm(x, res, nw, 1e-6, x if res is None else torch.empty_like(x))
-    got = kn.fp8_gemv(pending, wq, ws, block)
-    # an input row rounded one bf16 ulp apart moves an output by well under one ulp of its own
-    bound = 2.0**-8 * want.abs().max().item()
-    torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-7, atol=bound)
-    assert torch.equal(pending.residual_out, eager.residual_out)
-
-
-@pytest.mark.parametrize("block", [None, (64, 64)], ids=["channel", "block64"])
-def test_gemv_prologue_silu_mul_is_the_gemv_of_silu_mul(kn, block) -> None:
-    """The GEMV's SiLU-and-mul prologue rounds as turnout's silu_and_mul kernel: the same bits."""
-    torch.manual_seed(8)
-    k, n = 256, 192
-    x = (torch.randn(1, 2 * k, device=DEV) * 2).to(torch.bfloat16)
-    wq, ws = _fp8_weight(n, k, block)
-    want = kn.fp8_gemv(fused.silu_and_mul(x), wq, ws, block)
-    assert torch.equal(kn.fp8_gemv(PendingSiluMul(x), wq, ws, block), want)

@@ -2,8 +2,7 @@
 
 Three routes, chosen by rows M and the scale layout (`ROUTES`):
 - "gemv" (decode): `fp8_gemv`, a Triton GEMV that streams the FP8 weights once (half the bytes of bf16)
-  with x in float32, the scales applied per scale block or per row; no activation is quantized. A norm or
-  SiLU-and-mul before it runs in its prologue, as the core's bf16 GEMV runs them.
+  with x in float32, the scales applied per scale block or per row; no activation is quantized.
 - "triton": x quantized per token or per 1 x bk group (`quant_fp8`, or the checkpoint's static input
   scale), then `fp8_gemm`, a Triton FP8 GEMM (block scales applied per K tile, row scales at the end). An
   input still to be computed (turnout.layers.PendingNorm, PendingSiluMul) is computed in the quantizing
@@ -251,48 +250,26 @@ def fp8_gemm(
 
 @triton.jit
 def _gemv_kernel(
-    x, w, s, y, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn, res, res_out, norm_w, eps, stride_rm,
-    stride_rom, BLOCKED: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr, NORM: tl.constexpr,
-    HAS_RES: tl.constexpr, SILU_MUL: tl.constexpr, M_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    x, w, s, y, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
+    BLOCKED: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
+    M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(N, BLOCK_N),): output features [pid * BLOCK_N, +BLOCK_N) for all M rows, w read once,
     STAGES tiles in flight. Products accumulate elementwise over K and are summed once at the end. Block
     scales: BLOCK_N divides BN_SCALE and BLOCK_K divides BK_SCALE, so one scale covers a tile and
-    multiplies x, not every weight. Prologues compute x as they read it, rounded as the fused kernels
-    round: NORM, RMSNorm(x [+ res]) with norm_w (a first pass takes each row's sum of squares; program 0
-    writes x + res to res_out); SILU_MUL, silu(gate) * up of x = [gate | up] [M, 2K]."""
+    multiplies x, not every weight."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, M_P2)[:, None]
     ks = tl.arange(0, BLOCK_K)
     s_row = s + (pid * BLOCK_N // BN_SCALE) * stride_sn
-    if NORM:
-        sq = tl.zeros((M_P2, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xv = _gemv_x(x, res, rm, k0 + ks, M, K, stride_xm, stride_rm, HAS_RES)
-            if HAS_RES:
-                if pid == 0:
-                    mask = (rm < M) & (k0 + ks < K)[None, :]
-                    tl.store(res_out + rm * stride_rom + (k0 + ks)[None, :], xv, mask=mask)
-            sq += xv.to(tl.float32) * xv.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, 1) / K + eps)[:, None]
     acc = tl.zeros((M_P2, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         kk = k0 + ks
         wm = (rn[:, None] < N) & (kk[None, :] < K)
         wv = tl.load(w + rn[:, None] * stride_wn + kk[None, :], mask=wm, other=0.0).to(tl.float32)
-        xm = (rm < M) & (kk[None, :] < K)
-        if SILU_MUL:
-            g = tl.load(x + rm * stride_xm + kk[None, :], mask=xm, other=0.0)
-            u = tl.load(x + rm * stride_xm + K + kk[None, :], mask=xm, other=0.0)
-            xv = silu_mul(g, u).to(g.dtype).to(tl.float32)
-        elif NORM:
-            xv = _gemv_x(x, res, rm, kk, M, K, stride_xm, stride_rm, HAS_RES)
-            nw = tl.load(norm_w + kk, mask=kk < K, other=0.0)[None, :]
-            xv = rms_norm_weighted(xv, nw, rstd, False).to(xv.dtype).to(tl.float32)
-        else:
-            xv = tl.load(x + rm * stride_xm + kk[None, :], mask=xm, other=0.0).to(tl.float32)
+        xv = tl.load(x + rm * stride_xm + kk[None, :], mask=(rm < M) & (kk[None, :] < K), other=0.0)
+        xv = xv.to(tl.float32)
         if BLOCKED:
             xv = xv * tl.load(s_row + k0 // BK_SCALE)
         acc += xv[:, None, :] * wv[None, :, :]
@@ -300,16 +277,6 @@ def _gemv_kernel(
     if not BLOCKED:
         out = out * tl.load(s + rn, mask=rn < N, other=0.0)[None, :]
     tl.store(y + rm * stride_ym + rn[None, :], out.to(y.dtype.element_ty), mask=(rm < M) & (rn[None, :] < N))
-
-
-@triton.jit
-def _gemv_x(x, res, rm, kk, M, K, stride_xm, stride_rm, HAS_RES: tl.constexpr):
-    """x [M_P2, BLOCK_K] at columns kk, plus res (rounded to x's dtype, as the norm kernel adds it)."""
-    m = (rm < M) & (kk[None, :] < K)
-    xv = tl.load(x + rm * stride_xm + kk[None, :], mask=m, other=0.0)
-    if HAS_RES:
-        xv = add_residual(xv, tl.load(res + rm * stride_rm + kk[None, :], mask=m, other=0.0))
-    return xv
 
 
 def gemv_tiles(m: int, block: tuple[int, int] | None) -> tuple[int, int, int, int]:
@@ -323,30 +290,19 @@ def gemv_tiles(m: int, block: tuple[int, int] | None) -> tuple[int, int, int, in
 
 
 def fp8_gemv(
-    x: torch.Tensor | PendingNorm | PendingSiluMul,
-    w: torch.Tensor,
-    ws: torch.Tensor,
-    block: tuple[int, int] | None,
-    tile=None,
+    x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int] | None, tile=None
 ) -> torch.Tensor:
     """x [M, K] (compute dtype) @ dequant(w)^T -> [M, N] in x's dtype; ws [N] per row, or [N / bn, K / bk]
-    per block; tile overrides gemv_tiles. A PendingNorm or PendingSiluMul is computed as the GEMV reads it
-    (x + residual to its residual_out)."""
-    norm, silu = isinstance(x, PendingNorm), isinstance(x, PendingSiluMul)
-    rows = x.x if norm or silu else x
-    (m, k), n = (rows.shape[0], rows.shape[1] // (2 if silu else 1)), w.shape[0]
-    y = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
+    per block; tile overrides gemv_tiles."""
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = tile or gemv_tiles(m, block)
     bn, bk = block or (block_n, block_k)
     block_n, block_k = math.gcd(block_n, bn), math.gcd(block_k, bk)  # one scale block a tile
-    res = x.residual if norm and x.residual is not None else rows
-    res_out = x.residual_out if norm else rows
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        rows, w, ws, y, m, n, k, rows.stride(0), w.stride(0), y.stride(0), ws.stride(0), res, res_out,
-        x.weight if norm else rows, x.eps if norm else 0.0, res.stride(0), res_out.stride(0),
-        BLOCKED=block is not None, BN_SCALE=bn, BK_SCALE=bk, NORM=norm, HAS_RES=res is not rows,
-        SILU_MUL=silu, M_P2=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        num_warps=warps,
+        x, w, ws, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), ws.stride(0),
+        BLOCKED=block is not None, BN_SCALE=bn, BK_SCALE=bk, M_P2=triton.next_power_of_2(m), BLOCK_N=block_n,
+        BLOCK_K=block_k, STAGES=stages, num_warps=warps,
     )  # fmt: skip
     return y
 
@@ -397,17 +353,16 @@ def fp8_linear(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """The FP8 linear layer's forward by `route`; input_scale [1, 1] for static activations (per-channel
-    scales only). x may be a norm or SiLU-and-mul still to be computed: the GEMV computes it as it reads x,
-    the routes that quantize dynamically in their quant kernel where `fusable`; otherwise it is materialized
-    first."""
+    scales only). x may be a norm or SiLU-and-mul still to be computed: the routes that quantize dynamically
+    compute it in their quant kernel where `fusable`; otherwise it is materialized first."""
     rows_x = x.x if isinstance(x, (PendingNorm, PendingSiluMul)) else x  # [M, ...] in the compute dtype
     m, group = rows_x.shape[0], block[1] if block is not None else None
     r = route(m, *w.shape, block, rows_x.device)
+    if rows_x is not x and (r == "gemv" or input_scale is not None or not fusable(x, group)):
+        x = x.materialize()
     if r == "gemv":
-        y = fp8_gemv(x if rows_x is not x else x.contiguous(), w, ws, block)
+        y = fp8_gemv(x.contiguous(), w, ws, block)
     else:
-        if rows_x is not x and (input_scale is not None or not fusable(x, group)):
-            x = x.materialize()
         xq, xs = _quantize(x, m, r == "cublas" and group is not None, group, input_scale)
         if r == "cublas":  # block scales: cuBLASLt's 1 x 128 by 128 x 128 scaling (CUDA 12.9 and later)
             scale_b = ws.t() if block is not None else ws.view(1, -1)

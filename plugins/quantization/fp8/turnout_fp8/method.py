@@ -64,7 +64,11 @@ class Fp8Method(QuantizationMethod):
                 "KV cache: FP8 e4m3 with the checkpoint's per-layer k_scale / v_scale",
             ]
         if ctx.platform.is_cuda:
-            where = "the GEMV's prologue" if s.activation == "static" else "its activation quant or the GEMV"
+            where = (
+                "a kernel of its own (static activation scales)"
+                if s.activation == "static"
+                else "the kernel quantizing its input (at one row, a kernel of its own before the GEMV)"
+            )
             notes = [
                 "linear layers: FP8 weights, FP8 GEMMs (decode: a GEMV that reads the FP8 weights); the norm "
                 f"or SiLU-and-mul before each runs in {where}"
