@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from turnout.bench import CEILINGS, SHAPES, Shape, random_model, stages, sync, table, timed
+from turnout.bench import CEILINGS, RANDOM_MODELS, SHAPES, Shape, random_model, stages, sync, table, timed
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import Span, assign, busy_us, kernel_spans, label_ranges, short, write_json  # noqa: E402
@@ -212,7 +212,9 @@ def report(results: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--random-model", default="qwen3-8b", help="a shape of turnout.bench.random_models")
+    ap.add_argument(
+        "--random-model", default="qwen3-8b", help="a random model of turnout bench (qwen3-8b-fp8-dynamic)"
+    )
     ap.add_argument("--phases", default="decode1,decode256,prefill", help="decodeN, mixedN (N rows), prefill")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decode request")
     ap.add_argument("--prefill-len", type=int, default=16384)
@@ -224,14 +226,14 @@ def main() -> None:
     ap.add_argument("--gaps", action="store_true", help="also: GPU-idle time by the host stage it falls in")
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/profile", help="JSON dir")
     args = ap.parse_args()
-    if args.random_model not in SHAPES:
-        sys.exit(f"unknown shape {args.random_model}; known: {', '.join(sorted(SHAPES))}")
+    if args.random_model not in RANDOM_MODELS:
+        sys.exit(f"unknown random model {args.random_model}; known: {', '.join(sorted(RANDOM_MODELS))}")
     if not torch.cuda.is_available():
         print("no CUDA: a smoke run of the engine path, without kernel times", file=sys.stderr)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d-%H%M")
     out = str(Path(args.out) / f"{stamp}-step-{args.random_model}.json")
     phases, results = args.phases.split(","), []
-    model = f"{args.random_model}-shaped, random bf16 weights"
+    model = f"{args.random_model}-shaped, random {'bf16' if args.random_model in SHAPES else 'FP8'} weights"
     max_len = max(args.prefill_len, args.context + args.warmup + args.steps + args.prof_steps + 512) + 1024
     path = random_model(args.random_model)
     shape = Shape.from_checkpoint(path, 2)

@@ -10,7 +10,7 @@ from turnout.bench.cli import add_bench_parser, cmd_bench
 from turnout.bench.serve import add_bench_serve_parser
 
 _MODULES = {  # module -> the names imported from it on first use
-    "turnout.bench.random_models": ("SHAPES", "random_model", "write_tokenizer"),
+    "turnout.bench.random_models": ("RANDOM_MODELS", "SHAPES", "random_model", "write_tokenizer"),
     "turnout.bench.records": ("COLUMNS", "provenance", "table"),
     "turnout.bench.roofline": ("CEILINGS", "Shape"),
     "turnout.bench.profiling": ("STAGES", "stages", "memory_reports"),
