@@ -6,8 +6,9 @@ PendingNorm or PendingSiluMul, which the linear computes fused with its own firs
 kernel for the device and batch; FusedMoE gets the one chosen at start-up; expert_outputs_triton computes
 experts through the Triton grouped GEMM, with e4m3 weights and their scales where given; moe_align sorts
 (token, expert) pairs by expert for a plugin's own grouped GEMM. pdl_launch() gives a plugin's Triton kernels
-programmatic dependent launch (layers/pdl.py). add_residual, rms_norm_weighted and silu_mul are @triton.jit
-row helpers for a plugin's own kernels, rounding as turnout's kernels do; they import triton when first named.
+programmatic dependent launch (layers/pdl.py). add_residual, rms_norm_row, rms_norm_weighted and silu_mul
+are @triton.jit row helpers for a plugin's own kernels, rounding as turnout's kernels do; they import triton
+when first named.
 docs/writing-a-plugin.md, "Building blocks", says what each layer computes and how it loads."""
 
 from turnout.layers.activation import GeluAndMul, PendingSiluMul, SiluAndMul
@@ -24,7 +25,7 @@ from turnout.layers.norm import GemmaRMSNorm, PendingNorm, RMSNorm
 from turnout.layers.pdl import launch as pdl_launch
 from turnout.layers.rotary import RotaryEmbedding, rope_parameters_for
 
-TRITON_HELPERS = ("add_residual", "rms_norm_weighted", "silu_mul")  # layers/triton_kernels.py
+TRITON_HELPERS = ("add_residual", "rms_norm_row", "rms_norm_weighted", "silu_mul")  # layers/triton_kernels.py
 
 
 def __getattr__(name: str) -> object:
@@ -57,6 +58,7 @@ __all__ = [
     "moe_align",
     "num_experts",
     "pdl_launch",
+    "rms_norm_row",
     "rms_norm_weighted",
     "rope_parameters_for",
     "silu_mul",

@@ -49,6 +49,19 @@ def rms_norm_weighted(x, w, rstd, UNIT_OFFSET: tl.constexpr):
 
 
 @triton.jit
+def rms_norm_row(x, res, w, cols, n, eps, HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """RMSNorm of one row x [BLOCK] (loaded, zero where cols >= n), res and w pointing at its residual row
+    and the weight: (the normed row in float32, for the caller to round once; x + residual rounded to x's
+    dtype, the residual stream to store, where HAS_RES, else x)."""
+    m = cols < n
+    if HAS_RES:
+        x = add_residual(x, tl.load(res + cols, mask=m, other=0.0))
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+    return rms_norm_weighted(x, tl.load(w + cols, mask=m, other=0.0), rstd, UNIT_OFFSET), x
+
+
+@triton.jit
 def silu_mul(g, u):
     """silu(g) * u in float32, SiLU rounded to g's dtype before the product as torch rounds it. The caller
     rounds the product."""
@@ -68,12 +81,9 @@ def rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     m = cols < n
     xv = tl.load(x + t * s_xt + h * s_xh + cols, mask=m, other=0.0)
+    y, xv = rms_norm_row(xv, res + t * s_rt, w, cols, n, eps, HAS_RES, UNIT_OFFSET)
     if HAS_RES:
-        xv = add_residual(xv, tl.load(res + t * s_rt + cols, mask=m, other=0.0))
         tl.store(res_out + t * s_rot + cols, xv, mask=m)
-    xf = xv.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-    y = rms_norm_weighted(xv, tl.load(w + cols, mask=m, other=0.0), rstd, UNIT_OFFSET)
     tl.store(out + t * s_ot + h * s_oh + cols, y.to(out.dtype.element_ty), mask=m)
 
 
@@ -130,16 +140,18 @@ def act_and_mul_kernel(x, out, s_xt, s_ot, n, ACT: tl.constexpr, BLOCK: tl.const
     j = b * BLOCK + tl.arange(0, BLOCK)
     m = j < n
     g = tl.load(x + t * s_xt + j, mask=m, other=0.0)
-    u = tl.load(x + t * s_xt + n + j, mask=m, other=0.0).to(tl.float32)
-    gf = g.to(tl.float32)
-    if ACT == 0:  # silu
-        act = gf / (1.0 + tl.exp(-gf))
-    elif ACT == 2:  # gelu_tanh, with 1 + tanh(y) = 2 - 2 / (exp(2y) + 1), clamped where it is 2 to an ulp
-        y = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
-        act = 0.5 * gf * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * y, 40.0)) + 1.0))
-    else:  # gelu
-        act = 0.5 * gf * (1.0 + tl.math.erf(gf * 0.7071067811865476))
-    tl.store(out + t * s_ot + j, (act.to(g.dtype).to(tl.float32) * u).to(out.dtype.element_ty), mask=m)
+    u = tl.load(x + t * s_xt + n + j, mask=m, other=0.0)
+    if ACT == 0:
+        y = silu_mul(g, u)
+    else:
+        gf = g.to(tl.float32)
+        if ACT == 2:  # gelu_tanh, with 1 + tanh(y) = 2 - 2 / (exp(2y) + 1), clamped where it is 2 to an ulp
+            z = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
+            act = 0.5 * gf * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * z, 40.0)) + 1.0))
+        else:  # gelu
+            act = 0.5 * gf * (1.0 + tl.math.erf(gf * 0.7071067811865476))
+        y = act.to(g.dtype).to(tl.float32) * u.to(tl.float32)
+    tl.store(out + t * s_ot + j, y.to(out.dtype.element_ty), mask=m)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from turnout.layers import PendingNorm, PendingSiluMul, add_residual, rms_norm_weighted, silu_mul
+from turnout.layers import PendingNorm, PendingSiluMul, rms_norm_row, silu_mul
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -66,12 +66,9 @@ def _norm_quant_kernel(
     cols = tl.arange(0, BLOCK)
     m = cols < K
     xv = tl.load(x + row * stride_x + cols, mask=m, other=0.0)
+    y, xv = rms_norm_row(xv, res + row * stride_r, w, cols, K, eps, HAS_RES, False)
     if HAS_RES:
-        xv = add_residual(xv, tl.load(res + row * stride_r + cols, mask=m, other=0.0))
         tl.store(res_out + row * stride_ro + cols, xv, mask=m)
-    xf = xv.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / K + eps)
-    y = rms_norm_weighted(xv, tl.load(w + cols, mask=m, other=0.0), rstd, False)
     y = y.to(xv.dtype).to(tl.float32)
     _quant_row(y, q + row * stride_q, s + row * stride_sm, stride_sg, K, GROUP, BLOCK)
 
