@@ -303,7 +303,7 @@ def test_auto_runs_fa4_for_mixed_steps_beside_the_triton_decode_kernel():
 
     att = auto("fa4")
     assert att.chosen.name == "triton+flash_attn"
-    assert att.chosen.obj.preferred_block_size == fa_backend.FA4_PAGE  # the mixed half's, which triton takes
+    assert att.chosen.obj.preferred_block_size == 16  # the decode half's, which FA4 takes
     assert {p: h.name for p, h in att.phases.items()} == {"decode": "triton", "mixed": "flash_attn"}
     assert auto("fa2").chosen.name == "triton"
 
@@ -324,3 +324,17 @@ def test_fa4_keeps_its_compiled_kernels_in_turnouts_cache(monkeypatch, tmp_path)
     with pytest.raises(ImportError):
         fa_backend._import_fa4()
     assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_a_pair_takes_the_decode_halfs_block_size_where_the_mixed_half_takes_it():
+    """Prefix hits count whole blocks: triton's 16 under FA4 (any size), FA2's 256 where it needs them."""
+    from turnout_triton.backend import TritonAttentionBackend
+
+    from turnout.attention.per_phase import PerPhaseBackend
+
+    triton = TritonAttentionBackend()
+    fa4 = fa_backend.FlashAttnBackend(H200, fa_backend.Probe("fa4"))
+    fa2 = fa_backend.FlashAttnBackend(H200, fa_backend.Probe("fa2"))
+    assert PerPhaseBackend(triton, fa4).preferred_block_size == 16
+    assert PerPhaseBackend(fa4, triton).preferred_block_size == fa_backend.FA4_PAGE
+    assert PerPhaseBackend(triton, fa2).preferred_block_size == fa_backend.FA2_BLOCK

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import math
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -22,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from turnout.attention.backend import KV_CACHE_ALIASES, KV_CACHE_DTYPES
-from turnout.attention.per_phase import split_name
+from turnout.attention.per_phase import pair_block_size, split_name
 from turnout.config import EngineConfig
 from turnout.errors import ConfigError, SelectionError, TurnoutError
 from turnout.loader.weights import kept_bytes, reuse_weights
@@ -179,8 +178,12 @@ class Search:
         return [self.backends[n].preferred_block_size for n in names if n in self.backends]
 
     def _with_backend(self, cur: dict[str, Any], name: str, fixed: dict[str, Any]) -> dict[str, Any]:
-        """cur on backend name, with the block size it prefers (a pair: one both prefer) unless user-set."""
-        block = fixed.get("block_size") or math.lcm(*self._preferred(name) or [cur["block_size"]])
+        """cur on backend name, with the block size it prefers (a pair: pair_block_size) unless user-set."""
+        halves = [self.backends.get(n) for n in split_name(name) or (name,)]
+        if fixed.get("block_size") or None in halves:
+            block = fixed.get("block_size") or cur["block_size"]
+        else:
+            block = pair_block_size(*halves) if len(halves) == 2 else halves[0].preferred_block_size
         return {**cur, "attention_backend": name, "block_size": block}
 
     def _graph_options(self, cur: dict[str, Any]) -> list[dict[str, Any]]:
