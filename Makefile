@@ -1,7 +1,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-test demo test test-all lint format images docs
+.PHONY: setup setup-test demo test test-slow test-all lint format images docs
 DEPS := pyproject.toml $(wildcard plugins/*/*/pyproject.toml) scripts/install.sh
 setup: $(VENV)/.installed  ## what turnout needs to run
 $(VENV)/.installed: $(DEPS)
@@ -15,8 +15,13 @@ $(VENV)/.installed-test: $(DEPS)
 demo: setup  ## the main job: turnout generate on the embedded SmolLM2-135M-Instruct
 	$(BIN)/turnout generate --chat --max-tokens 96 --prompt "What is a railway turnout? Answer in two sentences."
 
-test: setup-test lint  ## the CI suite: CPU tests (GPU tests skip without CUDA), ruff
-	$(BIN)/python -m pytest -q -m "not gpu"
+# pytest-xdist workers for make test; the tests of one file run on one worker, sharing its module fixtures
+WORKERS ?= 2
+test: setup-test lint  ## the CI suite: ruff, the import contracts, the CPU tests but the slow ones, on $(WORKERS) workers
+	$(BIN)/python -m pytest -q -m "not gpu and not slow" -n $(WORKERS) --dist loadfile
+
+test-slow: setup-test  ## the slow CPU tests (servers under faults, Chromium, Ray, fuzzing, TP runs), one at a time
+	$(BIN)/python -m pytest -q -m "slow and not gpu"
 
 test-all: setup-test  ## everything, GPU tests included (on a CUDA machine)
 	$(BIN)/python -m pytest -q

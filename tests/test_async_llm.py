@@ -113,6 +113,7 @@ def test_core_in_a_process_and_in_a_thread_match_llm_generate(tiny_llama: Path) 
         assert got["texts"] == [r.text for r in ref]
 
 
+@pytest.mark.slow
 def test_start_up_error_in_the_core_process_is_one_line(tiny_llama: Path) -> None:
     with pytest.raises(ConfigError, match="max_model_len 100000 exceeds the model's"):
         AsyncLLM(EngineConfig(model=str(tiny_llama), **{**KW, "max_model_len": 100000}))

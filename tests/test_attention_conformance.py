@@ -397,6 +397,7 @@ def test_cudagraph_replay(be: AttentionBackend) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d)[6:])
+@pytest.mark.slow
 def test_triton_decode_split_count_does_not_change_bits(dtype: torch.dtype) -> None:
     """CUDA graphs launch Triton's decode with MAX_SPLITS, eager steps with as few as cover max_seq_len, and
     either with 1 to all-splits programs per request: all must give the same bits, or graphs would change

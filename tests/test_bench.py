@@ -678,6 +678,7 @@ def test_structured_outputs_validate_and_the_unconstrained_run_matches_their_len
     assert [len(o.token_ids) for o in plain] == [len(o.token_ids) for o in outs]
 
 
+@pytest.mark.slow
 def test_turnout_static_runs_the_static_default_beside_the_measured_selection(tmp_path, monkeypatch):
     """--peers turnout-static: the same workload on turnout with tuned = off, in a process of its own;
     turnout's records carry their ratio to it. A tuning record here picks block size 32 over the static 16."""

@@ -55,6 +55,7 @@ def test_plugins_json_lists_in_repo_and_third_party(third_party):
     assert "turnout_broken" in text and "failed" in text
 
 
+@pytest.mark.slow
 def test_explain_shows_all_kinds_and_config_choice(third_party, tiny_llama, tmp_path):
     doc = json.loads(run("explain", "--model", str(tiny_llama), "--json", env=third_party).stdout)
     att = doc["kinds"]["attention"]
@@ -514,6 +515,7 @@ def test_a_ctrl_c_that_python_drops_still_stops_the_command(tmp_path):
     assert "Exception ignored" not in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_the_finished_rows_and_never_empties_the_output(tiny_llama, tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text("old\n")

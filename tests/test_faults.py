@@ -37,6 +37,7 @@ def _text(events: list[tuple[float, dict]]) -> str:
     return "".join(e["choices"][0]["text"] for _, e in events if e.get("choices"))
 
 
+@pytest.mark.slow
 def test_hung_worker_fails_requests_health_and_metrics(tmp_path: Path, tiny_llama: Path) -> None:
     pytest.importorskip("turnout_multiproc")
     env = {"TURNOUT_MULTIPROC_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S)}
@@ -87,6 +88,7 @@ def test_hung_worker_fails_requests_health_and_metrics(tmp_path: Path, tiny_llam
         server.stop()
 
 
+@pytest.mark.slow
 def test_sigterm_drain_answers_503_and_cuts_streams_as_a_shutdown(tmp_path: Path) -> None:
     model = make_tiny_model(tmp_path / "long", "llama", max_position_embeddings=16384)
     grace = 3.0

@@ -153,6 +153,7 @@ def run():
 """  # line 9 is run() or the guard
 
 
+@pytest.mark.slow
 def test_tp_engine_without_main_guard_is_one_line(tiny_llama: Path, tmp_path: Path) -> None:
     script = tmp_path / "noguard.py"
     script.write_text(GUARD_SCRIPT.format(model=str(tiny_llama), call="run()"))
@@ -356,6 +357,7 @@ def test_stop_reason_and_stop_text(llm: LLM) -> None:
     assert "<|im_end|>" not in free.text
 
 
+@pytest.mark.slow
 def test_best_of_keeps_the_most_likely_samples(llm: LLM) -> None:
     prompt = {"prompt_token_ids": chat_ids(llm, COLOR)}
     kw = dict(temperature=1.0, seed=1234, max_tokens=6)

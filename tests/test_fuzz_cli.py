@@ -18,6 +18,8 @@ from turnout.sampling_params import SamplingParams
 
 from fuzzing import fuzz
 
+pytestmark = pytest.mark.slow  # hypothesis drives the CLI in process, example by example
+
 VOCAB = 49152
 JUNK = st.one_of(
     st.none(),

@@ -122,6 +122,7 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("case", ["gemma2", "mistral"])
+@pytest.mark.slow
 def test_triton_in_the_interpreter_frees_blocks_and_matches_hf(checkpoint, triton_interpreter, case) -> None:
     """The Triton kernels over tables with NULL_BLOCK in place of freed blocks, chunked, then a prefix hit."""
     path, ref = checkpoint(case)

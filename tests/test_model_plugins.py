@@ -156,6 +156,7 @@ PARALLEL = [  # the parallelism each model adds to the shared decoder's (test_mu
 
 
 @pytest.mark.parametrize("case,parallel", PARALLEL)
+@pytest.mark.slow
 def test_parallel_matches_hf(checkpoint, case: str, parallel: dict) -> None:
     """Two ranks over gloo, chunked prefill on four prompts, then two of them again as prefix hits."""
     assert_parallel_matches_reference(*checkpoint(case), PROMPTS, GREEDY, parallel, **KW)

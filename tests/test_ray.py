@@ -108,6 +108,7 @@ def test_auto_picks_ray_only_when_needed(tiny_llama: Path, monkeypatch: pytest.M
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.slow
 def test_matches_uniproc(
     cluster: None, tiny_llama: Path, reference: list[list[int]], tp: int, pp: int
 ) -> None:

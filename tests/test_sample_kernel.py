@@ -38,6 +38,7 @@ def test_greedy_rows_are_argmax_first_on_ties_across_blocks(dtype, programs, mon
         assert out.cpu().tolist()[1:4] == [3, 17, 0]
 
 
+@pytest.mark.slow
 def test_drawn_rows_follow_softmax_over_temperature():
     """1024 draws from one distribution (rows of the same logits) against softmax(x / T) in float64; a
     masked (-inf) entry is never drawn."""

@@ -104,6 +104,7 @@ async def _json_schema_answers(
     return [await one(*a) for a in asks]
 
 
+@pytest.mark.slow
 def test_json_schema_outputs_validate_streamed_and_not(server: Server) -> None:
     answers = asyncio.run(_json_schema_answers(server, at_once=True))
     for schema, text, finish in answers:

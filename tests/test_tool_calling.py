@@ -78,6 +78,7 @@ def _valid(calls: list[tuple]) -> None:
     ],
     ids=["auto", "required", "named"],
 )
+@pytest.mark.slow
 def test_tool_calls_validate_and_stream_into_the_same_calls(
     agent_server: Server, tool_choice, extra, cut: int
 ) -> None:
@@ -109,6 +110,7 @@ def test_tool_calls_validate_and_stream_into_the_same_calls(
     assert complete[1].startswith(partial) and partial != complete[1], (partial, complete)
 
 
+@pytest.mark.slow
 def test_tool_choice_none_never_calls(agent_server: Server) -> None:
     for stream in (False, True):
         content, calls, finish = _create(
@@ -182,6 +184,7 @@ def test_bad_tool_requests_are_400s(agent_server: Server, body: dict, param: str
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
 
 
+@pytest.mark.slow
 def test_an_unknown_parser_or_auto_without_one_is_one_line_at_start_up() -> None:
     for flags, says in (
         (["--tool-call-parser", "nope"], "unknown tool-call parser 'nope'"),

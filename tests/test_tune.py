@@ -78,6 +78,7 @@ def _record(*candidates: Measured) -> TuningRecord:
 
 
 # ---- tune on real engines ----
+@pytest.mark.slow
 def test_tune_measures_real_candidates_and_selection_takes_the_recorded_winner(
     tiny_llama, naive, cache, one_thread
 ):

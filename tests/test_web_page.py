@@ -211,6 +211,7 @@ def test_make_images_sets_only_what_the_engine_accepts(monkeypatch: pytest.Monke
         assert main(["explain", "--json", *[a for a in SMOL if a not in ("--api-key", KEY)]]) == 0
 
 
+@pytest.mark.slow  # Chromium
 def test_the_page_asks_for_the_key_and_keeps_it_in_this_tab_only(page: Chromium, server: Server) -> None:
     page.js("sessionStorage.clear()")
     page.goto(f"{server.url}/")
@@ -230,6 +231,7 @@ def test_the_page_asks_for_the_key_and_keeps_it_in_this_tab_only(page: Chromium,
     assert "SmolLM2-135M-Instruct" in page.text("#status")
 
 
+@pytest.mark.slow  # Chromium
 def test_the_streamed_answer_is_the_api_greedy_answer(page: Chromium, server: Server) -> None:
     _set(page, system="Be brief.", temperature="0", **{"top-p": "1", "max-tokens": "12"})
     page.js(
@@ -265,6 +267,7 @@ def test_the_streamed_answer_is_the_api_greedy_answer(page: Chromium, server: Se
     assert page.js("document.getElementById('prompt').value") == ""
 
 
+@pytest.mark.slow  # Chromium
 def test_stop_ends_the_stream_and_the_request_mid_way(page: Chromium, server: Server) -> None:
     _set(page, temperature="0", **{"max-tokens": "400"})
     page.wait("document.getElementById('m-running').textContent === '0'")  # so '1' below is this request
@@ -293,6 +296,7 @@ def test_stop_ends_the_stream_and_the_request_mid_way(page: Chromium, server: Se
     page.wait("document.getElementById('m-running').textContent === '0'")
 
 
+@pytest.mark.slow  # Chromium
 def test_the_selection_panel_shows_what_the_engine_chose(page: Chromium, server: Server, started) -> None:
     line = re.search(r"backend (\S+), .*executor (\S+), graph mode (\S+),", server.log.read_text())
     backend, executor, graph = line.groups()  # the engine core's own report
@@ -313,6 +317,7 @@ def test_the_selection_panel_shows_what_the_engine_chose(page: Chromium, server:
     assert "/v1/explain" in httpx.get(f"{server.url}/openapi.json", timeout=10).json()["paths"]
 
 
+@pytest.mark.slow  # Chromium
 def test_accessibility_basics(page: Chromium) -> None:
     nodes = page.call("Accessibility.getFullAXTree")["nodes"]
     controls = [
@@ -339,6 +344,7 @@ def test_accessibility_basics(page: Chromium) -> None:
     page.js("document.getElementById('prompt').value = ''")
 
 
+@pytest.mark.slow  # Chromium
 def test_the_page_loads_nothing_from_elsewhere(page: Chromium, server: Server) -> None:
     urls = [e["params"]["request"]["url"] for e in page.events if e["method"] == "Network.requestWillBeSent"]
     assert urls and all(u.startswith(f"{server.url}/") for u in urls), sorted(set(urls))
@@ -349,6 +355,7 @@ def test_the_page_loads_nothing_from_elsewhere(page: Chromium, server: Server) -
     assert not thrown and not [e for e in logged if e["source"] in ("javascript", "security", "violation")]
 
 
+@pytest.mark.slow  # Chromium
 def test_screenshots_and_the_phone_sized_layout(page: Chromium) -> None:
     tps, kv = (f"document.getElementById('{id_}').textContent" for id_ in ("m-tps", "m-kv"))
     page.wait(f"{tps} === '0.0' && {kv} === '0.0 %'")  # idle figures: a stable picture
