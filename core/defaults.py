@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from turnout.attention.backend import AttentionBackend
+from turnout.attention.per_phase import PerPhaseBackend
 from turnout.config import EngineConfig
 from turnout.platform import Platform
 
@@ -18,13 +19,24 @@ def fit_defaults(
     """{field: (value, why)} for every fitted field that config leaves as None."""
     fitted: dict[str, tuple[Any, str]] = {}
     if config.block_size is None:
-        fitted["block_size"] = (backend.preferred_block_size, f"{backend.name}'s preferred KV block size")
+        fitted["block_size"] = _block_size(backend)
     if config.max_num_batched_tokens is None:
         fitted["max_num_batched_tokens"] = _token_budget(platform)
     if config.max_num_seqs is None:
         tokens = config.max_num_batched_tokens or fitted["max_num_batched_tokens"][0]
         fitted["max_num_seqs"] = _max_num_seqs(platform, tokens, config.num_gpu_blocks_override)
     return fitted
+
+
+def _block_size(backend: AttentionBackend) -> tuple[int, str]:
+    """The backend's preferred block size; for a decode+mixed pair, which half's it is (pair_block_size)."""
+    size = backend.preferred_block_size
+    if not isinstance(backend, PerPhaseBackend):
+        return size, f"{backend.name}'s preferred KV block size"
+    owner = next(((phase, b.name) for phase, b in backend.halves() if b.preferred_block_size == size), None)
+    if owner is None:
+        return size, f"{backend.name}: the smallest KV block size both halves take"
+    return size, f"{backend.name}: the {owner[0]} half {owner[1]}'s preferred KV block size, which both take"
 
 
 def _device(platform: Platform) -> str:

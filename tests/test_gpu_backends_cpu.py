@@ -331,6 +331,8 @@ def test_a_pair_takes_the_decode_halfs_block_size_where_the_mixed_half_takes_it(
     from turnout_triton.backend import TritonAttentionBackend
 
     from turnout.attention.per_phase import PerPhaseBackend
+    from turnout.config import EngineConfig
+    from turnout.defaults import fit_defaults
 
     triton = TritonAttentionBackend()
     fa4 = fa_backend.FlashAttnBackend(H200, fa_backend.Probe("fa4"))
@@ -338,3 +340,6 @@ def test_a_pair_takes_the_decode_halfs_block_size_where_the_mixed_half_takes_it(
     assert PerPhaseBackend(triton, fa4).preferred_block_size == 16
     assert PerPhaseBackend(fa4, triton).preferred_block_size == fa_backend.FA4_PAGE
     assert PerPhaseBackend(triton, fa2).preferred_block_size == fa_backend.FA2_BLOCK
+    fitted = fit_defaults(EngineConfig(), H200, PerPhaseBackend(triton, fa4))["block_size"]
+    why = "triton+flash_attn: the decode half triton's preferred KV block size, which both take"
+    assert fitted == (16, why)
