@@ -178,13 +178,12 @@ class Search:
         return [self.backends[n].preferred_block_size for n in names if n in self.backends]
 
     def _with_backend(self, cur: dict[str, Any], name: str, fixed: dict[str, Any]) -> dict[str, Any]:
-        """cur on backend name, with the block size it prefers (a pair: pair_block_size) unless user-set."""
+        """cur on backend name, at the block size it prefers (a pair: pair_block_size) unless user-set."""
+        block = fixed.get("block_size")
         halves = [self.backends.get(n) for n in split_name(name) or (name,)]
-        if fixed.get("block_size") or None in halves:
-            block = fixed.get("block_size") or cur["block_size"]
-        else:
+        if not block and None not in halves:
             block = pair_block_size(*halves) if len(halves) == 2 else halves[0].preferred_block_size
-        return {**cur, "attention_backend": name, "block_size": block}
+        return {**cur, "attention_backend": name, "block_size": block or cur["block_size"]}
 
     def _graph_options(self, cur: dict[str, Any]) -> list[dict[str, Any]]:
         """One option per graph mode as it runs here, cur's first: modes that downgrade to one are one."""
