@@ -33,10 +33,11 @@ def _block_size(backend: AttentionBackend) -> tuple[int, str]:
     size = backend.preferred_block_size
     if not isinstance(backend, PerPhaseBackend):
         return size, f"{backend.name}'s preferred KV block size"
-    owner = next(((phase, b.name) for phase, b in backend.halves() if b.preferred_block_size == size), None)
-    if owner is None:
+    phase = backend.block_size_phase
+    if phase is None:
         return size, f"{backend.name}: the smallest KV block size both halves take"
-    return size, f"{backend.name}: the {owner[0]} half {owner[1]}'s preferred KV block size, which both take"
+    half = dict(backend.halves())[phase].name
+    return size, f"{backend.name}: the {phase} half {half}'s preferred KV block size, which both take"
 
 
 def _device(platform: Platform) -> str:

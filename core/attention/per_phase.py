@@ -56,17 +56,17 @@ def decode_step(meta: AttentionMetadata) -> bool:
     return meta.max_query_len == 1 or 2 * meta.num_decode_tokens >= meta.num_actual_tokens
 
 
-def pair_block_size(decode: AttentionBackend, mixed: AttentionBackend) -> int:
-    """The KV block size of a decode+mixed pair: decode's preference where mixed takes it, since prefix
-    hits and the tail a request leaves unused in its last block are counted in whole blocks (at the Qwen3-8B
-    shape, FA4's 128-token blocks against triton's 16: 87.5% of a repeat's prompt tokens hit instead of
-    98.4%, and wide decode preempts where 16 fits every request); else mixed's where decode takes it; else
-    the smallest size both take."""
+def pair_block_size(decode: AttentionBackend, mixed: AttentionBackend) -> tuple[int, str | None]:
+    """(the KV block size of a decode+mixed pair, the phase whose preference it is): decode's where mixed
+    takes it, since prefix hits and the tail a request leaves unused in its last block are counted in whole
+    blocks (at the Qwen3-8B shape, FA4's 128-token blocks against triton's 16: 87.5% of a repeat's prompt
+    tokens hit instead of 98.4%, and wide decode preempts where 16 fits every request); else mixed's where
+    decode takes it; else (None) the smallest size both take."""
     multiple = math.lcm(decode.block_size_multiple, mixed.block_size_multiple)
-    for size in (decode.preferred_block_size, mixed.preferred_block_size):
-        if size % multiple == 0:
-            return size
-    return multiple
+    for phase, backend in (("decode", decode), ("mixed", mixed)):
+        if backend.preferred_block_size % multiple == 0:
+            return backend.preferred_block_size, phase
+    return multiple, None
 
 
 class PerPhaseBuilder(AttentionMetadataBuilder):
@@ -117,7 +117,8 @@ class PerPhaseBackend(AttentionBackend):
         self.device_types = tuple(d for d in decode.device_types if d in mixed.device_types)
         self.dtypes = tuple(d for d in decode.dtypes if d in mixed.dtypes)
         self.block_size_multiple = math.lcm(decode.block_size_multiple, mixed.block_size_multiple)
-        self.preferred_block_size = pair_block_size(decode, mixed)
+        # block_size_phase: whose preference the block size is ("decode", "mixed"; None: neither)
+        self.preferred_block_size, self.block_size_phase = pair_block_size(decode, mixed)
         self.cudagraph_support = phase_support(decode.cudagraph_support)
         self.attention_features = frozenset(decode.attention_features) & frozenset(mixed.attention_features)
         self.kv_cache_dtypes = tuple(d for d in decode.kv_cache_dtypes if d in mixed.kv_cache_dtypes)

@@ -182,7 +182,7 @@ class Search:
         block = fixed.get("block_size")
         halves = [self.backends.get(n) for n in split_name(name) or (name,)]
         if not block and None not in halves:
-            block = pair_block_size(*halves) if len(halves) == 2 else halves[0].preferred_block_size
+            block = pair_block_size(*halves)[0] if len(halves) == 2 else halves[0].preferred_block_size
         return {**cur, "attention_backend": name, "block_size": block or cur["block_size"]}
 
     def _graph_options(self, cur: dict[str, Any]) -> list[dict[str, Any]]:
