@@ -306,7 +306,8 @@ def test_bench_serve_deals_every_request_once_within_max_concurrency(n, processe
 # ---- vLLM as a peer: vllmbench.py and vLLM itself are external, so the test writes stand-ins for them ----
 FAKE_VLLMBENCH = """import json, os, sys
 res = {"engine": "vllm", "version": "0.0-test", "startup_s": 1.5, "argv": sys.argv[1:],
-       "PYTHONPATH": os.environ.get("PYTHONPATH"), "mode": os.environ.get("MODE")}
+       "PYTHONPATH": os.environ.get("PYTHONPATH"), "mode": os.environ.get("MODE"),
+       "precision": [os.environ.get("QUANTIZATION"), os.environ.get("KV_CACHE_DTYPE")]}
 res.update({"tpot_ms": 2.5} if os.environ.get("MODE") == "tpot" else {"first": 1000, "repeat": 2000})
 print("some log line")
 print("RESULT", json.dumps(res))
@@ -355,16 +356,31 @@ def fake_vllm(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "flashinfer-site"))  # turnout's own, never vLLM's
     monkeypatch.setenv("MODE", "tpot")  # a stray MODE does not turn a throughput run into a TPOT one
+    monkeypatch.setenv("KV_CACHE_DTYPE", "fp8")  # nor a stray KV_CACHE_DTYPE change vLLM's precision
     return peers_dir, site, log
 
 
-def test_vllm_runs_with_its_site_as_its_whole_pythonpath(fake_vllm, tmp_path):
+def test_vllm_runs_with_its_site_as_its_whole_pythonpath_at_turnouts_precision(fake_vllm, tmp_path):
     from turnout.bench import peers
 
-    peers_dir, site, _ = fake_vllm
+    peers_dir, site, log = fake_vllm
     res = peers.bench_py("vllm", "/m", peers_dir, tpot=False, timeout=60, site=site)
     assert res["PYTHONPATH"] == str(site) and res["mode"] is None and res["argv"] == ["/m"]
-    assert (res["first"], res["repeat"]) == (1000, 2000)
+    assert (res["first"], res["repeat"]) == (1000, 2000) and res["precision"] == [None, None]
+    fp8 = {"quantization": "fp8", "kv_cache_dtype": "fp8"}  # turnout's precision, vLLM's names
+    res = peers.bench_py("vllm", "/m", peers_dir, tpot=False, timeout=60, site=site, precision=fp8)
+    assert res["precision"] == ["fp8", "fp8"]
+    as_checkpoint = {"quantization": None, "kv_cache_dtype": "auto"}  # vllmbench.py reads "" as None
+    res = peers.bench_py("vllm", "/m", peers_dir, tpot=False, timeout=60, site=site, precision=as_checkpoint)
+    assert res["precision"] == ["", "auto"]
+    plan = {"runs": {}, "max_model_len": 64, "precision": fp8}  # the peer over a workload's own requests
+    peers.child("vllm", "/m", "bfloat16", plan, 60, peers.vllm_env(site))
+    started = json.loads(log.read_text().splitlines()[-1])
+    assert (started["quantization"], started["kv_cache_dtype"], started["max_model_len"]) == (
+        "fp8",
+        "fp8",
+        64,
+    )
     res = peers.bench_py("vllm", "/m", peers_dir, tpot=True, timeout=60, site=site)
     assert res["mode"] == "tpot" and res["tpot_ms"] == 2.5
     with pytest.raises(TurnoutError, match=r"no vllm/ in .*nowhere; pass --vllm-site DIR") as e:
@@ -444,6 +460,7 @@ def test_wide_runs_beside_vllm_on_the_same_requests_with_each_runs_floor(
         assert (
             vllm["config"]["runner"] == "turnout.bench.peers vllm" and vllm["config"]["max_model_len"] == 128
         )
+        assert (vllm["config"]["quantization"], vllm["config"]["kv_cache_dtype"]) == (None, "auto")
     assert recs["turnout", "first"]["config"]["workload"]["max_output_len"] == 5
     assert "prefix_cache_hit_rate" in recs["turnout", "repeat"]
     assert f"floor first {first:.3g} s" in printed and f"repeat {repeat:.3g} s" in printed
@@ -523,7 +540,14 @@ def test_latency_against_vllm_times_ttft_up_to_max_model_len(fake_vllm, cpu_ceil
     recs = {(r["engine"], r["run"]): r for r in json.loads(out.read_text())}
     assert set(recs) == {(e, run) for e in ("turnout", "vllm") for run in ("first", "repeat")}
     (llm_kw,) = [json.loads(line) for line in log.read_text().splitlines()]  # one TTFT process
-    assert llm_kw == {"model": str(model), "max_model_len": 1024, "seed": 0, "PYTHONPATH": str(site)}
+    precision = {"quantization": None, "kv_cache_dtype": "auto"}  # turnout's, so vLLM reads the checkpoint's
+    assert llm_kw == {
+        "model": str(model),
+        "max_model_len": 1024,
+        "seed": 0,
+        "PYTHONPATH": str(site),
+        **precision,
+    }
     for run in ("first", "repeat"):
         ours, peer = recs["turnout", run], recs["vllm", run]
         assert set(ours["ttft_ms"]) == set(peer["ttft_ms"]) == {"16", "64"} and ours["ttft_skipped"] == [4096]

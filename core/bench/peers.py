@@ -72,13 +72,26 @@ def _result(cmd: list[str], env: dict[str, str], name: str, timeout: float) -> d
 
 
 def bench_py(
-    engine: str, model_dir: str, peers_dir: Path, tpot: bool, timeout: float, site: str | Path = VLLM_SITE
+    engine: str,
+    model_dir: str,
+    peers_dir: Path,
+    tpot: bool,
+    timeout: float,
+    site: str | Path = VLLM_SITE,
+    precision: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """nanobench.py's or vllmbench.py's RESULT: startup_s (vLLM: and version), and first/repeat tok/s, or
-    tpot_ms with MODE=tpot; vLLM with its site folder as its whole PYTHONPATH."""
+    tpot_ms with MODE=tpot; vLLM with its site folder as its whole PYTHONPATH, at `precision` (its LLM's
+    quantization and kv_cache_dtype, passed as vllmbench.py's QUANTIZATION and KV_CACHE_DTYPE)."""
     env = vllm_env(site) if engine == "vllm" else nano_vllm_env()
-    env.pop("MODE", None)
+    for key in ("MODE", "QUANTIZATION", "KV_CACHE_DTYPE"):  # this call's, never the caller's environment's
+        env.pop(key, None)
     env |= {"MODE": "tpot"} if tpot else {}
+    if engine == "vllm" and precision:
+        env |= {
+            "QUANTIZATION": precision["quantization"] or "",
+            "KV_CACHE_DTYPE": precision["kv_cache_dtype"],
+        }
     args = ["nanovllm"] if engine == "nano-vllm" else []
     cmd = [sys.executable, str(peers_dir / BENCH_PY_PEERS[engine]), *args, model_dir]
     return _result(cmd, env, engine, timeout)
@@ -204,14 +217,14 @@ def _fa4_for_nano_vllm() -> None:
 
 def _offline(engine: str, model_dir: str, plan: dict[str, Any]) -> dict[str, Any]:
     """vLLM's offline LLM with its defaults, or nano-vllm (NANOVLLM_SRC) with CUDA graphs, at
-    plan["max_model_len"] as vllmbench.py and nanobench.py start them; after their warm-up, each run's
-    requests in one timed `generate`, or (vLLM, a latency plan) each TTFT prompt alone, one output token,
-    timed as turnout's ttft_ms."""
+    plan["max_model_len"] as vllmbench.py and nanobench.py start them (vLLM at plan["precision"]); after
+    their warm-up, each run's requests in one timed `generate`, or (vLLM, a latency plan) each TTFT prompt
+    alone, one output token, timed as turnout's ttft_ms."""
     if engine == "vllm":
         import vllm
         from vllm import LLM, SamplingParams, TokensPrompt
 
-        kw, res = {"seed": 0}, {"version": vllm.__version__}
+        kw, res = {"seed": 0, **plan.get("precision", {})}, {"version": vllm.__version__}
         prompt, tokens = lambda ids: TokensPrompt(prompt_token_ids=ids), lambda o: len(o.outputs[0].token_ids)
     else:
         _fa4_for_nano_vllm()

@@ -157,6 +157,7 @@ class Bench:
         if engine == "vllm":
             runner = "turnout.bench.peers vllm" if here else "vllmbench.py"
             cfg = {"runner": runner, "version": res.get("version"), "PYTHONPATH": self.args.vllm_site}
+            cfg |= self.vllm_precision()
             if self.args.workload == "latency":
                 ttft = {"ttft": "turnout.bench.peers vllm", "max_model_len": self.cfg.max_model_len}
                 cfg |= {**ttft, "ttft_startup_s": res.get("ttft_startup_s")}
@@ -166,6 +167,11 @@ class Bench:
         if engine == peers.STATIC:
             return {**res["selection"], "engine": self.static_config()}
         return {"dtype": self.dtype}
+
+    def vllm_precision(self) -> dict[str, Any]:
+        """vLLM's LLM arguments for this run's weight quantization and KV-cache dtype (vLLM's names and
+        values), so that vLLM runs at turnout's precision: None quantization reads the checkpoint's own."""
+        return {"quantization": self.cfg.quantization, "kv_cache_dtype": self.cfg.kv_cache_dtype}
 
     def static_config(self) -> dict[str, Any]:
         """turnout-static's engine config: this run's, with tuning records ignored."""
@@ -355,13 +361,16 @@ class Bench:
             if engine in peers.BENCH_PY_PEERS:  # vLLM or nano-vllm over this workload's requests
                 env = peers.vllm_env(self.args.vllm_site) if engine == "vllm" else peers.nano_vllm_env()
                 plan = {"runs": plan["runs"], "max_model_len": self.cfg.max_model_len}
+                plan |= {"precision": self.vllm_precision()} if engine == "vllm" else {}
             res = self.child(engine, plan, env)
             for run in RUNS if "runs" in plan else ():
                 res[run] = rate(res[run]["seconds"], res[run]["output_tokens"])
             return res
         lat, a = "latency" in plan, self.args
         d = peers.find_peers_dir(a.peers_dir, peers.BENCH_PY_PEERS[engine])
-        res = peers.bench_py(engine, self.model_dir, d, lat, a.peer_timeout, a.vllm_site)
+        res = peers.bench_py(
+            engine, self.model_dir, d, lat, a.peer_timeout, a.vllm_site, self.vllm_precision()
+        )
         tpot = res.get("tpot_ms")  # MODE=tpot times decode only
         metrics = {
             run: {"tpot_ms": tpot, "ttft_ms": {}} if lat else {"output_tokens_per_s": res[run]}
@@ -370,7 +379,7 @@ class Bench:
         out = {"startup_s": res["startup_s"], "version": res.get("version"), **metrics}
         if engine == "vllm" and lat and self.ttft_lens:  # TTFT at turnout's max_model_len
             peers.wait_for_gpu(used)
-            plan = {**plan, "max_model_len": self.cfg.max_model_len}
+            plan = {**plan, "max_model_len": self.cfg.max_model_len, "precision": self.vllm_precision()}
             try:
                 ttft = self.child("vllm", plan, peers.vllm_env(a.vllm_site))
             except TurnoutError as e:  # vLLM's TPOT stands
