@@ -49,16 +49,17 @@ def rms_norm_weighted(x, w, rstd, UNIT_OFFSET: tl.constexpr):
 
 
 @triton.jit
-def rms_norm_row(x, res, w, cols, n, eps, HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr):
-    """RMSNorm of one row x [BLOCK] (loaded, zero where cols >= n), res and w pointing at its residual row
-    and the weight: (the normed row in float32, for the caller to round once; x + residual rounded to x's
-    dtype, the residual stream to store, where HAS_RES, else x)."""
+def rms_norm_row(x, res, res_out, w, cols, n, eps, HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """RMSNorm of one row x [BLOCK] (loaded, zero where cols >= n), res, res_out and w pointing at its
+    residual row, where the residual stream goes and the weight: the normed row in float32, for the caller
+    to round once. Where HAS_RES the row normed is x + residual, rounded to x's dtype and stored at res_out."""
     m = cols < n
     if HAS_RES:
         x = add_residual(x, tl.load(res + cols, mask=m, other=0.0))
+        tl.store(res_out + cols, x, mask=m)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-    return rms_norm_weighted(x, tl.load(w + cols, mask=m, other=0.0), rstd, UNIT_OFFSET), x
+    return rms_norm_weighted(x, tl.load(w + cols, mask=m, other=0.0), rstd, UNIT_OFFSET)
 
 
 @triton.jit
@@ -81,9 +82,7 @@ def rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     m = cols < n
     xv = tl.load(x + t * s_xt + h * s_xh + cols, mask=m, other=0.0)
-    y, xv = rms_norm_row(xv, res + t * s_rt, w, cols, n, eps, HAS_RES, UNIT_OFFSET)
-    if HAS_RES:
-        tl.store(res_out + t * s_rot + cols, xv, mask=m)
+    y = rms_norm_row(xv, res + t * s_rt, res_out + t * s_rot, w, cols, n, eps, HAS_RES, UNIT_OFFSET)
     tl.store(out + t * s_ot + h * s_oh + cols, y.to(out.dtype.element_ty), mask=m)
 
 

@@ -66,9 +66,7 @@ def _norm_quant_kernel(
     cols = tl.arange(0, BLOCK)
     m = cols < K
     xv = tl.load(x + row * stride_x + cols, mask=m, other=0.0)
-    y, xv = rms_norm_row(xv, res + row * stride_r, w, cols, K, eps, HAS_RES, False)
-    if HAS_RES:
-        tl.store(res_out + row * stride_ro + cols, xv, mask=m)
+    y = rms_norm_row(xv, res + row * stride_r, res_out + row * stride_ro, w, cols, K, eps, HAS_RES, False)
     y = y.to(xv.dtype).to(tl.float32)
     _quant_row(y, q + row * stride_q, s + row * stride_sm, stride_sg, K, GROUP, BLOCK)
 
