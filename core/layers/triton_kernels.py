@@ -52,7 +52,7 @@ def rms_norm_weighted(x, w, rstd, UNIT_OFFSET: tl.constexpr):
 def rms_norm_row(x, res, res_out, w, cols, n, eps, HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     """RMSNorm of one row x [BLOCK] (loaded, zero where cols >= n), res, res_out and w pointing at its
     residual row, where the residual stream goes and the weight: the normed row in float32, for the caller
-    to round once. Where HAS_RES the row normed is x + residual, rounded to x's dtype and stored at res_out."""
+    to round once. Where HAS_RES, the row normed is x + residual, rounded to x's dtype, stored at res_out."""
     m = cols < n
     if HAS_RES:
         x = add_residual(x, tl.load(res + cols, mask=m, other=0.0))
