@@ -21,9 +21,11 @@ class Ceiling:
 
 
 # One row per device, matched by substring of torch.cuda.get_device_name(). Only measured values go here.
-CEILINGS = {  # H200 FP8: an 8192^3 e4m3 _scaled_mm with row-wise scales (benchmarks/results/fp8/)
+CEILINGS = {  # FP8: an 8192^3 e4m3 _scaled_mm with row-wise scales (benchmarks/results/fp8/)
     "H200": Ceiling(4.3e12, 790e12, "measured on one H200 (141 GB HBM3e): a large device-to-device copy, "
                     "a bf16 matmul", fp8_flops_per_s=1222e12),
+    "H100 80GB HBM3": Ceiling(3.05e12, 784e12, "measured on one H100 80GB HBM3: a 4 GiB device-to-device "
+                              "copy, an 8192^3 bf16 matmul", fp8_flops_per_s=1369e12),
 }  # fmt: skip
 
 
