@@ -744,6 +744,65 @@ def test_turnout_static_runs_the_static_default_beside_the_measured_selection(tm
                 assert ours["ttft_ratio_vs_static"].keys() == static["ttft_ms"].keys() == {"64"}
 
 
+def test_turnout_bf16_runs_the_unquantized_weights_beside_an_fp8_run(tmp_path, monkeypatch, capsys):
+    """--peers turnout-bf16: the same workload on the weights this run quantizes at load, with a 16-bit KV
+    cache, in a process of its own; turnout's FP8 records carry their ratio to it."""
+    monkeypatch.setenv("TURNOUT_CACHE_DIR", str(tmp_path / "cache"))
+    model = str(make_tiny_model(tmp_path / "m", "llama", vocab_size=10240))  # nano-vllm's prompt ids fit
+    out = tmp_path / "r.json"
+    argv = ["bench", "throughput", "--model", model, "--max-model-len", "256", "--num-prompts", "4",
+            "--max-input-len", "32", "--max-output-len", "4", "--quantization", "fp8",
+            "--kv-cache-dtype", "fp8", "--peers", "turnout-bf16", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    recs = {(r["engine"], r["run"]): r for r in json.loads(out.read_text())}
+    assert sorted(recs) == [(e, r) for e in ("turnout", "turnout-bf16") for r in ("first", "repeat")]
+    for run in ("first", "repeat"):
+        ours, bf16 = recs["turnout", run], recs["turnout-bf16", run]
+        records.check(ours), records.check(bf16)
+        assert (ours["config"]["engine"]["quantization"], ours["config"]["engine"]["kv_cache_dtype"]) == (
+            "fp8",
+            "fp8",
+        )
+        engine = bf16["config"]["engine"]
+        assert (engine["model"], engine["quantization"], engine["kv_cache_dtype"]) == (model, None, "auto")
+        assert ours["output_tokens"] == bf16["output_tokens"] == 16
+        assert ours["ratio_vs_bf16"] == pytest.approx(
+            ours["output_tokens_per_s"] / bf16["output_tokens_per_s"]
+        )
+    assert "x bf16" in capsys.readouterr().out
+
+
+def test_turnout_bf16_finds_a_random_fp8_models_bf16_checkpoint_and_refuses_where_there_is_none(
+    tmp_path, monkeypatch
+):
+    from turnout.bench import random_models
+    from turnout.bench.runner import Bench
+
+    monkeypatch.setenv("TURNOUT_CACHE_DIR", str(tmp_path / "cache"))
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True)  # fmt: skip
+    monkeypatch.setitem(random_models.SHAPES, "tiny", ("qwen3", shape))
+    args = build_parser().parse_args(["bench", "throughput", "--peers", "turnout-bf16"])
+    args.random_model = "tiny-fp8-dynamic"  # argparse's choices hold the real shapes only
+    cfg = Bench(args, ["turnout-bf16"]).variant_config("turnout-bf16")
+    assert cfg["model"] == str(random_models.random_model_dir("tiny")) and cfg["quantization"] is None
+    assert (
+        json.loads((random_models.random_model_dir("tiny") / "config.json").read_text()).get(
+            "quantization_config"
+        )
+        is None
+    )  # the bf16 checkpoint the FP8 one was made from
+    fp8 = str(random_models.random_model_dir("tiny-fp8-dynamic"))
+    for argv, why in (
+        (["--model", fp8], "is a quantized checkpoint, with no unquantized one beside it"),
+        (["--model", str(random_models.random_model_dir("tiny"))], "this run is unquantized already"),
+    ):
+        args = build_parser().parse_args(["bench", "throughput", *argv, "--peers", "turnout-bf16"])
+        with pytest.raises(TurnoutError, match=why) as e:
+            Bench(args, ["turnout-bf16"])
+        assert len(str(e.value).splitlines()) == 1
+
+
 def test_wide_records_and_every_engines_time_over_the_floor_reach_the_report(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
     import report

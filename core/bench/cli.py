@@ -118,7 +118,7 @@ def _check_wide(args: argparse.Namespace, peers: list[str]) -> None:
     if hf := [p for p in peers if p in HF_ENGINES]:
         raise TurnoutError(
             f"{hf[0]} runs the throughput workload's subset only; wide runs beside vllm, "
-            "nano-vllm and turnout-static"
+            "nano-vllm, turnout-static and turnout-bf16"
         )
     for what in ("input", "output"):
         lo, hi = getattr(args, f"min_{what}_len"), getattr(args, f"max_{what}_len")

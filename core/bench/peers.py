@@ -24,7 +24,9 @@ from turnout.errors import TurnoutError
 HF_ENGINES = ("hf-generate-batch", "hf-generate")
 BENCH_PY_PEERS = {"nano-vllm": "nanobench.py", "vllm": "vllmbench.py"}  # peer: its runner in the peers dir
 STATIC = "turnout-static"  # turnout with tuned = off: the static default beside the measured selection
-PEERS = (*BENCH_PY_PEERS, *HF_ENGINES, STATIC)
+BF16 = "turnout-bf16"  # turnout on the unquantized weights with a 16-bit KV cache, beside an FP8 run
+VARIANTS = (STATIC, BF16)  # turnout itself in a child process, at another config
+PEERS = (*BENCH_PY_PEERS, *HF_ENGINES, *VARIANTS)
 VLLM_SITE = "/tmp/vllm-site"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,14 +74,9 @@ def _result(cmd: list[str], env: dict[str, str], name: str, timeout: float) -> d
 
 
 def bench_py(
-    engine: str,
-    model_dir: str,
-    peers_dir: Path,
-    tpot: bool,
-    timeout: float,
-    site: str | Path = VLLM_SITE,
+    engine: str, model_dir: str, peers_dir: Path, tpot: bool, timeout: float, site: str | Path = VLLM_SITE,
     precision: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     """nanobench.py's or vllmbench.py's RESULT: startup_s (vLLM: and version), and first/repeat tok/s, or
     tpot_ms with MODE=tpot; vLLM with its site folder as its whole PYTHONPATH, at `precision` (its LLM's
     quantization and kv_cache_dtype, passed as vllmbench.py's QUANTIZATION and KV_CACHE_DTYPE)."""
@@ -100,7 +97,7 @@ def bench_py(
 def child(
     engine: str, model_dir: str, dtype: str, plan: dict[str, Any], timeout: float, env: dict | None = None
 ) -> dict[str, Any]:
-    """An HF peer or turnout (or turnout-static, with plan["config"]) over plan["runs"] or plan["latency"];
+    """An HF peer or turnout (or a VARIANTS one, with plan["config"]) over plan["runs"] or plan["latency"];
     vLLM (with env=vllm_env(site)) over plan["runs"] or the latency plan's TTFT prompts; nano-vllm (with
     env=nano_vllm_env()) over plan["runs"]."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -171,7 +168,7 @@ def _generate_batch(model: Any, prompts: list[list[int]], new: int) -> int:
 
 def _turnout(engine: str, plan: dict[str, Any]) -> dict[str, Any]:
     """turnout with plan["config"] in a process of its own (the prefix workload's engine without caching,
-    turnout-static), over plan["runs"] or plan["latency"]; its selection as the bench records it."""
+    VARIANTS), over plan["runs"] or plan["latency"]; its selection as the bench records it."""
     from turnout import LLM
     from turnout.config import EngineConfig
 
@@ -257,7 +254,7 @@ def _offline(engine: str, model_dir: str, plan: dict[str, Any]) -> dict[str, Any
 
 def main(engine: str, model_dir: str, dtype: str, plan_file: str) -> dict[str, Any]:
     plan = json.loads(Path(plan_file).read_text())
-    if engine in ("turnout", STATIC):
+    if engine in ("turnout", *VARIANTS):
         return _turnout(engine, plan)
     if engine in BENCH_PY_PEERS:
         return _offline(engine, model_dir, plan)

@@ -2,9 +2,10 @@
 
 Every record has REQUIRED's fields and its workload's (BY_WORKLOAD), then more metrics, headed as COLUMNS
 says. ratio_vs_<peer> is turnout's figure over the peer's in the same run (turnout-static: turnout with
-tuned = off); on the HF peers' subset, a record has subset, ratio_vs_peer and ratio_vs_hf_generate. Latency's
-ttft_ms is {prompt length: ms}; its ratios are tpot_ and ttft_ratio_vs_vllm (and _vs_static), ttft_skipped the
-lengths over max_model_len. A structured record's unconstrained_output_tokens_per_s is the same prompts
+tuned = off; turnout-bf16: turnout on the unquantized weights, beside an FP8 run); on the HF peers' subset, a
+record has subset, ratio_vs_peer and ratio_vs_hf_generate. Latency's ttft_ms is {prompt length: ms}; its
+ratios are tpot_ and ttft_ratio_vs_vllm (and _vs_static, _vs_bf16), ttft_skipped the lengths over
+max_model_len. A structured record's unconstrained_output_tokens_per_s is the same prompts
 without the schema, each to the tokens it produced constrained; structured_cost is 1 - the first over that;
 num_completed counts the constrained requests their grammar ended. Structured runs are all "first" (prefix
 caching off).
@@ -29,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from turnout.bench import peers
 from turnout.errors import TurnoutError
 
 REQUIRED = ("workload", "engine", "model", "device", "commit", "date", "command", "config")
@@ -41,7 +43,8 @@ BY_WORKLOAD = {
                    "unconstrained_output_tokens_per_s", "structured_cost", "mean_output_len"),
 }  # fmt: skip
 RUN = {"engine": "engine", "run": "run", "requests": "requests", "output_tokens_per_s": "output tok/s"}
-VS = {"ratio_vs_vllm": "x vLLM", "ratio_vs_nano_vllm": "x nano-vllm", "ratio_vs_static": "x static"}
+VS = {"ratio_vs_vllm": "x vLLM", "ratio_vs_nano_vllm": "x nano-vllm", "ratio_vs_static": "x static",
+      "ratio_vs_bf16": "x bf16"}  # fmt: skip
 VS_HF = {"ratio_vs_peer": "x HF generate_batch", "ratio_vs_hf_generate": "x HF generate"}
 TAIL = {"over_floor": "x floor", "prefix_cache_hit_rate": "prefix-cache hits", "startup_s": "start-up (s)"}
 COLUMNS = {  # each workload's table (the CLI's and docs/performance.md's): key -> header
@@ -54,6 +57,7 @@ COLUMNS = {  # each workload's table (the CLI's and docs/performance.md's): key 
         "engine": "engine", "run": "run", "tpot_ms": "TPOT (ms)", "ttft_ms": "TTFT (ms) by prompt",
         "tpot_ratio_vs_vllm": "TPOT / vLLM's", "ttft_ratio_vs_vllm": "TTFT / vLLM's by prompt",
         "tpot_ratio_vs_static": "TPOT / static's", "ttft_ratio_vs_static": "TTFT / static's by prompt",
+        "tpot_ratio_vs_bf16": "TPOT / bf16's", "ttft_ratio_vs_bf16": "TTFT / bf16's by prompt",
         "tpot_floor_ms": "TPOT floor (ms)", "tpot_over_floor": "TPOT x floor",
         "ttft_over_floor": "TTFT x floor by prompt", "startup_s": "start-up (s)",
     },
@@ -71,7 +75,7 @@ COLUMNS = {  # each workload's table (the CLI's and docs/performance.md's): key 
         "startup_s": "start-up (s)",
     },
 }  # fmt: skip
-ENGINES = ("turnout", "vllm", "nano-vllm", "hf-generate-batch", "hf-generate", "turnout-static")
+ENGINES = ("turnout", *peers.PEERS)
 
 
 def device_name() -> str:

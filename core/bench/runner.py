@@ -4,6 +4,7 @@ in its own process, so that turnout then has the GPU to itself."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from turnout.bench import peers, records, roofline, workloads
+from turnout.bench.random_models import random_model
 from turnout.errors import TurnoutError
 from turnout.tuning.key import PROFILES
 
@@ -25,7 +27,8 @@ WORKLOAD_KEYS = {
     "structured": (*NANO_VLLM_REQUESTS, "json_schema", "structured_output_ratio"),
 }
 # a ratio's key -> the peer whose same run turnout's output tok/s is over (VS_HF: on the HF peers' subset)
-VS_PEERS = {"ratio_vs_vllm": "vllm", "ratio_vs_nano_vllm": "nano-vllm", "ratio_vs_static": "turnout-static"}
+VS_PEERS = {f"ratio_vs_{p.removeprefix('turnout-').replace('-', '_')}": p
+            for p in ("vllm", "nano-vllm", *peers.VARIANTS)}  # fmt: skip
 VS_HF = {"ratio_vs_peer": "hf-generate-batch", "ratio_vs_hf_generate": "hf-generate"}
 CHILD_PEERS = ("wide",)  # workloads whose requests vLLM and nano-vllm run here, not their bench.py's
 
@@ -87,8 +90,6 @@ class Bench:
         if args.random_model:
             if cfg.model:
                 raise TurnoutError("--model and --random-model both name a model; pass one")
-            from turnout.bench.random_models import random_model
-
             update["model"] = str(random_model(args.random_model))
         self.model_dir = resolve_model_dir(cfg.model_copy(update=update))
         info = ModelInfo.from_dir(self.model_dir)
@@ -128,6 +129,8 @@ class Bench:
         self.selection: dict[str, Any] = {}
         self.startup_s = 0.0
         self.failed: list[str] = []  # peers that did not run
+        if peers.BF16 in self.peers:  # its checkpoint, or why there is none, before anything runs
+            self.variant_config(peers.BF16)
 
     # ---- records ----
     def record(self, engine: str, run: str, config: dict | None = None, **metrics: Any) -> dict[str, Any]:
@@ -164,8 +167,8 @@ class Bench:
             elif here:
                 cfg["max_model_len"] = self.cfg.max_model_len
             return cfg
-        if engine == peers.STATIC:
-            return {**res["selection"], "engine": self.static_config()}
+        if engine in peers.VARIANTS:
+            return {**res["selection"], "engine": self.variant_config(engine)}
         return {"dtype": self.dtype}
 
     def vllm_precision(self) -> dict[str, Any]:
@@ -173,9 +176,25 @@ class Bench:
         values), so that vLLM runs at turnout's precision: None quantization reads the checkpoint's own."""
         return {"quantization": self.cfg.quantization, "kv_cache_dtype": self.cfg.kv_cache_dtype}
 
-    def static_config(self) -> dict[str, Any]:
-        """turnout-static's engine config: this run's, with tuning records ignored."""
-        return {**self.cfg.model_dump(), "tuned": "off", "tune": "off"}
+    def variant_config(self, engine: str) -> dict[str, Any]:
+        """turnout-static's engine config (this run's, with tuning records ignored) or turnout-bf16's: this
+        run's on the unquantized weights (a random FP8 model's bf16 checkpoint, or the checkpoint that this
+        run quantizes at load) with the KV cache at the model's dtype."""
+        cfg = self.cfg.model_dump()
+        if engine == peers.STATIC:
+            return {**cfg, "tuned": "off", "tune": "off"}
+        shape, fp8, _ = (self.args.random_model or "").partition("-fp8")
+        quantized = "quantization_config" in json.loads((Path(self.model_dir) / "config.json").read_text())
+        if quantized and not fp8:
+            raise TurnoutError(
+                f"{peers.BF16}: {self.model} is a quantized checkpoint, with no unquantized one beside it; "
+                "run a --random-model SHAPE-fp8 model, or a bf16 checkpoint with --quantization fp8"
+            )
+        if not (quantized or self.cfg.quantization or self.cfg.kv_cache_dtype != "auto"):
+            raise TurnoutError(f"{peers.BF16}: this run is unquantized already; pass --quantization or "
+                               "--kv-cache-dtype fp8, or drop the peer")  # fmt: skip
+        cfg["model"] = str(random_model(shape)) if fp8 else cfg["model"]
+        return {**cfg, "quantization": None, "kv_cache_dtype": "auto"}
 
     def peer_records(
         self, results: dict[str, dict], floors: dict[str, Any] | None = None, **extra: Any
@@ -245,7 +264,7 @@ class Bench:
             near = vs_floor(ours, sub_floors.get(run))
             recs.append(self.record("turnout", run, subset=len(sub), **m, **vs, **near))
         llm.shutdown()
-        whole = (*peers.BENCH_PY_PEERS, peers.STATIC)  # the peers that ran the whole workload
+        whole = (*peers.BENCH_PY_PEERS, *peers.VARIANTS)  # the peers that ran the whole workload
         full = {e: res.pop(e) for e in whole if e in res}
         recs += self.peer_records(full, floors, num_prompts=len(reqs))
         return recs + self.peer_records(res, sub_floors, subset=len(sub)), _plotted(floors)
@@ -270,7 +289,7 @@ class Bench:
         measured, recs = workloads.latency(llm, a.tpot_tokens, plan), []
         for run, m in measured.items():
             vs = {}
-            for engine, name in (("vllm", "vllm"), (peers.STATIC, "static")):
+            for engine, name in (("vllm", "vllm"), (peers.STATIC, "static"), (peers.BF16, "bf16")):
                 vs[f"tpot_ratio_vs_{name}"] = ratio(m["tpot_ms"], metric(res, engine, run, "tpot_ms"))
                 vs[f"ttft_ratio_vs_{name}"] = ratios(m["ttft_ms"], metric(res, engine, run, "ttft_ms"))
             near = vs_latency_floor(m, floors)
@@ -348,8 +367,8 @@ class Bench:
 
     def run_peer(self, engine: str, plan: dict[str, Any], used: int | None = None) -> dict[str, Any]:
         """One peer's result; used: the GPU's memory in use before it started."""
-        if engine == peers.STATIC:  # the whole workload (HF peers run plan["runs"], a subset)
-            static: dict[str, Any] = {"config": self.static_config()}
+        if engine in peers.VARIANTS:  # the whole workload (HF peers run plan["runs"], a subset)
+            static: dict[str, Any] = {"config": self.variant_config(engine)}
             if "all" in plan:
                 static["runs"] = dict.fromkeys(RUNS, plan["all"])
             if "latency" in plan:
