@@ -85,12 +85,14 @@ SUITES = {
         ["python benchmarks/bench_attention.py --backends triton,flashinfer,flash_attn "
          "--json {out}/{stamp}-triton-flashinfer-fa4.json"]),
     "fp8": Suite(
-        "nano-vllm's bench at the Qwen3-8B shape in both FP8 formats beside vLLM's FP8 path, and in bf16; "
-        "the folder also holds the sweeps of turnout-fp8's matmul routes against bf16 cuBLAS by rows M that "
-        "chose its routes and tiles (bench_fp8.py, no longer run: each file names its command and commit)",
-        ["turnout bench throughput --random-model qwen3-8b-fp8-dynamic --peers vllm --out {out}",
-         "turnout bench throughput --random-model qwen3-8b-fp8 --peers vllm --out {out}",
-         "turnout bench throughput --random-model qwen3-8b --out {out}"]),
+        "nano-vllm's bench at the Qwen3-8B shape in both FP8 formats beside vLLM's FP8 path and turnout "
+        "bf16, and wide decode with FP8 weights and KV cache beside both; the folder also holds the sweeps "
+        "of turnout-fp8's matmul routes against bf16 cuBLAS by rows M that chose its routes and tiles "
+        "(bench_fp8.py, no longer run: each file names its command and commit)",
+        ["turnout bench throughput --random-model qwen3-8b-fp8-dynamic --peers vllm,turnout-bf16 --out {out}",
+         "turnout bench throughput --random-model qwen3-8b-fp8 --peers vllm,turnout-bf16 --out {out}",
+         "turnout bench wide --random-model qwen3-8b-fp8-dynamic --kv-cache-dtype fp8 "
+         "--peers vllm,turnout-bf16 --out {out}"]),
     "cpu-latency": Suite(
         "Time to first token on the CPU, the embedded SmolLM2-135M at 512, 2,048 and 4,096 prompt tokens: "
         "`turnout bench latency` (its first run and a repeat, each on fresh prompts); the records with HF "
