@@ -782,10 +782,15 @@ def test_turnout_bf16_finds_a_random_fp8_models_bf16_checkpoint_and_refuses_wher
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True)  # fmt: skip
     monkeypatch.setitem(random_models.SHAPES, "tiny", ("qwen3", shape))
-    args = build_parser().parse_args(["bench", "throughput", "--peers", "turnout-bf16"])
+    args = build_parser().parse_args(
+        ["bench", "throughput", "--peers", "turnout-bf16", "--quantization", "fp8"]
+    )
     args.random_model = "tiny-fp8-dynamic"  # argparse's choices hold the real shapes only
-    cfg = Bench(args, ["turnout-bf16"]).variant_config("turnout-bf16")
+    bench = Bench(args, ["turnout-bf16"])
+    cfg = bench.variant_config("turnout-bf16")
     assert cfg["model"] == str(random_models.random_model_dir("tiny")) and cfg["quantization"] is None
+    # vLLM reads a quantized checkpoint's own quantization_config, whatever --quantization says
+    assert bench.vllm_precision() == {"quantization": None, "kv_cache_dtype": "auto"}
     assert (
         json.loads((random_models.random_model_dir("tiny") / "config.json").read_text()).get(
             "quantization_config"
@@ -801,6 +806,9 @@ def test_turnout_bf16_finds_a_random_fp8_models_bf16_checkpoint_and_refuses_wher
         with pytest.raises(TurnoutError, match=why) as e:
             Bench(args, ["turnout-bf16"])
         assert len(str(e.value).splitlines()) == 1
+    bf16 = str(random_models.random_model_dir("tiny"))
+    args = build_parser().parse_args(["bench", "throughput", "--model", bf16, "--quantization", "fp8"])
+    assert Bench(args, []).vllm_precision() == {"quantization": "fp8", "kv_cache_dtype": "auto"}
 
 
 def test_wide_records_and_every_engines_time_over_the_floor_reach_the_report(tmp_path, monkeypatch):

@@ -4,7 +4,6 @@ in its own process, so that turnout then has the GPU to itself."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -93,6 +92,7 @@ class Bench:
             update["model"] = str(random_model(args.random_model))
         self.model_dir = resolve_model_dir(cfg.model_copy(update=update))
         info = ModelInfo.from_dir(self.model_dir)
+        self.quantized = "quantization_config" in info.hf_config  # the checkpoint's own quantization
         self.ttft_lens: list[int] = []
         if args.workload == "latency":  # the TTFT prompts that fit with their one output token
             limit = cfg.max_model_len or info.max_position_embeddings
@@ -173,8 +173,9 @@ class Bench:
 
     def vllm_precision(self) -> dict[str, Any]:
         """vLLM's LLM arguments for this run's weight quantization and KV-cache dtype (vLLM's names and
-        values), so that vLLM runs at turnout's precision: None quantization reads the checkpoint's own."""
-        return {"quantization": self.cfg.quantization, "kv_cache_dtype": self.cfg.kv_cache_dtype}
+        values), so that vLLM runs at turnout's precision: on a quantized checkpoint, the checkpoint's own."""
+        quantization = None if self.quantized else self.cfg.quantization
+        return {"quantization": quantization, "kv_cache_dtype": self.cfg.kv_cache_dtype}
 
     def variant_config(self, engine: str) -> dict[str, Any]:
         """turnout-static's engine config (this run's, with tuning records ignored) or turnout-bf16's: this
@@ -184,13 +185,12 @@ class Bench:
         if engine == peers.STATIC:
             return {**cfg, "tuned": "off", "tune": "off"}
         shape, fp8, _ = (self.args.random_model or "").partition("-fp8")
-        quantized = "quantization_config" in json.loads((Path(self.model_dir) / "config.json").read_text())
-        if quantized and not fp8:
+        if self.quantized and not fp8:
             raise TurnoutError(
                 f"{peers.BF16}: {self.model} is a quantized checkpoint, with no unquantized one beside it; "
                 "run a --random-model SHAPE-fp8 model, or a bf16 checkpoint with --quantization fp8"
             )
-        if not (quantized or self.cfg.quantization or self.cfg.kv_cache_dtype != "auto"):
+        if not (self.quantized or self.cfg.quantization or self.cfg.kv_cache_dtype != "auto"):
             raise TurnoutError(f"{peers.BF16}: this run is unquantized already; pass --quantization or "
                                "--kv-cache-dtype fp8, or drop the peer")  # fmt: skip
         cfg["model"] = str(random_model(shape)) if fp8 else cfg["model"]
