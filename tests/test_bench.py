@@ -376,11 +376,7 @@ def test_vllm_runs_with_its_site_as_its_whole_pythonpath_at_turnouts_precision(f
     plan = {"runs": {}, "max_model_len": 64, "precision": fp8}  # the peer over a workload's own requests
     peers.child("vllm", "/m", "bfloat16", plan, 60, peers.vllm_env(site))
     started = json.loads(log.read_text().splitlines()[-1])
-    assert (started["quantization"], started["kv_cache_dtype"], started["max_model_len"]) == (
-        "fp8",
-        "fp8",
-        64,
-    )
+    assert {k: started[k] for k in (*fp8, "max_model_len")} == {**fp8, "max_model_len": 64}
     res = peers.bench_py("vllm", "/m", peers_dir, tpot=True, timeout=60, site=site)
     assert res["mode"] == "tpot" and res["tpot_ms"] == 2.5
     with pytest.raises(TurnoutError, match=r"no vllm/ in .*nowhere; pass --vllm-site DIR") as e:
@@ -540,14 +536,8 @@ def test_latency_against_vllm_times_ttft_up_to_max_model_len(fake_vllm, cpu_ceil
     recs = {(r["engine"], r["run"]): r for r in json.loads(out.read_text())}
     assert set(recs) == {(e, run) for e in ("turnout", "vllm") for run in ("first", "repeat")}
     (llm_kw,) = [json.loads(line) for line in log.read_text().splitlines()]  # one TTFT process
-    precision = {"quantization": None, "kv_cache_dtype": "auto"}  # turnout's, so vLLM reads the checkpoint's
-    assert llm_kw == {
-        "model": str(model),
-        "max_model_len": 1024,
-        "seed": 0,
-        "PYTHONPATH": str(site),
-        **precision,
-    }
+    want = {"model": str(model), "max_model_len": 1024, "seed": 0, "PYTHONPATH": str(site)}
+    assert llm_kw == {**want, "quantization": None, "kv_cache_dtype": "auto"}  # at turnout's precision
     for run in ("first", "repeat"):
         ours, peer = recs["turnout", run], recs["vllm", run]
         assert set(ours["ttft_ms"]) == set(peer["ttft_ms"]) == {"16", "64"} and ours["ttft_skipped"] == [4096]
@@ -759,12 +749,8 @@ def test_turnout_bf16_runs_the_unquantized_weights_beside_an_fp8_run(tmp_path, m
     for run in ("first", "repeat"):
         ours, bf16 = recs["turnout", run], recs["turnout-bf16", run]
         records.check(ours), records.check(bf16)
-        assert (ours["config"]["engine"]["quantization"], ours["config"]["engine"]["kv_cache_dtype"]) == (
-            "fp8",
-            "fp8",
-        )
-        engine = bf16["config"]["engine"]
-        assert (engine["model"], engine["quantization"], engine["kv_cache_dtype"]) == (model, None, "auto")
+        precision = lambda r: [r["config"]["engine"][k] for k in ("model", "quantization", "kv_cache_dtype")]  # noqa: E731
+        assert precision(ours) == [model, "fp8", "fp8"] and precision(bf16) == [model, None, "auto"]
         assert ours["output_tokens"] == bf16["output_tokens"] == 16
         assert ours["ratio_vs_bf16"] == pytest.approx(
             ours["output_tokens_per_s"] / bf16["output_tokens_per_s"]
@@ -791,12 +777,8 @@ def test_turnout_bf16_finds_a_random_fp8_models_bf16_checkpoint_and_refuses_wher
     assert cfg["model"] == str(random_models.random_model_dir("tiny")) and cfg["quantization"] is None
     # vLLM reads a quantized checkpoint's own quantization_config, whatever --quantization says
     assert bench.vllm_precision() == {"quantization": None, "kv_cache_dtype": "auto"}
-    assert (
-        json.loads((random_models.random_model_dir("tiny") / "config.json").read_text()).get(
-            "quantization_config"
-        )
-        is None
-    )  # the bf16 checkpoint the FP8 one was made from
+    bf16_config = json.loads((random_models.random_model_dir("tiny") / "config.json").read_text())
+    assert "quantization_config" not in bf16_config  # the bf16 checkpoint the FP8 one was made from
     fp8 = str(random_models.random_model_dir("tiny-fp8-dynamic"))
     for argv, why in (
         (["--model", fp8], "is a quantized checkpoint, with no unquantized one beside it"),
