@@ -44,11 +44,10 @@ def discover(names: list[str] | None) -> list[AttentionBackend]:
 
 
 def make_step(
-    seq_lens: list[int], query_lens: list[int], heads: tuple[int, int, int], dtype: torch.dtype, bs: int
+    seq_lens: list[int], query_lens: list[int], heads: tuple[int, int, int], spec: AttentionSpec
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Random q, k, v, a filled cache of shuffled blocks, and the metadata for one step."""
-    h, kvh, d = heads
-    dev = "cuda"
+    """Random q, k, v, a filled cache of shuffled blocks in the spec's cache dtype, and a step's metadata."""
+    (h, kvh, d), dev, dtype, bs = heads, "cuda", spec.dtype, spec.block_size
     nblocks = [-(-s // bs) for s in seq_lens]
     ids = torch.randperm(sum(nblocks), device=dev, dtype=torch.int32)
     table = torch.zeros(len(seq_lens), max(nblocks), dtype=torch.int32, device=dev)
@@ -59,7 +58,7 @@ def make_step(
         pos = torch.arange(s - ql, s, device=dev)
         slots.append(table[b, pos // bs].long() * bs + pos % bs)
     t = sum(query_lens)
-    kv_cache = torch.randn(2, sum(nblocks), bs, kvh, d, device=dev, dtype=dtype)
+    kv_cache = torch.randn(2, sum(nblocks), bs, kvh, d, device=dev, dtype=dtype).to(spec.cache_dtype)
     q, k, v = (torch.randn(t, n, d, device=dev, dtype=dtype) for n in (h, kvh, kvh))
     cu = torch.tensor([0] + query_lens, device=dev).cumsum(0).to(torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
@@ -72,15 +71,15 @@ def make_step(
 
 def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argparse.Namespace) -> dict | None:
     dtype, heads = torch.bfloat16, (args.num_heads, args.num_kv_heads, args.head_size)
-    m = be.block_size_multiple
+    m, kvd = be.block_size_multiple, args.kv_cache_dtype
     bs = args.block_size if args.block_size % m == 0 else m * -(-args.block_size // m)
-    reasons = be.check(AttentionContext(current_platform(), dtype, args.head_size, *heads[:2], bs))
-    if reasons:
+    asked = AttentionContext(current_platform(), dtype, args.head_size, *heads[:2], bs, kv_cache_dtype=kvd)
+    if reasons := be.check(asked):
         print(f"{be.name}: skipped ({'; '.join(reasons)})", file=sys.stderr)
         return None
     qlens = [1] * batch if kind == "decode" else [ctx]
-    q, k, v, kv_cache, meta = make_step([ctx] * batch, qlens, heads, dtype, bs)
-    spec = AttentionSpec(*heads, dtype, bs, args.head_size**-0.5, num_layers=1)
+    spec = AttentionSpec(*heads, dtype, bs, args.head_size**-0.5, num_layers=1, kv_cache_dtype=kvd)
+    q, k, v, kv_cache, meta = make_step([ctx] * batch, qlens, heads, spec)
     builder, impl = be.make_builder(spec, 0), be.make_impl(spec, spec.layer(0))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -95,11 +94,11 @@ def run_case(be: AttentionBackend, kind: str, batch: int, ctx: int, args: argpar
     # one prefill request is a uniform batch
     graphable = be.cudagraph_support >= (S.UNIFORM_DECODE if kind == "decode" else S.UNIFORM_BATCH)
     g_ms = cuda_time_ms(captured(fwd).replay, args.iters, WARMUP) if graphable else None
-    row = dict(backend=be.name, kind=kind, batch=batch, context=ctx, block_size=bs)
+    row = dict(backend=be.name, kind=kind, batch=batch, context=ctx, block_size=bs, kv_cache_dtype=kvd)
     row.update(eager_ms=ms, graph_ms=g_ms, meta_ms=meta_ms)
     ms, esz = g_ms or ms, dtype.itemsize
     if kind == "decode":
-        nbytes = batch * ctx * 2 * args.num_kv_heads * args.head_size * esz + q.numel() * esz
+        nbytes = batch * ctx * 2 * args.num_kv_heads * args.head_size * kv_cache.itemsize + q.numel() * esz
         row.update(gbps=nbytes / ms / 1e6, pct_peak=100 * nbytes / (ms * 1e-3) / PEAK_BW)
     else:
         flops = 2 * ctx * ctx * args.num_heads * args.head_size  # 4 N^2 H D, halved by the causal mask
@@ -116,6 +115,7 @@ def main() -> None:
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16, help="raised to each backend's block-size multiple")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="fp8: e4m3, unit scales")
     p.add_argument("--kinds", choices=("all", "decode", "prefill"), default="all")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256], help="decode batch sizes")
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096], help="decode context lengths")

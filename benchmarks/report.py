@@ -271,13 +271,14 @@ def _flat(row: dict[str, Any]) -> dict[str, Any]:
 
 # ---- sections of their own ----
 def attention_section() -> list[str]:
-    """Case by backend at the section's shape (32 query / 8 KV heads, block 16): each cell from the newest
-    file (the H200's first) that has that backend and case."""
+    """Case by backend at the section's shape (32 query / 8 KV heads, block 16, a bf16 cache): each cell from
+    the newest file (the H200's first) that has that backend and case."""
     newest: dict[tuple, tuple[Path, Doc, dict]] = {}  # (backend, kind, batch, context) -> its newest row
     elsewhere = [caption(p, d) for p, d in files("attention") if "H200" not in d.get("device", "")]
     for path, doc in files("attention"):
         cfg = doc.get("config", {})
-        if (cfg.get("num_heads", 32), cfg.get("num_kv_heads", 8), cfg.get("block_size", 16)) != (32, 8, 16):
+        shape = ("num_heads", 32), ("num_kv_heads", 8), ("block_size", 16), ("kv_cache_dtype", "auto")
+        if any(cfg.get(k, v) != v for k, v in shape):
             continue
         for r in doc["results"]:
             newest.setdefault((r["backend"], r["kind"], r["batch"], r["context"]), (path, doc, r))

@@ -146,7 +146,7 @@ def test_structured_records_reach_their_table(tmp_path, monkeypatch):
 
 def test_attention_cells_are_each_backend_s_own_newest(tmp_path, monkeypatch):
     """A file of two backends gives each its own row; a newer file of one backend and case replaces only that
-    cell; a file at other heads stays out of the 32 / 8 table."""
+    cell; a file at other heads, or of an FP8 cache, stays out of the 32 / 8 bf16-cache table."""
 
     def row(backend: str, ms: float, batch: int = 256) -> dict:
         return dict(backend=backend, kind="decode", batch=batch, context=1024, block_size=16, eager_ms=ms,
@@ -163,6 +163,8 @@ def test_attention_cells_are_each_backend_s_own_newest(tmp_path, monkeypatch):
         "2026-12-02-h200-triton.json": dict(commit="bbbbbbb", results=[row("triton", 0.2)]),
         "2026-12-03-h200-other-heads.json": dict(commit="ccccccc", config=dict(num_heads=16, num_kv_heads=8),
                                                   results=[row("triton", 0.1), row("flashinfer", 0.1)]),
+        "2026-12-04-h200-fp8-kv.json": dict(commit="ddddddd", config=dict(kv_cache_dtype="fp8"),
+                                            results=[row("triton", 0.1), row("flashinfer", 0.1)]),
     }  # fmt: skip
     for name, doc in docs.items():
         (folder / name).write_text(json.dumps(head | doc))
@@ -171,7 +173,7 @@ def test_attention_cells_are_each_backend_s_own_newest(tmp_path, monkeypatch):
     text = "\n".join(report.attention_section())
     assert "| decode b256 x 1024 | 0.5 ms, 50% of peak | 0.2 ms, 20% of peak |" in text
     assert "| decode b1 x 1024 | - | 0.04 ms, 4% of peak |" in text
-    assert "other-heads" not in text
+    assert "other-heads" not in text and "fp8-kv" not in text
 
 
 def test_benchmarks_readme_indexes_every_script_and_suite():
