@@ -692,6 +692,18 @@ def test_structured_outputs_validate_and_the_unconstrained_run_matches_their_len
     assert [len(o.token_ids) for o in plain] == [len(o.token_ids) for o in outs]
 
 
+def _beside(peer: str, workload: str, model: str, opts: list[str], out: Path) -> dict[tuple[str, str], dict]:
+    """`turnout bench WORKLOAD` beside one of turnout's own variants: the records by (engine, run), each
+    checked, turnout's and the peer's first run and repeat."""
+    argv = ["bench", workload, "--model", model, "--max-model-len", "256", *opts]
+    assert main([*argv, "--peers", peer, "--out", str(out)]) == 0
+    recs = {(r["engine"], r["run"]): r for r in json.loads(out.read_text())}
+    assert sorted(recs) == [(e, r) for e in ("turnout", peer) for r in ("first", "repeat")]
+    for r in recs.values():
+        records.check(r)
+    return recs
+
+
 @pytest.mark.slow
 def test_turnout_static_runs_the_static_default_beside_the_measured_selection(tmp_path, monkeypatch):
     """--peers turnout-static: the same workload on turnout with tuned = off, in a process of its own;
@@ -714,15 +726,9 @@ def test_turnout_static_runs_the_static_default_beside_the_measured_selection(tm
         save(TuningRecord(key, w, "tok/s", True, default, cands, 0.03, 1.0, [], "2026-12-01"))
     sizes = ["--num-prompts", "4", "--max-input-len", "32", "--max-output-len", "4"]
     for workload, opts in (("throughput", sizes), ("latency", ["--tpot-tokens", "4", "--ttft-lens", "64"])):
-        out = tmp_path / f"{workload}.json"
-        argv = ["bench", workload, "--model", model, "--max-model-len", "256", *opts]
-        argv += ["--peers", "turnout-static", "--out", str(out)]
-        assert main(argv) == 0
-        recs = {(r["engine"], r["run"]): r for r in json.loads(out.read_text())}
-        assert sorted(recs) == [(e, r) for e in ("turnout", "turnout-static") for r in ("first", "repeat")]
+        recs = _beside("turnout-static", workload, model, opts, tmp_path / f"{workload}.json")
         for run in ("first", "repeat"):
             ours, static = recs["turnout", run], recs["turnout-static", run]
-            records.check(ours), records.check(static)
             assert ours["config"]["block_size"] == 32 and static["config"]["block_size"] == 16
             assert static["config"]["engine"]["tuned"] == "off"
             if workload == "throughput":
@@ -739,16 +745,11 @@ def test_turnout_bf16_runs_the_unquantized_weights_beside_an_fp8_run(tmp_path, m
     cache, in a process of its own; turnout's FP8 records carry their ratio to it."""
     monkeypatch.setenv("TURNOUT_CACHE_DIR", str(tmp_path / "cache"))
     model = str(make_tiny_model(tmp_path / "m", "llama", vocab_size=10240))  # nano-vllm's prompt ids fit
-    out = tmp_path / "r.json"
-    argv = ["bench", "throughput", "--model", model, "--max-model-len", "256", "--num-prompts", "4",
-            "--max-input-len", "32", "--max-output-len", "4", "--quantization", "fp8",
-            "--kv-cache-dtype", "fp8", "--peers", "turnout-bf16", "--out", str(out)]  # fmt: skip
-    assert main(argv) == 0
-    recs = {(r["engine"], r["run"]): r for r in json.loads(out.read_text())}
-    assert sorted(recs) == [(e, r) for e in ("turnout", "turnout-bf16") for r in ("first", "repeat")]
+    opts = ["--num-prompts", "4", "--max-input-len", "32", "--max-output-len", "4", "--quantization", "fp8",
+            "--kv-cache-dtype", "fp8"]  # fmt: skip
+    recs = _beside("turnout-bf16", "throughput", model, opts, tmp_path / "r.json")
     for run in ("first", "repeat"):
         ours, bf16 = recs["turnout", run], recs["turnout-bf16", run]
-        records.check(ours), records.check(bf16)
         precision = lambda r: [r["config"]["engine"][k] for k in ("model", "quantization", "kv_cache_dtype")]  # noqa: E731
         assert precision(ours) == [model, "fp8", "fp8"] and precision(bf16) == [model, None, "auto"]
         assert ours["output_tokens"] == bf16["output_tokens"] == 16

@@ -129,8 +129,8 @@ class Bench:
         self.selection: dict[str, Any] = {}
         self.startup_s = 0.0
         self.failed: list[str] = []  # peers that did not run
-        if peers.BF16 in self.peers:  # its checkpoint, or why there is none, before anything runs
-            self.variant_config(peers.BF16)
+        # the VARIANTS peers' configs (turnout-bf16's checkpoint, or why there is none) before anything runs
+        self.variant_configs = {e: self.variant_config(e) for e in self.peers if e in peers.VARIANTS}
 
     # ---- records ----
     def record(self, engine: str, run: str, config: dict | None = None, **metrics: Any) -> dict[str, Any]:
@@ -168,7 +168,7 @@ class Bench:
                 cfg["max_model_len"] = self.cfg.max_model_len
             return cfg
         if engine in peers.VARIANTS:
-            return {**res["selection"], "engine": self.variant_config(engine)}
+            return {**res["selection"], "engine": self.variant_configs[engine]}
         return {"dtype": self.dtype}
 
     def vllm_precision(self) -> dict[str, Any]:
@@ -368,7 +368,7 @@ class Bench:
     def run_peer(self, engine: str, plan: dict[str, Any], used: int | None = None) -> dict[str, Any]:
         """One peer's result; used: the GPU's memory in use before it started."""
         if engine in peers.VARIANTS:  # the whole workload (HF peers run plan["runs"], a subset)
-            static: dict[str, Any] = {"config": self.variant_config(engine)}
+            static: dict[str, Any] = {"config": self.variant_configs[engine]}
             if "all" in plan:
                 static["runs"] = dict.fromkeys(RUNS, plan["all"])
             if "latency" in plan:
